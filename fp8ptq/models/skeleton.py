@@ -1,0 +1,56 @@
+"""Build a model's module tree without weights (meta device) and fill one submodule at a time."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fp8ptq.models.loader import ModelSource
+
+
+def plain_config(config):
+    """A copy of config without quantization_config, so transformers builds plain nn.Linear modules."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The full causal-LM module tree on the meta device (no memory), with its real rotary embedding."""
+    from transformers import AutoModelForCausalLM
+
+    config = plain_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config)  # real inv_freq buffer on the CPU
+    return model
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    return model.model.layers
+
+
+def source_name(src: ModelSource, name: str) -> str:
+    """Tied LM heads are stored only as the embedding."""
+    if not src.has(name) and name == "lm_head.weight" and getattr(src.config, "tie_word_embeddings", False):
+        return "model.embed_tokens.weight"
+    return name
+
+
+def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: torch.dtype, device="cpu") -> None:
+    """Load module's parameters (names under `prefix`) from the source shards, in place."""
+    state = {}
+    for name, _ in module.named_parameters():
+        full = source_name(src, prefix + name)
+        if not src.has(full):
+            raise KeyError(f"tensor '{full}' missing from {src.path}")
+        state[name] = src.tensor(full).to(device=device, dtype=dtype)
+    module.load_state_dict(state, strict=False, assign=True)
+
+
+def release(module: torch.nn.Module) -> None:
+    """Drop a module's tensors (back to meta)."""
+    module.to("meta")

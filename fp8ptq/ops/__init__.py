@@ -1,0 +1,1 @@
+"""Pure tensor math: no modules, no configs. Convention everywhere: x ~= q * scale."""

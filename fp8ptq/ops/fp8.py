@@ -1,0 +1,49 @@
+"""FP8 E4M3 quantization as pure functions: choose a scale, quantize, dequantize.
+
+Scale convention: x ~= q * scale, with scale = amax / 448 for min-max scaling. Values are clamped to
++-448 before the cast (older torch turned overflow into NaN instead of saturating).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8ptq.ops.granularity import Granularity, expand_scale, reduce_amax
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# Smallest scale we emit: keeps all-zero tensors finite (0 / tiny = 0) without creating inf.
+MIN_SCALE = torch.finfo(torch.float32).tiny * 2**23
+
+
+def scale_from_amax(amax: torch.Tensor, qmax: float = FP8_MAX) -> torch.Tensor:
+    """Scale (fp32) mapping |x| <= amax onto the representable range [-qmax, qmax]."""
+    return (amax.float() / qmax).clamp_min(MIN_SCALE)
+
+
+def choose_fp8_scale(x: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """Min-max FP8 scale of x at granularity g (see `reduce_amax` for the shape)."""
+    return scale_from_amax(reduce_amax(x, g))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """FP8 codes of x: clamp(x / scale) cast to float8_e4m3fn (round to nearest even). Same shape as x."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    q = (rows / expand_scale(scale.float(), rows, g)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(x.shape)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, g: Granularity, dtype=torch.float32) -> torch.Tensor:
+    """q * scale in `dtype` (fp32 math first)."""
+    rows = q.reshape(-1, q.shape[-1]).float()
+    return (rows * expand_scale(scale.float(), rows, g)).to(dtype).reshape(q.shape)
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype: what the engine's FP8 GEMM sees."""
+    return dequantize(quantize_fp8(x, scale, g), scale, g, x.dtype)
+
+
+def fake_quant_fp8_dynamic(x: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """Dynamic quantization: the scale is taken from x itself (per token or per tensor)."""
+    return fake_quant_fp8(x, choose_fp8_scale(x, g), g)

@@ -1,0 +1,59 @@
+"""Granularity of a scale: a small frozen value the math converts into shapes once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """How many elements share one scale.
+
+    kind: "tensor" (one scale), "channel" (one per output row of a weight [out, in]),
+    "token" (one per row of an activation [..., in]) or "group" (one per `group_size` consecutive
+    elements along the last dim).
+    """
+
+    kind: str
+    group_size: int | None = None
+
+    def __post_init__(self):
+        assert self.kind in ("tensor", "channel", "token", "group"), self.kind
+        assert (self.kind == "group") == (self.group_size is not None), self
+
+
+TENSOR = Granularity("tensor")
+CHANNEL = Granularity("channel")
+TOKEN = Granularity("token")
+
+
+def group(n: int) -> Granularity:
+    return Granularity("group", n)
+
+
+def reduce_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """abs-max of x reduced to the scale shape of `g`, kept broadcastable against x.
+
+    tensor -> [1]; channel/token -> [rows, 1] (x viewed as [-1, last]); group -> [rows, last/n].
+    NaN is propagated so a broken input is not silently hidden by max().
+    """
+    a = x.detach().abs().float()
+    if g.kind == "tensor":
+        return a.amax().reshape(1) if a.numel() else torch.zeros(1)
+    rows = a.reshape(-1, a.shape[-1])
+    if g.kind in ("channel", "token"):
+        return rows.amax(dim=-1, keepdim=True)
+    n = g.group_size
+    assert rows.shape[-1] % n == 0, (rows.shape, n)
+    return rows.reshape(rows.shape[0], -1, n).amax(dim=-1)
+
+
+def expand_scale(scale: torch.Tensor, x: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """Broadcast a scale of granularity g to x's 2-D view [-1, last]."""
+    if g.kind == "tensor":
+        return scale.reshape(1, 1)
+    if g.kind in ("channel", "token"):
+        return scale.reshape(-1, 1)
+    return scale.repeat_interleave(g.group_size, dim=-1)

@@ -1,0 +1,71 @@
+"""Which modules a rule applies to, and how fused shards are grouped. One function decides matching
+for calibration, analysis, export and evaluation: compressed-tensors' own `is_match` (exact name,
+`re:` full match, class name; ignore wins), so our notion of a target is vLLM's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from compressed_tensors.utils.match import is_match
+
+from fp8ptq.errors import RecipeError
+from fp8ptq.ops.granularity import CHANNEL, TENSOR, TOKEN, Granularity
+
+# vLLM's packed_modules_mapping for Llama-family models: these shards run as one fused GEMM, read the
+# same input, so they must share the input scale (and, per-tensor, the weight scale).
+FUSED_SHARDS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def granularity(args) -> Granularity:
+    """compressed-tensors / recipe QuantArgs -> Granularity."""
+    strategy = getattr(args.strategy, "value", args.strategy)
+    return {"tensor": TENSOR, "channel": CHANNEL, "token": TOKEN}[strategy]
+
+
+def matches(name: str, module: torch.nn.Module, targets, ignore) -> bool:
+    return is_match(name, module, list(targets), list(ignore))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Targeted Linears of one decoder layer, grouped by shared input. Names are relative to the layer."""
+
+    prefix: str  # e.g. "model.layers.3."
+    groups: tuple[tuple[str, ...], ...]
+    skipped: tuple[tuple[str, str], ...]  # (relative name, why)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(n for g in self.groups for n in g)
+
+
+def plan_layer(layer: torch.nn.Module, prefix: str, targets, ignore) -> LayerPlan:
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    chosen = [n for n, m in linears.items() if matches(prefix + n, m, targets, ignore)]
+    skipped = tuple((n, "matched by ignore" if not matches(prefix + n, m, targets, ()) else "not targeted")
+                    for n, m in linears.items() if n not in chosen)
+    groups: list[tuple[str, ...]] = []
+    taken: set[str] = set()
+    for shards in FUSED_SHARDS.values():
+        by_parent: dict[str, list[str]] = {}
+        for n in chosen:
+            parent, _, leaf = n.rpartition(".")
+            if leaf in shards:
+                by_parent.setdefault(parent, []).append(n)
+        for names in by_parent.values():
+            leaves = {n.rpartition(".")[2] for n in names}
+            if leaves != set(shards):
+                raise RecipeError(
+                    f"{prefix}: only {sorted(leaves)} of the fused shards {list(shards)} are targeted; "
+                    "vLLM runs them as one GEMM",
+                    fix="target or ignore all shards of a fused module together",
+                )
+            groups.append(tuple(sorted(names, key=lambda n: shards.index(n.rpartition('.')[2]))))
+            taken.update(names)
+    groups.extend((n,) for n in chosen if n not in taken)
+    return LayerPlan(prefix=prefix, groups=tuple(groups), skipped=skipped)
