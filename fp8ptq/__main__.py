@@ -1,0 +1,3 @@
+from fp8ptq.cli import app
+
+app()

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+
+from fp8ptq.data import builtin_texts, load_samples, load_texts, pack_tokens
+from fp8ptq.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def tok(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol_dir))
+
+
+def test_builtin_split_is_disjoint_and_stable():
+    cal, ev = builtin_texts("calibration"), builtin_texts("evaluation")
+    assert cal and ev and not set(cal) & set(ev)
+    assert 0.1 < len(ev) / (len(cal) + len(ev)) < 0.3
+    assert builtin_texts("evaluation") == ev
+
+
+def test_samples_are_deterministic_and_shaped(tok):
+    a = load_samples("builtin", tok, 4, 64, seed=3)
+    b = load_samples("builtin", tok, 4, 64, seed=3)
+    c = load_samples("builtin", tok, 4, 64, seed=4)
+    assert a.shape == (4, 64) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_file_formats(tmp_path, tok):
+    import datasets
+
+    texts = [f"document number {i} says something about quantization. " * 20 for i in range(20)]
+    (tmp_path / "a.txt").write_text("\n\n".join(texts))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in texts))
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "a.parquet"))
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "ds"))
+    assert load_texts(str(tmp_path / "a.txt")) == texts
+    assert load_texts(str(tmp_path / "a.jsonl"), text_field="body") == texts
+    assert load_texts(str(tmp_path / "a.parquet")) == texts
+    assert load_texts(str(tmp_path / "ds")) == texts
+    ids = load_samples(str(tmp_path / "a.jsonl"), tok, 2, 32, text_field="body")
+    assert ids.shape == (2, 32)
+
+
+def test_chat_template_wrapping(tok):
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    plain = pack_tokens(["hello world"] * 40, tok, 4, 16)
+    chat = pack_tokens(["hello world"] * 40, tok, 4, 16, chat_template=True)
+    assert (chat == start).any() and not (plain == start).any()
+
+
+def test_empty_and_short_data_are_clear_errors(tmp_path, tok):
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_samples(str(tmp_path / "empty.txt"), tok, 1, 16)
+    (tmp_path / "short.txt").write_text("just a few words")
+    with pytest.raises(DataError, match="requested"):
+        load_samples(str(tmp_path / "short.txt"), tok, 4, 512)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"other": 1}\n')
+    with pytest.raises(DataError, match="line 2"):
+        load_texts(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DataError, match="not found"):
+        load_texts(str(tmp_path / "nope.txt"))

@@ -1,0 +1,155 @@
+"""Tier 2: the whole quantize -> export -> load path on tiny random Llama models."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import ct017_site, read_config
+from fp8ptq.jobs import QuantizeConfig, quantize
+
+
+def _tensors(path: Path) -> dict:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _run(src, out, recipe, **kw):
+    cfg = dict(model=str(src), recipe=recipe, output=out, num_samples=4, seq_len=64, eval_samples=2, eval_seq_len=64)
+    cfg.update(kw)
+    return quantize(QuantizeConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def kv8(tmp_path_factory, tiny_sharded_dir):
+    out = tmp_path_factory.mktemp("q") / "kv8"
+    return out, _run(tiny_sharded_dir, out, "fp8-kv8")
+
+
+@pytest.fixture(scope="module")
+def dynamic(tmp_path_factory, tiny_sharded_dir):
+    out = tmp_path_factory.mktemp("q") / "dyn"
+    return out, _run(tiny_sharded_dir, out, "fp8-dynamic")
+
+
+def test_fp8_kv8_tensors(kv8, tiny_sharded_dir):
+    out, manifest = kv8
+    t = _tensors(out)
+    n_layers = read_config(tiny_sharded_dir)["num_hidden_layers"]
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            assert t[f"{p}{m}.weight"].dtype == torch.float8_e4m3fn
+            assert t[f"{p}{m}.weight_scale"].shape == (1,)
+            assert t[f"{p}{m}.input_scale"].shape == (1,)
+        # fused shards share input and weight scales (vLLM fuses them into one GEMM)
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parent = "self_attn" if "q_proj" in group else "mlp"
+            for k in ("input_scale", "weight_scale"):
+                vals = {float(t[f"{p}{parent}.{m}.{k}"]) for m in group}
+                assert len(vals) == 1, (group, k, vals)
+        for k in ("k_scale", "v_scale"):
+            s = t[f"{p}self_attn.{k}"]
+            assert s.shape == () and s > 0
+        assert t[f"{p}input_layernorm.weight"].dtype == torch.bfloat16
+    assert t["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert manifest["summary"]["linears_quantized"] == 7 * n_layers
+    assert manifest["quality"]["kl"] > 0 and 0 < manifest["quality"]["top1"] <= 1
+
+
+def test_fp8_kv8_layout(kv8):
+    out, _ = kv8
+    names = sorted(p.name for p in out.iterdir())
+    for f in ("config.json", "fp8ptq_manifest.json", "recipe.yaml", "tokenizer.json", "model.safetensors"):
+        assert f in names
+    qc = read_config(out)["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
+    assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
+    assert qc["kv_cache_scheme"]["type"] == "float" and qc["kv_cache_scheme"]["strategy"] == "tensor"
+    g = qc["config_groups"]["group_0"]
+    assert g["weights"]["strategy"] == "tensor" and g["input_activations"]["dynamic"] is False
+    assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
+
+
+def test_fp8_dynamic_tensors(dynamic):
+    out, manifest = dynamic
+    t = _tensors(out)
+    w = t["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.float8_e4m3fn
+    assert t["model.layers.0.mlp.down_proj.weight_scale"].shape == (w.shape[0], 1)
+    assert not any(k.endswith(("input_scale", "k_scale", "v_scale")) for k in t)
+    assert manifest["calibration"] is None  # data-free
+    g = read_config(out)["quantization_config"]["config_groups"]["group_0"]
+    assert g["input_activations"] == {**g["input_activations"], "strategy": "token", "dynamic": True}
+
+
+_PARSE = r"""
+import json, sys
+import compressed_tensors
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+d = json.load(sys.stdin)
+QuantizationConfig.model_validate(d)
+for g in d["config_groups"].values():                 # what vLLM's CompressedTensorsConfig does
+    for k in ("weights", "input_activations"):
+        if g.get(k) is not None:
+            QuantizationArgs.model_validate(g[k])
+if d.get("kv_cache_scheme"):
+    QuantizationArgs.model_validate(d["kv_cache_scheme"])
+print(compressed_tensors.__version__)
+"""
+
+
+@pytest.mark.parametrize("which", ["kv8", "dynamic"])
+@pytest.mark.parametrize("ct", ["0.17.0", "installed"])
+def test_config_parses_under_ct_versions(which, ct, request):
+    out, _ = request.getfixturevalue(which)
+    qc = json.dumps(read_config(out)["quantization_config"])
+    env = None
+    if ct == "0.17.0":
+        site = ct017_site()
+        assert (site / "compressed_tensors").is_dir(), "run `make test` (it installs compressed-tensors 0.17.0 there)"
+        env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", _PARSE], input=qc, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if ct == "0.17.0":
+        assert r.stdout.strip() == "0.17.0"
+
+
+def test_runs_are_bit_identical(tmp_path, tiny_dir):
+    a = _run(tiny_dir, tmp_path / "a", "fp8-kv8", eval_samples=0)
+    b = _run(tiny_dir, tmp_path / "b", "fp8-kv8", eval_samples=0)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert a["summary"] == b["summary"]
+
+
+def test_output_exists_needs_overwrite(tmp_path, tiny_dir):
+    from fp8ptq.errors import OutputError
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputError, match="already exists"):
+        _run(tiny_dir, out, "fp8-dynamic", eval_samples=0)
+    assert (out / "keep.txt").read_text() == "mine"
+    _run(tiny_dir, out, "fp8-dynamic", eval_samples=0, overwrite=True)
+    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
+
+
+def test_failure_leaves_nothing(tmp_path, tiny_dir, monkeypatch):
+    import fp8ptq.jobs as jobs
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated crash in the middle of writing")
+
+    monkeypatch.setattr(jobs, "_write_metadata", boom)
+    with pytest.raises(RuntimeError):
+        _run(tiny_dir, tmp_path / "x", "fp8-dynamic", eval_samples=0)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,44 @@
+import pytest
+import yaml
+
+from fp8ptq.errors import RecipeError
+from fp8ptq.recipe import builtin_names, load_recipe, parse_recipe, recipe_yaml
+
+
+@pytest.mark.parametrize("name", builtin_names())
+def test_builtin_recipes_round_trip(name):
+    r = load_recipe(name)
+    assert r.name == name
+    assert parse_recipe(yaml.safe_load(recipe_yaml(r)), "round-trip") == r
+
+
+def test_builtins_present():
+    assert {"fp8-kv8", "fp8-dynamic"} <= set(builtin_names())
+    assert load_recipe("fp8-kv8").needs_data and not load_recipe("fp8-dynamic").needs_data
+
+
+def test_unknown_key_is_named_with_valid_keys():
+    data = yaml.safe_load(recipe_yaml(load_recipe("fp8-kv8")))
+    data["calibration"]["num_sampels"] = 3
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(data, "x.yaml")
+    assert "num_sampels" in str(e.value) and "num_samples" in str(e.value)
+
+
+def test_unknown_name_lists_builtins():
+    with pytest.raises(RecipeError) as e:
+        load_recipe("fp9-magic")
+    assert "fp9-magic" in str(e.value) and "fp8-kv8" in str(e.value)
+
+
+def test_invalid_combination_rejected():
+    data = yaml.safe_load(recipe_yaml(load_recipe("fp8-kv8")))
+    data["scheme"]["input_activations"]["dynamic"] = True  # dynamic per-tensor: not a scheme we export
+    with pytest.raises(RecipeError, match="input_activations"):
+        parse_recipe(data, "x.yaml")
+
+
+def test_recipe_is_frozen():
+    r = load_recipe("fp8-kv8")
+    with pytest.raises(Exception):
+        r.name = "other"
