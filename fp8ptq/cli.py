@@ -106,7 +106,7 @@ def quantize(
     with _user_errors(), _progress(not json_out) as progress:
         manifest = run(cfg, progress)
     if json_out:
-        out.print_json(json.dumps(manifest))
+        typer.echo(json.dumps(manifest, indent=2))
         return
     s = manifest["summary"]
     table = Table(title=f"fp8ptq quantize → {output}", show_header=False)
@@ -165,7 +165,7 @@ def eval_quality(
     with _user_errors(), _progress(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
     if json_out:
-        out.print_json(json.dumps(result))
+        typer.echo(json.dumps(result, indent=2))
         return
     table = Table(title=f"quality of {model} vs {reference}", show_header=False)
     _quality_rows(table, result)
@@ -191,7 +191,7 @@ def recipes_show(name: str):
     from fp8ptq.recipe import load_recipe, recipe_yaml
 
     with _user_errors():
-        out.print(recipe_yaml(load_recipe(name)), end="", highlight=False)
+        typer.echo(recipe_yaml(load_recipe(name)), nl=False)  # raw: rich would wrap long lines
 
 
 def main() -> None:  # pragma: no cover

@@ -88,7 +88,7 @@ class _CheckpointWriter:
                 self.shards.add(f"{module}.{k}", t)
             self.written.add(f"{module}.weight")
         for name, scale in res.kv_scales.items():
-            self.shards.add(name, scale.float().reshape(()))  # vLLM's k_scale/v_scale are scalars
+            self.shards.add(name, scale.float().reshape(1))  # shape [1], as compressed-tensors creates them
         for name in self.src.weight_map:
             if name.startswith(res.prefix) and name not in self.written:
                 self._copy(name)

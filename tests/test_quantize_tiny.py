@@ -58,7 +58,7 @@ def test_fp8_kv8_tensors(kv8, tiny_sharded_dir):
                 assert len(vals) == 1, (group, k, vals)
         for k in ("k_scale", "v_scale"):
             s = t[f"{p}self_attn.{k}"]
-            assert s.shape == () and s > 0
+            assert s.shape == (1,) and s > 0
         assert t[f"{p}input_layernorm.weight"].dtype == torch.bfloat16
     assert t["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert manifest["summary"]["linears_quantized"] == 7 * n_layers
