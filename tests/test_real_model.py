@@ -1,0 +1,76 @@
+"""Tier 3: the real SmolLM2-135M-Instruct (embedded GGUF, converted once), real tokenizer, real
+compressed-tensors files, real transformers reload."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from independent import kl_top1_ppl, load_fake_quant, load_plain
+from fp8ptq.cli import app
+from fp8ptq.data import load_samples
+from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.jobs import QuantizeConfig, quantize
+from fp8ptq.models.loader import alias_gguf, open_hf_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol_kv8(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real") / "smol-fp8-kv8"
+    manifest = quantize(QuantizeConfig(model="smollm2-135m", recipe="fp8-kv8", output=out, num_samples=8,
+                                       seq_len=256, eval_samples=2, eval_seq_len=256))
+    return out, manifest
+
+
+def test_real_fp8_kv8_export_reloads_and_generates(smol_kv8, smol_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, manifest = smol_kv8
+    assert manifest["summary"]["linears_quantized"] == 30 * 7
+    assert manifest["size_bytes"]["output"] < 0.65 * manifest["size_bytes"]["source"]
+    q = manifest["quality"]
+    assert q["kl"] < 0.2 and q["top1"] > 0.8, q  # FP8 on this model: KL ~0.03, top-1 ~0.9 (BENCHMARKS.md)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    gen = model.generate(**ids, max_new_tokens=16, do_sample=False)
+    text = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+def test_real_simulation_matches_independent_fake_quant(smol_kv8, smol_dir):
+    out, _ = smol_kv8
+    ids = load_samples("builtin", open_hf_dir(smol_dir).tokenizer(), 1, 128, split="evaluation")
+    ours = compare(load_simulated(open_hf_dir(smol_dir)).model, load_simulated(open_hf_dir(out)).model, ids)
+    indep = kl_top1_ppl(load_plain(smol_dir), load_fake_quant(out), ids)
+    nosim = compare(load_simulated(open_hf_dir(smol_dir)).model,
+                    load_simulated(open_hf_dir(out), simulate=False).model, ids)
+    assert ours["kl"] == pytest.approx(indep["kl"], rel=5e-3)
+    assert ours["kl"] > 1.2 * nosim["kl"]
+
+
+def test_real_config_carries_versions_and_recipe(smol_kv8):
+    out, _ = smol_kv8
+    manifest = json.loads((out / "fp8ptq_manifest.json").read_text())
+    assert manifest["versions"]["compressed-tensors"]
+    assert manifest["recipe"]["name"] == "fp8-kv8"
+    assert manifest["calibration"]["tokens"] == 8 * 256
+
+
+def test_convert_and_eval_cli(tmp_path, smol_kv8):
+    runner = CliRunner()
+    hf = tmp_path / "hf"
+    r = runner.invoke(app, ["convert", str(alias_gguf("smollm2-135m")), "-o", str(hf)])
+    assert r.exit_code == 0, r.output
+    assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+    assert "quantization_config" not in json.loads((hf / "config.json").read_text())
+    out, _ = smol_kv8
+    r = runner.invoke(app, ["eval", "quality", str(out), "--reference", str(hf), "--num-samples", "1",
+                            "--seq-len", "128", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["numerics"]["kv_layers"] == 30 and 0 < res["kl"] < 0.2
