@@ -1,0 +1,114 @@
+"""fp8ptq vs llm-compressor on the same model, calibration tokens and evaluator.
+
+    .venv/bin/python benchmarks/compare_llmc.py --schemes fp8-kv8 fp8-dynamic \
+        [--num-samples 64 --seq-len 512 --eval-samples 32] [--work /tmp/fp8ptq-bench]
+
+Needs the llm-compressor venv (bash benchmarks/setup_llmc_venv.sh). Each tool runs in its own
+subprocess, one after the other; wall time is the tool's own calibration+quantization time, peak RSS
+is the subprocess's max resident set (ru_maxrss of the child). Quality: fp8ptq's evaluator (engine
+numerics: FP8 weights, static/dynamic FP8 inputs, FP8 KV) on the held-out built-in split vs the
+unquantized model, identical for both checkpoints. Prints a markdown table for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HERE = Path(__file__).resolve().parent
+LLMC_PY = HERE / ".venv-llmc" / "bin" / "python"
+
+
+def child_run(cmd: list[str], env=None) -> tuple[float, float, str]:
+    """Run cmd; return (wall s, child peak RSS MiB, stdout). Runs each child via a tiny wrapper so
+    ru_maxrss is that child's alone."""
+    wrapper = ("import resource,subprocess,sys,json,time;t=time.perf_counter();"
+               "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
+               "sys.stderr.write(p.stderr[-3000:]);print(p.stdout);"
+               "print(json.dumps({'rc':p.returncode,'wall':time.perf_counter()-t,"
+               "'rss':resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024}))")
+    p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, env=env)
+    lines = p.stdout.strip().splitlines()
+    meta = json.loads(lines[-1])
+    if meta["rc"] != 0:
+        raise SystemExit(f"{cmd[:3]} failed:\n{p.stderr}\n{p.stdout}")
+    return meta["wall"], meta["rss"], "\n".join(lines[:-1])
+
+
+def forward_floor(model_dir: Path, ids: torch.Tensor, dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    with torch.inference_mode():
+        t = time.perf_counter()
+        for i in range(0, ids.shape[0], 8):
+            m.model(ids[i : i + 8])
+        return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemes", nargs="+", default=["fp8-kv8", "fp8-dynamic"])
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-samples", type=int, default=32)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-bench"))
+    ap.add_argument("--skip-floor", action="store_true")
+    ap.add_argument("--skip-llmc", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from fp8ptq.data import load_samples
+    from fp8ptq.eval.quality import compare, load_simulated
+    from fp8ptq.models.loader import open_hf_dir, resolve_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    src = resolve_model("smollm2-135m")
+    tok = src.tokenizer()
+    calib = load_samples("builtin", tok, args.num_samples, args.seq_len, "calibration", seed=0)
+    calib_file = args.work / "calib.safetensors"
+    save_file({"input_ids": calib.contiguous()}, str(calib_file))
+    eval_ids = load_samples("builtin", tok, args.eval_samples, args.seq_len, "evaluation", seed=0)
+    rows = []
+    if not args.skip_floor:
+        for dt in (torch.float32, torch.bfloat16):
+            rows.append(("plain forward (floor)", str(dt).split(".")[1], forward_floor(src.path, calib, dt), None, None))
+    ref = load_simulated(src).model
+    results = {}
+    for scheme in args.schemes:
+        out = args.work / f"fp8ptq-{scheme}"
+        wall, rss, stdout = child_run([sys.executable, "-m", "fp8ptq", "quantize", str(src.path), "--recipe", scheme,
+                                       "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
+                                       "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
+        manifest = json.loads(stdout)
+        q = compare(ref, load_simulated(open_hf_dir(out)).model, eval_ids)
+        results[("fp8ptq", scheme)] = dict(quantize_s=manifest["timings"]["quantize_s"], total_s=wall, rss=rss, **q)
+        if not args.skip_llmc:
+            lout = args.work / f"llmc-{scheme}"
+            wall, rss, stdout = child_run([str(LLMC_PY), str(HERE / "llmc_quantize.py"), "--model", str(src.path),
+                                           "--calib", str(calib_file), "--scheme", scheme, "--out", str(lout)])
+            info = json.loads(stdout.strip().splitlines()[-1])
+            q = compare(ref, load_simulated(open_hf_dir(lout)).model, eval_ids)
+            results[("llm-compressor", scheme)] = dict(quantize_s=info["quantize_wall_s"], total_s=wall, rss=rss, **q)
+    print(f"\ncalibration: {args.num_samples}x{args.seq_len} tokens (built-in split, seed 0); "
+          f"eval: {args.eval_samples}x{args.seq_len} held-out tokens; threads={torch.get_num_threads()}\n")
+    for name, dt, secs, _, _ in rows:
+        print(f"- {name} {dt}: {secs:.1f} s")
+    print("\n| tool | scheme | calib+quant s | process s | peak RSS MiB | KL | top-1 | PPL (ref) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (tool, scheme), r in results.items():
+        print(f"| {tool} | {scheme} | {r['quantize_s']:.1f} | {r['total_s']:.1f} | {r['rss']:.0f} | {r['kl']:.5f} | "
+              f"{r['top1'] * 100:.2f}% | {r['ppl']:.3f} ({r['ppl_reference']:.3f}) |")
+    (args.work / "results.json").write_text(json.dumps({f"{t}/{s}": r for (t, s), r in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
