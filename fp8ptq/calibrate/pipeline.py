@@ -85,6 +85,8 @@ class _LayerCalibrator:
         self.layer, self.plan, self.recipe, self.result = layer, plan, recipe, result
         self.modules = dict(layer.named_modules())
         self.quant_of: dict[tuple, Callable] = {}
+        self.choice: dict[tuple, object] = {}  # group -> ScaleChoice of its static input scale
+        self.done: dict[tuple, bool] = {}
         self._last: tuple | None = None  # (input, quantized input): q/k/v see the same tensor
         self.handles = [
             self.modules[n].register_forward_pre_hook(self._make_hook(group)) for group in plan.groups for n in group
@@ -97,29 +99,33 @@ class _LayerCalibrator:
     def _make_hook(self, group):
         def hook(_module, args):
             x = args[0]
-            if group not in self.quant_of:
-                self._quantize_group(group, x)
             if self._last is None or self._last[0] is not x:
+                self._last = None  # drop the previous pair before allocating the next
+                if group not in self.quant_of:
+                    self.quant_of[group] = self._input_quantizer(group, x)
                 self._last = (x, self.quant_of[group](x))
+            if not self.done.get(group):
+                self._quantize_weights(group, x, self._last[1])
+                self.done[group] = True
             return (self._last[1], *args[1:])
 
         return hook
 
-    def _quantize_group(self, group, x):
+    def _input_quantizer(self, group, x) -> Callable:
         acts = self.recipe.scheme.input_activations
-        choice = None
         if acts is None:
-            quant = lambda t: t  # noqa: E731  weight-only
-        elif acts.dynamic:
-            quant = input_quantizer(True, None)
-        else:
-            choice = OBSERVERS[self.recipe.calibration.observer](x)
-            quant = input_quantizer(False, choice.scale)
-        self.quant_of[group] = quant
+            return lambda t: t  # weight-only
+        if acts.dynamic:
+            return input_quantizer(True, None)
+        choice = OBSERVERS[self.recipe.calibration.observer](x)
+        self.choice[group] = choice
+        return input_quantizer(False, choice.scale)
+
+    def _quantize_weights(self, group, x, xq):
         H = None
         if self.recipe.calibration.weight_method == "gptq":
-            seen = quant(x) if self.recipe.calibration.gptq_quantized_inputs else x
-            H, _ = accumulate_hessian(None, seen, 0)
+            H, _ = accumulate_hessian(None, xq if self.recipe.calibration.gptq_quantized_inputs else x, 0)
+        choice = self.choice.get(group)
         weights = {n: self.modules[n].weight.data for n in group}
         for name, (q, scale, report) in quantize_weights(weights, self.recipe, H).items():
             self.modules[name].weight.data = q

@@ -39,10 +39,12 @@ def reduce_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     tensor -> [1]; channel/token -> [rows, 1] (x viewed as [-1, last]); group -> [rows, last/n].
     NaN is propagated so a broken input is not silently hidden by max().
     """
-    a = x.detach().abs().float()
     if g.kind == "tensor":
-        return a.amax().reshape(1) if a.numel() else torch.zeros(1)
-    rows = a.reshape(-1, a.shape[-1])
+        if not x.numel():
+            return torch.zeros(1)
+        lo, hi = torch.aminmax(x.detach())  # no |x| temporary: calibration inputs can be GBs
+        return torch.maximum(-lo, hi).float().reshape(1)
+    rows = x.detach().abs().float().reshape(-1, x.shape[-1])
     if g.kind in ("channel", "token"):
         return rows.amax(dim=-1, keepdim=True)
     n = g.group_size
