@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,6 +197,3 @@ def resolve_model(spec: str) -> ModelSource:
         raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a model directory or a .gguf file")
     return open_hf_dir(path, label=spec)
 
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
