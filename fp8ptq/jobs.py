@@ -209,4 +209,5 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
     ref = load_simulated(ref_src, simulate=False)
     result = compare(ref.model, cand.model, ids, progress=progress)
     return {"model": cfg.model, "reference": cfg.reference, **result, "numerics": cand.numerics,
-            "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split", **{"config": {k: str(v) for k, v in asdict(cfg).items()}}}
+            "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
+            "config": {k: str(v) for k, v in asdict(cfg).items()}}

@@ -51,9 +51,6 @@ class ModelSource:
             handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return handle.get_tensor(name)
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self.tensor(name).dtype
-
     @property
     def shard_files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
