@@ -13,13 +13,12 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 import fp8ptq
 from fp8ptq import data as data_mod
-from fp8ptq.calibrate.pipeline import LayerResult, QuantizedLinear, calibrate, quantize_weights
+from fp8ptq.calibrate.pipeline import LayerResult, Progress, QuantizedLinear, calibrate, quantize_weights
 from fp8ptq.errors import ModelError
 from fp8ptq.eval.quality import compare, load_simulated
 from fp8ptq.export.atomic import atomic_output_dir, check_output
@@ -29,7 +28,6 @@ from fp8ptq.models.skeleton import build_skeleton, decoder_layers
 from fp8ptq.quantize.plan import plan_layer
 from fp8ptq.recipe import Recipe, load_recipe, recipe_yaml
 
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -118,14 +116,14 @@ def _data_free(src: ModelSource, recipe: Recipe, writer: _CheckpointWriter, prog
             progress("quantize", i + 1, len(layers))
 
 
-def _write_metadata(src: ModelSource, recipe: Recipe, out: Path) -> None:
+def _write_metadata(src: ModelSource, recipe: Recipe, tokenizer, out: Path) -> None:
     config = json.loads((src.path / "config.json").read_text())
     config["quantization_config"] = quantization_config(recipe)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for extra in ("generation_config.json",):
         if (src.path / extra).is_file():
             shutil.copy2(src.path / extra, out / extra)
-    src.tokenizer().save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
     (out / "recipe.yaml").write_text(recipe_yaml(recipe))
 
 
@@ -158,7 +156,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
             _data_free(src, recipe, writer, progress)
         shards = writer.finish()
         timings["quantize_s"] = time.perf_counter() - t1
-        _write_metadata(src, recipe, tmp)
+        _write_metadata(src, recipe, tokenizer, tmp)
         manifest = {
             "model": src.label,
             "recipe": recipe.model_dump(mode="json"),

@@ -106,8 +106,10 @@ def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu")
 
 @torch.inference_mode()
 def compare(reference: torch.nn.Module, candidate: torch.nn.Module, input_ids: torch.Tensor,
-            batch_size: int = 4, progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Next-token metrics over input_ids [n, L]: ppl of both, mean KL(ref || cand) per token, top-1 agreement."""
+            batch_size: int = 4, progress=None) -> dict:
+    """Next-token metrics over input_ids [n, L]: ppl of both, mean KL(ref || cand) per token, top-1 agreement.
+
+    progress: optional callback (stage, done, total), as in calibrate.pipeline.Progress."""
     nll_ref = nll_cand = kl = agree = 0.0
     tokens = 0
     n = input_ids.shape[0]
