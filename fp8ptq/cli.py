@@ -8,7 +8,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ from fp8ptq.errors import Fp8ptqError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training quantization to compressed-tensors checkpoints for vLLM / SGLang.")
 recipes_app = typer.Typer(no_args_is_help=True, help="Built-in recipes.")
-eval_app = typer.Typer(no_args_is_help=True, help="Quality under the engine's numerics.")
+eval_app = typer.Typer(no_args_is_help=True, help="Quality under the engine's numerics: KL/PPL, mmlu_pro, lm-eval tasks.")
 app.add_typer(recipes_app, name="recipes")
 app.add_typer(eval_app, name="eval")
 console = Console(stderr=True)
@@ -80,6 +80,26 @@ def _user_errors():
         raise typer.Exit(code=130)
 
 
+GATE_FAILED_EXIT = 3
+_GATE_HELP = "quality gate METRIC OP NUMBER, e.g. kl<=0.05, top1>=0.9 (repeatable); a failed gate exits 3"
+
+
+def _finish_gates(results: list[dict]) -> None:
+    """Print gate results; exit GATE_FAILED_EXIT when any failed (after everything else was printed)."""
+    from fp8ptq.gates import Gate, GateResult
+
+    if not results:
+        return
+    failed = 0
+    for r in results:
+        res = GateResult(Gate(r["metric"], r["op"], r["threshold"]), r["value"], r["passed"])
+        console.print(("[green]gate[/] " if r["passed"] else "[bold red]gate[/] ") + res.describe(), highlight=False)
+        failed += not r["passed"]
+    if failed:
+        console.print(f"[bold red]{failed} of {len(results)} quality gates failed[/]")
+        raise typer.Exit(code=GATE_FAILED_EXIT)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024:
@@ -107,6 +127,8 @@ def quantize(
     seed: Optional[int] = typer.Option(None, help="sample-selection seed (default: the recipe's)"),
     chat_template: bool = typer.Option(False, help="wrap each calibration text in the tokenizer's chat template"),
     eval_samples: int = typer.Option(8, help="held-out samples for the quality check (0 = skip)"),
+    gate: List[str] = typer.Option([], "--gate", help=_GATE_HELP),
+    no_recipe_gates: bool = typer.Option(False, "--no-recipe-gates", help="ignore the gates the recipe carries"),
     overwrite: bool = typer.Option(False, help="replace an existing output directory"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):
@@ -117,11 +139,13 @@ def quantize(
 
     cfg = QuantizeConfig(model=model, recipe=recipe, output=output, data=data, text_field=text_field,
                          num_samples=num_samples, seq_len=seq_len, seed=seed, chat_template=chat_template,
-                         overwrite=overwrite, eval_samples=eval_samples)
+                         overwrite=overwrite, eval_samples=eval_samples, gates=tuple(gate),
+                         recipe_gates=not no_recipe_gates)
     with _user_errors(), _progress(not json_out) as progress:
         manifest = run(cfg, progress)
     if json_out:
         typer.echo(json.dumps(manifest, indent=2))
+        _finish_gates(manifest["gates"])
         return
     s = manifest["summary"]
     table = Table(title=f"fp8ptq quantize → {output}", show_header=False)
@@ -138,7 +162,11 @@ def quantize(
         _quality_rows(table, manifest["quality"])
     t = manifest["timings"]
     table.add_row("time", ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in t.items()))
+    table.add_row("report", str(output / "report.html"))
     out.print(table)
+    if manifest["gates_skipped"]:
+        console.print(f"[yellow]recipe gates not checked (--eval-samples 0):[/] {', '.join(manifest['gates_skipped'])}")
+    _finish_gates(manifest["gates"])
 
 
 @app.command()
@@ -186,6 +214,106 @@ def eval_quality(
     _quality_rows(table, result)
     table.add_row("simulated numerics", json.dumps(result["numerics"]))
     out.print(table)
+
+
+def _harness(model, tasks, baseline, data, include_path, limit, num_fewshot, max_gen_toks, batch_size, backend,
+             device, no_simulate, gate, json_out, save, no_record, name):
+    """Shared body of `eval mmlu_pro` and `eval tasks`."""
+    _offline()
+    from fp8ptq import gates as gates_mod
+    from fp8ptq.eval.harness import HarnessConfig, gate_metrics, run
+    from fp8ptq.report import save_eval
+
+    with _user_errors():
+        gates = gates_mod.parse_gates(gate)
+        cfg = HarnessConfig(model=model, tasks=tuple(tasks), baseline=baseline, data=data, include_path=include_path,
+                            limit=limit, num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, batch_size=batch_size,
+                            backend=backend, device=device, simulate=not no_simulate)
+        console.print(f"lm-eval: {', '.join(tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False)
+        result = run(cfg)
+    result["gates"] = [r.as_dict() for r in gates_mod.check(gates, gate_metrics(result))]
+    if save:
+        save.write_text(json.dumps(result, indent=2) + "\n")
+    recorded = None if no_record else save_eval(Path(model), name, result)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        table = Table("task", "n", "score ± s.e. (%)", "baseline (%)", "delta [95% CI] (pts)",
+                      title=f"{name}: {model}" + (f" vs {baseline}" if baseline else ""))
+        def f(x, spec=".1f"):
+            return "n/a" if x is None else format(x, spec)
+
+        for task, r in result["tasks"].items():
+            delta = (f"{f(r['delta'], '+.1f')} [{f(r['delta_ci95'][0], '+.1f')}, {f(r['delta_ci95'][1], '+.1f')}]"
+                     if "delta" in r else "–")
+            table.add_row(task, str(r["n"]), f"{f(r['score'])} ± {f(r['stderr'])}", f(r.get("baseline")), delta,
+                          style="bold" if task == result["group"] else None)
+        out.print(table)
+        console.print(f"numerics: {result['numerics']['backend']}", highlight=False)
+        if recorded:
+            console.print(f"recorded in {recorded}", highlight=False)
+    _finish_gates(result["gates"])
+
+
+_EVAL_OPTS = dict(
+    baseline=typer.Option(None, "--baseline", help="reference model (dir, .gguf or alias) for the delta"),
+    limit=typer.Option(None, help="questions per (sub)task (default: all)"),
+    num_fewshot=typer.Option(None, help="few-shot examples (default: the task's; mmlu_pro: 5)"),
+    max_gen_toks=typer.Option(None, help="cap generated tokens (default: the task's; mmlu_pro: 2048)"),
+    batch_size=typer.Option(4, help="lm-eval batch size"),
+    backend=typer.Option("hf", help="hf (fp32 + simulated engine numerics) or vllm (if installed)"),
+    device=typer.Option("cpu", help="hf backend device: cpu, cuda, cuda:N"),
+    no_simulate=typer.Option(False, "--no-simulate", help="hf backend: dequantized weights only, no activation/KV quantization"),
+    gate=typer.Option([], "--gate", help="gate on '<task>' (percent) or '<task>_delta' (points), e.g. mmlu_pro_delta>=-1.0"),
+    json_out=typer.Option(False, "--json"),
+    save=typer.Option(None, "--save", help="also write the result JSON to this file"),
+    no_record=typer.Option(False, "--no-record", help="do not record the result in an fp8ptq checkpoint's report"),
+)
+
+
+@eval_app.command("mmlu_pro")
+def eval_mmlu_pro(
+    model: str = typer.Argument(..., help="model to evaluate (fp8ptq/compressed-tensors dir, plain dir, .gguf, alias)"),
+    data: Optional[str] = typer.Option(None, help="dir with test + validation files in the MMLU-Pro schema (default: the offline HF cache)"),
+    baseline: Optional[str] = _EVAL_OPTS["baseline"], limit: Optional[int] = _EVAL_OPTS["limit"],
+    num_fewshot: Optional[int] = _EVAL_OPTS["num_fewshot"], max_gen_toks: Optional[int] = _EVAL_OPTS["max_gen_toks"],
+    batch_size: int = _EVAL_OPTS["batch_size"], backend: str = _EVAL_OPTS["backend"], device: str = _EVAL_OPTS["device"],
+    no_simulate: bool = _EVAL_OPTS["no_simulate"], gate: List[str] = _EVAL_OPTS["gate"], json_out: bool = _EVAL_OPTS["json_out"],
+    save: Optional[Path] = _EVAL_OPTS["save"], no_record: bool = _EVAL_OPTS["no_record"],
+):
+    """lm-eval's mmlu_pro (5-shot CoT, answer regex) offline, per category, with the delta vs a baseline."""
+    _harness(model, ["mmlu_pro"], baseline, data, None, limit, num_fewshot, max_gen_toks, batch_size, backend, device,
+             no_simulate, gate, json_out, save, no_record, "mmlu_pro")
+
+
+@eval_app.command("tasks")
+def eval_tasks(
+    model: str = typer.Argument(..., help="model to evaluate"),
+    tasks: str = typer.Option(..., "--tasks", help="comma-separated lm-eval task names whose data is local"),
+    include_path: Optional[str] = typer.Option(None, help="directory of extra lm-eval task YAMLs"),
+    baseline: Optional[str] = _EVAL_OPTS["baseline"], limit: Optional[int] = _EVAL_OPTS["limit"],
+    num_fewshot: Optional[int] = _EVAL_OPTS["num_fewshot"], max_gen_toks: Optional[int] = _EVAL_OPTS["max_gen_toks"],
+    batch_size: int = _EVAL_OPTS["batch_size"], backend: str = _EVAL_OPTS["backend"], device: str = _EVAL_OPTS["device"],
+    no_simulate: bool = _EVAL_OPTS["no_simulate"], gate: List[str] = _EVAL_OPTS["gate"], json_out: bool = _EVAL_OPTS["json_out"],
+    save: Optional[Path] = _EVAL_OPTS["save"], no_record: bool = _EVAL_OPTS["no_record"],
+):
+    """Any lm-eval task with local data (or already in the offline HF datasets cache)."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        _fail(Fp8ptqError("--tasks is empty", fix="pass e.g. --tasks my_task,other_task"))
+    _harness(model, names, baseline, None, include_path, limit, num_fewshot, max_gen_toks, batch_size, backend, device,
+             no_simulate, gate, json_out, save, no_record, "tasks-" + "-".join(names))
+
+
+@app.command()
+def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output directory")):
+    """Re-render OUT/report.md and OUT/report.html from the manifest and recorded evaluations."""
+    from fp8ptq.report import MANIFEST, write_report
+
+    if not (output / MANIFEST).is_file():
+        _fail(Fp8ptqError(f"'{output}' has no {MANIFEST}", fix="pass a directory written by `fp8ptq quantize`"))
+    for p in write_report(output):
+        out.print(f"wrote {p}")
 
 
 @recipes_app.command("list")

@@ -19,7 +19,8 @@ import torch
 import fp8ptq
 from fp8ptq import data as data_mod
 from fp8ptq.calibrate.pipeline import LayerResult, Progress, QuantizedLinear, calibrate, quantize_weights
-from fp8ptq.errors import ModelError
+from fp8ptq import gates as gates_mod
+from fp8ptq.errors import ModelError, RecipeError
 from fp8ptq.eval.quality import compare, load_simulated
 from fp8ptq.export.atomic import atomic_output_dir, check_output
 from fp8ptq.export.compressed_tensors import ShardWriter, compress_linear, ct_scheme, quantization_config
@@ -27,6 +28,7 @@ from fp8ptq.models.loader import ModelSource, convert_gguf, open_hf_dir, resolve
 from fp8ptq.models.skeleton import build_skeleton, decoder_layers
 from fp8ptq.quantize.plan import plan_layer
 from fp8ptq.recipe import Recipe, load_recipe, recipe_yaml
+from fp8ptq.report import write_report
 
 
 
@@ -44,6 +46,8 @@ class QuantizeConfig:
     overwrite: bool = False
     eval_samples: int = 8  # held-out samples for the quality check written into the manifest; 0 = skip
     eval_seq_len: int = 512
+    gates: tuple[str, ...] = ()  # added to the recipe's own gates
+    recipe_gates: bool = True  # False: ignore the recipe's gates
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
     if overrides:
         recipe = recipe.model_copy(update={"calibration": cal.model_copy(update=overrides)})
         cal = recipe.calibration
+    gates, gates_skipped = _gates(cfg, recipe)
     t0 = time.perf_counter()
     src = resolve_model(cfg.model)
     tokenizer = src.tokenizer()
@@ -176,8 +181,31 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
                                    "data": "built-in evaluation split", "numerics": quant.numerics}
             timings["eval_s"] = time.perf_counter() - t2
         manifest["timings"] = timings
+        manifest["gates"] = [r.as_dict() for r in gates_mod.check(gates, gates_mod.quantize_metrics(manifest))]
+        manifest["gates_skipped"] = gates_skipped  # recipe gates that need the quality check, which was off
         (tmp / "fp8ptq_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        write_report(tmp, manifest, serve_path=str(cfg.output))
     return manifest
+
+
+def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:
+    """(gates to check, recipe gates skipped), checked before any work. A gate on a quality metric needs the
+    quality check: asked for with --gate it is an error without one; a recipe's own is skipped and reported."""
+    known = set(gates_mod.QUALITY_METRICS) | {"size_ratio", "worst_linear_rel_err"}
+    gates, skipped = [], []
+    for g, from_recipe in [(g, True) for g in (recipe.gates if cfg.recipe_gates else ())] + [(g, False) for g in cfg.gates]:
+        g = gates_mod.parse_gate(g)
+        if g.metric not in known:
+            raise RecipeError(f"gate '{g}': quantize has no metric '{g.metric}'",
+                              fix=f"quantize gates use {', '.join(sorted(known))}; task scores are gated by `fp8ptq eval`")
+        if g.metric in gates_mod.QUALITY_METRICS and cfg.eval_samples == 0:
+            if from_recipe:
+                skipped.append(str(g))
+                continue
+            raise RecipeError(f"gate '{g}' needs the quality check, but --eval-samples is 0",
+                              fix="keep --eval-samples > 0 (default 8)")
+        gates.append(g)
+    return gates, skipped
 
 
 def _summary(layers: list[dict]) -> dict:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from fp8ptq.errors import RecipeError
 
@@ -77,6 +77,20 @@ class Recipe(_Frozen):
     description: str = ""
     scheme: Scheme
     calibration: Calibration = Calibration()
+    # Default quality gates (fp8ptq.gates syntax), tuned for the demo model; `--gate` adds, `--no-recipe-gates` drops.
+    gates: tuple[str, ...] = ()
+
+    @field_validator("gates")
+    @classmethod
+    def _check_gates(cls, gates):
+        from fp8ptq.gates import parse_gate
+
+        for g in gates:
+            try:
+                parse_gate(g)
+            except RecipeError as err:
+                raise ValueError(str(err)) from None
+        return gates
 
     @property
     def needs_data(self) -> bool:

@@ -1,0 +1,102 @@
+"""Quality gates: `kl<=0.05`, `top1>=0.9`, `mmlu_pro_delta>=-1.0` — checked against a run's metrics.
+
+A gate is METRIC OP THRESHOLD with OP one of <=, >=, <, >. Metric names and units (documented in
+README and docs/ci.md):
+
+  kl                      mean KL(reference || quantized) per token, nats
+  top1                    top-1 next-token agreement with the reference, fraction 0..1
+  ppl                     perplexity of the quantized model on the held-out split
+  ppl_ratio               ppl / ppl of the reference
+  size_ratio              output bytes / source bytes
+  worst_linear_rel_err    largest per-Linear relative output error seen in calibration
+  <task>                  an lm-eval task's score, percent (e.g. mmlu_pro)
+  <task>_delta            that score minus the baseline's, percentage points
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+
+from fp8ptq.errors import RecipeError
+
+_OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+_GATE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.\-]*)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class Gate:
+    metric: str
+    op: str
+    threshold: float
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.threshold:g}"
+
+
+@dataclass(frozen=True)
+class GateResult:
+    gate: Gate
+    value: float | None  # None: the run did not produce this metric
+    passed: bool
+
+    @property
+    def margin(self) -> float | None:
+        """How far inside (+) or outside (-) the threshold the value is, in the metric's units."""
+        if self.value is None:
+            return None
+        diff = self.value - self.gate.threshold
+        return -diff if self.gate.op in ("<=", "<") else diff
+
+    def describe(self) -> str:
+        if self.value is None:
+            return f"{self.gate}: FAILED (the run produced no '{self.gate.metric}')"
+        verdict = "passed" if self.passed else "FAILED"
+        return f"{self.gate}: {verdict}, {self.gate.metric} = {self.value:.6g} (margin {self.margin:+.4g})"
+
+    def as_dict(self) -> dict:
+        return {"gate": str(self.gate), "metric": self.gate.metric, "op": self.gate.op,
+                "threshold": self.gate.threshold, "value": self.value, "passed": self.passed, "margin": self.margin}
+
+
+def parse_gate(text: str) -> Gate:
+    m = _GATE.match(text)
+    if not m:
+        raise RecipeError(f"gate '{text}' is not METRIC OP NUMBER",
+                          fix="write e.g. 'kl<=0.05', 'top1>=0.9' or 'mmlu_pro_delta>=-1.0' (ops: <=, >=, <, >)")
+    return Gate(m.group(1), m.group(2), float(m.group(3)))
+
+
+def parse_gates(texts) -> list[Gate]:
+    return [parse_gate(t) for t in texts]
+
+
+def check(gates: list[Gate], metrics: dict[str, float]) -> list[GateResult]:
+    """Evaluate every gate. A gate whose metric is missing (or NaN) fails: a gate never passes silently."""
+    results = []
+    for g in gates:
+        value = metrics.get(g.metric)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            results.append(GateResult(g, None, False))
+        else:
+            results.append(GateResult(g, float(value), bool(_OPS[g.op](float(value), g.threshold))))
+    return results
+
+
+def quantize_metrics(manifest: dict) -> dict[str, float]:
+    """The gateable numbers of a quantize run (its manifest)."""
+    out: dict[str, float] = {}
+    sizes = manifest.get("size_bytes") or {}
+    if sizes.get("source"):
+        out["size_ratio"] = sizes["output"] / sizes["source"]
+    if "summary" in manifest:
+        out["worst_linear_rel_err"] = manifest["summary"]["worst_linear_rel_err"]
+    q = manifest.get("quality")
+    if q:
+        out.update(kl=q["kl"], top1=q["top1"], ppl=q["ppl"], ppl_ratio=q["ppl"] / q["ppl_reference"])
+    return out
+
+
+QUALITY_METRICS = ("kl", "top1", "ppl", "ppl_ratio")

@@ -1,0 +1,182 @@
+"""OUT/report.md and a self-contained OUT/report.html for a quantize run: what was done, what it costs,
+how good it is, and how to serve it. Rendered from the manifest (and any saved evaluations), so
+`fp8ptq report OUT` can re-render it at any time; plots are matplotlib PNGs (inlined in the HTML)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import jinja2
+
+MANIFEST = "fp8ptq_manifest.json"
+EVALS_DIR = "fp8ptq_evals"
+PLOTS_DIR = "report_files"
+
+# Linear name -> the row it gets in the per-layer plots (fused siblings share their input).
+_INPUT_ROWS = {"q_proj": "attn in (q/k/v)", "o_proj": "o_proj in", "gate_proj": "mlp in (gate/up)", "down_proj": "down_proj in"}
+
+
+def serve_commands(path: str, manifest: dict) -> dict[str, str]:
+    kv = bool(manifest["recipe"]["scheme"].get("kv_cache"))
+    vllm = f"vllm serve {path}" + (" --kv-cache-dtype fp8" if kv else "")
+    sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
+    spec = manifest.get("speculative")
+    if spec and spec.get("vllm_speculative_config"):
+        vllm += f" --speculative-config '{json.dumps(spec['vllm_speculative_config'])}'"
+    if spec and spec.get("sglang_flags"):
+        sglang += " " + spec["sglang_flags"]
+    python = f'from vllm import LLM\nllm = LLM(model="{path}"' + (', kv_cache_dtype="fp8"' if kv else "") + ")"
+    return {"vllm": vllm, "sglang": sglang, "vllm_python": python}
+
+
+def _per_layer(manifest: dict) -> tuple[dict[str, list], dict[str, list]]:
+    """(input abs-max rows, output-error rows), each row a list over decoder layers."""
+    amax: dict[str, list] = defaultdict(list)
+    err: dict[str, list] = defaultdict(list)
+    for layer in manifest.get("layers", []):
+        seen = {}
+        for name, r in layer["quantized"].items():
+            short = name.rsplit(".", 1)[-1]
+            seen[short] = r
+        for short, row in _INPUT_ROWS.items():
+            r = seen.get(short)
+            amax[row].append(r.get("input_amax") if r else None)
+        for short, r in seen.items():
+            err[short].append(r.get("output_rel_err", r.get("weight_rel_err")))
+        kv = layer.get("kv") or {}
+        if kv:
+            amax["keys (post-RoPE)"].append(kv.get("k_amax"))
+            amax["values"].append(kv.get("v_amax"))
+    return ({k: v for k, v in amax.items() if any(x is not None for x in v)}, dict(err))
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def plots(manifest: dict) -> dict[str, tuple[str, bytes]]:
+    """name -> (caption, PNG bytes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    amax, err = _per_layer(manifest)
+    out = {}
+    if amax:
+        rows = list(amax)
+        grid = np.array([[np.nan if x is None else x for x in amax[r]] for r in rows], dtype=float)
+        fig, ax = plt.subplots(figsize=(max(6, grid.shape[1] * 0.28), 0.45 * len(rows) + 1.4))
+        im = ax.imshow(grid, aspect="auto", cmap="magma", norm=LogNorm(vmin=np.nanmin(grid[grid > 0]), vmax=np.nanmax(grid)))
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel("decoder layer")
+        ax.set_title("calibration abs-max of each quantized input (log scale)")
+        fig.colorbar(im, ax=ax, pad=0.01)
+        out["input_amax"] = ("Activation ranges per layer: large values are outliers that stretch a per-tensor scale.", _png(fig))
+        plt.close(fig)
+    if err:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for name, vals in err.items():
+            ax.plot(range(len(vals)), vals, marker=".", label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("decoder layer")
+        ax.set_ylabel("relative error")
+        ax.set_title("per-Linear quantization error (output error where calibrated, else weight error)")
+        ax.legend(fontsize=7, ncol=4)
+        out["linear_error"] = ("Where the quantization error sits, layer by layer.", _png(fig))
+        plt.close(fig)
+    return out
+
+
+def load_evals(out_dir: Path) -> dict[str, dict]:
+    d = out_dir / EVALS_DIR
+    if not d.is_dir():
+        return {}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))}
+
+
+def _context(out_dir: Path, manifest: dict, serve_path: str) -> dict:
+    sizes = manifest.get("size_bytes", {})
+    scheme = manifest["recipe"]["scheme"]
+
+    def describe(args, activations=False):
+        if not args:
+            return "unquantized"
+        kind = {"float": "FP", "int": "INT"}[args["type"]] + str(args["num_bits"])
+        mode = (" dynamic" if args.get("dynamic") else " static") if activations else ""
+        group = f" g{args['group_size']}" if args.get("group_size") else ""
+        return f"{kind}{mode} per-{args['strategy']}{group}"
+
+    return {
+        "m": manifest,
+        "scheme_rows": [("weights", describe(scheme.get("weights"))), ("input activations", describe(scheme.get("input_activations"), activations=True)),
+                        ("KV cache", describe(scheme.get("kv_cache"))), ("targets", ", ".join(scheme["targets"])),
+                        ("ignored", ", ".join(scheme["ignore"]) or "none")],
+        "mib": {k: v / 2**20 for k, v in sizes.items()},
+        "ratio": sizes["output"] / sizes["source"] if sizes.get("source") else None,
+        "serve": serve_commands(serve_path, manifest),
+        "evals": load_evals(out_dir),
+        "name": out_dir.name,
+    }
+
+
+def _num(x, spec: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("fp8ptq", "report_templates"),
+                             autoescape=jinja2.select_autoescape(["html", "html.j2"]),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = _num
+    return env
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_report(out_dir: Path, manifest: dict | None = None, serve_path: str | None = None) -> list[Path]:
+    """Write report.md, report.html and report_files/*.png into out_dir. Returns the paths written."""
+    out_dir = Path(out_dir)
+    manifest = manifest if manifest is not None else json.loads((out_dir / MANIFEST).read_text())
+    ctx = _context(out_dir, manifest, serve_path or str(out_dir))
+    figs = plots(manifest)
+    (out_dir / PLOTS_DIR).mkdir(exist_ok=True)
+    written = []
+    for name, (_, png) in figs.items():
+        p = out_dir / PLOTS_DIR / f"{name}.png"
+        _write_atomic(p, png)
+        written.append(p)
+    env = _env()
+    md = env.get_template("report.md.j2").render(**ctx, plots={n: (c, f"{PLOTS_DIR}/{n}.png") for n, (c, _) in figs.items()})
+    html = env.get_template("report.html.j2").render(
+        **ctx, plots={n: (c, "data:image/png;base64," + base64.b64encode(png).decode()) for n, (c, png) in figs.items()})
+    for fname, text in (("report.md", md), ("report.html", html)):
+        _write_atomic(out_dir / fname, text.encode())
+        written.append(out_dir / fname)
+    return written
+
+
+def save_eval(out_dir: Path, name: str, result: dict) -> Path | None:
+    """Record an evaluation beside an fp8ptq checkpoint and re-render its report. None if out_dir is not one."""
+    out_dir = Path(out_dir)
+    if not (out_dir / MANIFEST).is_file() or not os.access(out_dir, os.W_OK):
+        return None
+    (out_dir / EVALS_DIR).mkdir(exist_ok=True)
+    _write_atomic(out_dir / EVALS_DIR / f"{name}.json", (json.dumps(result, indent=2) + "\n").encode())
+    write_report(out_dir)
+    return out_dir / "report.html"
