@@ -24,6 +24,17 @@ def smol_dir() -> Path:
     return resolve_model("smollm2-135m").path
 
 
+@pytest.fixture(scope="session")
+def smol_kv8(tmp_path_factory):
+    """The real model quantized with fp8-kv8 (small calibration): (output dir, manifest). Do not modify it."""
+    from fp8ptq.jobs import QuantizeConfig, quantize
+
+    out = tmp_path_factory.mktemp("real") / "smol-fp8-kv8"
+    manifest = quantize(QuantizeConfig(model="smollm2-135m", recipe="fp8-kv8", output=out, num_samples=8,
+                                       seq_len=256, eval_samples=2, eval_seq_len=256))
+    return out, manifest
+
+
 def make_tiny_llama(out: Path, tokenizer_dir: Path, layers: int = 2, shards: int = 1, seed: int = 0,
                     hidden: int = 64, intermediate: int = 128) -> Path:
     """A random Llama with the real tokenizer (so data code paths are real), saved as safetensors."""

@@ -11,18 +11,9 @@ from independent import kl_top1_ppl, load_fake_quant, load_plain
 from fp8ptq.cli import app
 from fp8ptq.data import load_samples
 from fp8ptq.eval.quality import compare, load_simulated
-from fp8ptq.jobs import QuantizeConfig, quantize
 from fp8ptq.models.loader import alias_gguf, open_hf_dir
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smol_kv8(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real") / "smol-fp8-kv8"
-    manifest = quantize(QuantizeConfig(model="smollm2-135m", recipe="fp8-kv8", output=out, num_samples=8,
-                                       seq_len=256, eval_samples=2, eval_seq_len=256))
-    return out, manifest
 
 
 def test_real_fp8_kv8_export_reloads_and_generates(smol_kv8, smol_dir):

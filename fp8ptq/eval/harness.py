@@ -79,7 +79,8 @@ def _categories(fmt: str, files: dict[str, list[str]], num_fewshot: int) -> list
 
     ds = datasets.load_dataset(fmt, data_files=files)
     for split in ("test", "validation"):
-        lacking = [c for c in MMLU_PRO_COLUMNS if c not in ds[split].column_names]
+        # (json splits are loaded with unified features: a column absent from one split reads as all None there)
+        lacking = [c for c in MMLU_PRO_COLUMNS if c not in ds[split].column_names or None in ds[split][c]]
         if lacking:
             raise DataError(f"mmlu_pro {split} split ({files[split][0]}) lacks columns {lacking}",
                             fix=f"MMLU-Pro schema: {', '.join(MMLU_PRO_COLUMNS)} (options: list of strings, answer: a letter)")

@@ -1,0 +1,95 @@
+"""Every quantize run writes report.md + a self-contained report.html; gates exit 3 and say which failed.
+The HTML is checked the way a person sees it: rendered by headless Chromium."""
+
+import html
+import json
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from chromium import dump_dom, screenshot
+from fp8ptq.cli import GATE_FAILED_EXIT, app
+
+runner = CliRunner()
+ARGS = ["--num-samples", "4", "--seq-len", "64", "--eval-samples", "2", "--no-recipe-gates"]
+
+
+@pytest.fixture(scope="module")
+def tiny_q(tmp_path_factory, tiny_dir):
+    out = tmp_path_factory.mktemp("report") / "tiny-kv8"
+    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), *ARGS, "--gate", "kl<=1000", "--gate", "size_ratio<=1"])
+    assert r.exit_code == 0, r.output
+    return out, json.loads((out / "fp8ptq_manifest.json").read_text())
+
+
+def test_report_files_say_what_was_done(tiny_q):
+    out, m = tiny_q
+    md = (out / "report.md").read_text()
+    assert (out / "report_files" / "input_amax.png").stat().st_size > 1000
+    assert (out / "report_files" / "linear_error.png").stat().st_size > 1000
+    assert "recipe **fp8-kv8**" in md
+    assert f"{m['quality']['kl']:.5f}" in md
+    assert f"vllm serve {out} --kv-cache-dtype fp8" in md
+    assert "--kv-cache-dtype fp8_e4m3" in md  # SGLang
+    assert "| `kl<=1000` |" in md and "| pass |" in md
+    assert "![input_amax](report_files/input_amax.png)" in md
+    page = (out / "report.html").read_text()
+    assert "report_files/" not in page and page.count("data:image/png;base64,") == 2  # self-contained
+
+
+def test_html_renders_in_chromium(tiny_q, tmp_path):
+    out, m = tiny_q
+    dom = dump_dom(out / "report.html")
+    text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+    assert re.search(r'id="kl">\s*' + re.escape(f"{m['quality']['kl']:.4f}"), dom)
+    assert re.search(r'id="gates-verdict">\s*all passed', dom)
+    assert f"vllm serve {out} --kv-cache-dtype fp8" in text
+    png = screenshot(out / "report.html", tmp_path / "shot.png")
+    img = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    assert img.shape[1] == 1100
+    # The plots were decoded and drawn: a text-only page is grey; the heatmap/line plots are saturated colour.
+    saturation = img.max(axis=2) - img.min(axis=2)
+    assert (saturation > 80).mean() > 0.01, (saturation > 80).mean()
+
+
+def test_failed_gate_exits_3_and_names_it(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), *ARGS, "--gate", "kl<=0", "--gate", "top1>=0"])
+    assert r.exit_code == GATE_FAILED_EXIT, r.output
+    assert re.search(r"kl<=0: FAILED, kl = [0-9.e-]+ \(margin -", r.output), r.output
+    assert "top1>=0: passed" in r.output and "1 of 2 quality gates failed" in r.output
+    m = json.loads((out / "fp8ptq_manifest.json").read_text())  # the checkpoint is complete; only the gate failed
+    assert [g["passed"] for g in m["gates"]] == [False, True]
+    assert "FAIL" in (out / "report.md").read_text()
+
+
+def test_gate_errors_before_work(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--eval-samples", "0", "--gate", "kl<=0.1"])
+    assert r.exit_code == 2 and "needs the quality check" in r.output and not out.exists()
+    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--gate", "mmlu_pro>=3"])
+    assert r.exit_code == 2 and "quantize has no metric 'mmlu_pro'" in r.output and not out.exists()
+    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--gate", "kl=<3"])
+    assert r.exit_code == 2 and "METRIC OP NUMBER" in r.output and not out.exists()
+
+
+def test_recipe_gates_skipped_without_quality_check(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--recipe", "fp8-dynamic", "--eval-samples", "0"])
+    # The recipe's size gate is for the demo model; on this embedding-dominated tiny model it fails.
+    assert r.exit_code == GATE_FAILED_EXIT and "size_ratio<=0.65: FAILED" in r.output, r.output
+    m = json.loads((out / "fp8ptq_manifest.json").read_text())
+    assert m["gates_skipped"] == ["kl<=0.05", "top1>=0.88"] and [g["gate"] for g in m["gates"]] == ["size_ratio<=0.65"]
+    assert "recipe gates not checked" in r.output
+
+
+def test_report_command(tiny_q, tmp_path):
+    out, _ = tiny_q
+    (out / "report.md").unlink()
+    r = runner.invoke(app, ["report", str(out)])
+    assert r.exit_code == 0 and (out / "report.md").is_file()
+    r = runner.invoke(app, ["report", str(tmp_path)])
+    assert r.exit_code == 2 and "fp8ptq_manifest.json" in r.output
