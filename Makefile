@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.fp8ptq-installed
 CT017  := $(VENV)/ct017
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,15 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/fp8ptq quantize smollm2-135m --recipe fp8-kv8 -o out/smollm2-fp8-kv8 --overwrite
+	@echo "report: out/smollm2-fp8-kv8/report.html (and report.md)"
 
-test: $(STAMP) $(CT017)/.ok
+# The report test renders report.html in headless Chromium (Debian's package).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; }
+
+test: $(STAMP) $(CT017)/.ok browser
 	$(PY) -m pytest -q
 
 clean:

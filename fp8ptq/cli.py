@@ -216,20 +216,21 @@ def eval_quality(
     out.print(table)
 
 
-def _harness(model, tasks, baseline, data, include_path, limit, num_fewshot, max_gen_toks, batch_size, backend,
-             device, no_simulate, gate, json_out, save, no_record, name):
-    """Shared body of `eval mmlu_pro` and `eval tasks`."""
+def _harness(cfg, gate, json_out, save, no_record, name):
+    """Shared body of `eval mmlu_pro` and `eval tasks`: run lm-eval, gate, record, print."""
     _offline()
     from fp8ptq import gates as gates_mod
-    from fp8ptq.eval.harness import HarnessConfig, gate_metrics, run
+    from fp8ptq.eval.harness import gate_metrics, run
     from fp8ptq.report import save_eval
 
+    model, baseline = cfg.model, cfg.baseline
     with _user_errors():
         gates = gates_mod.parse_gates(gate)
-        cfg = HarnessConfig(model=model, tasks=tuple(tasks), baseline=baseline, data=data, include_path=include_path,
-                            limit=limit, num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, batch_size=batch_size,
-                            backend=backend, device=device, simulate=not no_simulate)
-        console.print(f"lm-eval: {', '.join(tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False)
+        for g in gates:  # refuse before the (long) run a gate this run cannot produce
+            if not any(g.metric == t or g.metric.startswith(t + "_") for t in cfg.tasks):
+                raise Fp8ptqError(f"gate '{g}': this evaluation produces no '{g.metric}'",
+                                  fix=f"gate on {', '.join(f'{t}, {t}_delta' for t in cfg.tasks)} (or a {cfg.tasks[0]}_<subtask>)")
+        console.print(f"lm-eval: {', '.join(cfg.tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False)
         result = run(cfg)
     result["gates"] = [r.as_dict() for r in gates_mod.check(gates, gate_metrics(result))]
     if save:
@@ -282,8 +283,12 @@ def eval_mmlu_pro(
     save: Optional[Path] = _EVAL_OPTS["save"], no_record: bool = _EVAL_OPTS["no_record"],
 ):
     """lm-eval's mmlu_pro (5-shot CoT, answer regex) offline, per category, with the delta vs a baseline."""
-    _harness(model, ["mmlu_pro"], baseline, data, None, limit, num_fewshot, max_gen_toks, batch_size, backend, device,
-             no_simulate, gate, json_out, save, no_record, "mmlu_pro")
+    from fp8ptq.eval.harness import HarnessConfig
+
+    cfg = HarnessConfig(model=model, tasks=("mmlu_pro",), baseline=baseline, data=data, limit=limit,
+                        num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, batch_size=batch_size, backend=backend,
+                        device=device, simulate=not no_simulate)
+    _harness(cfg, gate, json_out, save, no_record, "mmlu_pro")
 
 
 @eval_app.command("tasks")
@@ -301,8 +306,12 @@ def eval_tasks(
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail(Fp8ptqError("--tasks is empty", fix="pass e.g. --tasks my_task,other_task"))
-    _harness(model, names, baseline, None, include_path, limit, num_fewshot, max_gen_toks, batch_size, backend, device,
-             no_simulate, gate, json_out, save, no_record, "tasks-" + "-".join(names))
+    from fp8ptq.eval.harness import HarnessConfig
+
+    cfg = HarnessConfig(model=model, tasks=tuple(names), baseline=baseline, include_path=include_path, limit=limit,
+                        num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, batch_size=batch_size, backend=backend,
+                        device=device, simulate=not no_simulate)
+    _harness(cfg, gate, json_out, save, no_record, "tasks-" + "-".join(names))
 
 
 @app.command()

@@ -86,9 +86,11 @@ def test_eval_tasks_local_task_with_baseline_and_gate(tiny_dir, tmp_path):
     assert "fixture_mc>100: FAILED" in r.output
 
 
-def test_unknown_task_is_a_clear_error(tiny_dir):
+def test_unknown_task_or_gate_is_a_clear_error(tiny_dir):
     r = runner.invoke(app, ["eval", "tasks", str(tiny_dir), "--tasks", "mmlu_pro_biologee"])
     assert r.exit_code == 2 and "unknown lm-eval task 'mmlu_pro_biologee'" in r.output
+    r = runner.invoke(app, ["eval", "mmlu_pro", str(tiny_dir), "--data", str(FIXTURE), "--gate", "kl<=0.1"])
+    assert r.exit_code == 2 and "produces no 'kl'" in r.output
 
 
 def test_mmlu_pro_without_local_data_fails_offline(tiny_dir, tmp_path, monkeypatch):
