@@ -188,6 +188,22 @@ def convert(
     out.print(f"wrote {path}")
 
 
+_EVAL_OPTS = dict(
+    baseline=typer.Option(None, "--baseline", help="reference model (dir, .gguf or alias) for the delta"),
+    limit=typer.Option(None, help="questions per (sub)task (default: all)"),
+    num_fewshot=typer.Option(None, help="few-shot examples (default: the task's; mmlu_pro: 5)"),
+    max_gen_toks=typer.Option(None, help="cap generated tokens (default: the task's; mmlu_pro: 2048)"),
+    batch_size=typer.Option(4, help="lm-eval batch size"),
+    backend=typer.Option("hf", help="hf (fp32 + simulated engine numerics) or vllm (if installed)"),
+    device=typer.Option("cpu", help="hf backend device: cpu, cuda, cuda:N"),
+    no_simulate=typer.Option(False, "--no-simulate", help="hf backend: dequantized weights only, no activation/KV quantization"),
+    gate=typer.Option([], "--gate", help="gate on '<task>' (percent) or '<task>_delta' (points), e.g. mmlu_pro_delta>=-1.0"),
+    json_out=typer.Option(False, "--json"),
+    save=typer.Option(None, "--save", help="also write the result JSON to this file"),
+    no_record=typer.Option(False, "--no-record", help="do not record the result in an fp8ptq checkpoint's report"),
+)
+
+
 @eval_app.command("quality")
 def eval_quality(
     model: str = typer.Argument(..., help="checkpoint to evaluate (any compressed-tensors dir, or plain)"),
@@ -198,6 +214,7 @@ def eval_quality(
     seq_len: int = typer.Option(512),
     no_simulate: bool = typer.Option(False, "--no-simulate", help="dequantized weights only, like a plain HF load"),
     json_out: bool = typer.Option(False, "--json"),
+    no_record: bool = _EVAL_OPTS["no_record"],
 ):
     """PPL, KL and top-1 agreement vs a reference, under simulated engine numerics."""
     _offline()
@@ -207,6 +224,10 @@ def eval_quality(
                      seq_len=seq_len, simulate=not no_simulate)
     with _user_errors(), _progress(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
+    if not no_record:
+        from fp8ptq.report import save_eval
+
+        save_eval(Path(model), "quality", result)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -256,20 +277,6 @@ def _harness(cfg, gate, json_out, save, no_record, name):
     _finish_gates(result["gates"])
 
 
-_EVAL_OPTS = dict(
-    baseline=typer.Option(None, "--baseline", help="reference model (dir, .gguf or alias) for the delta"),
-    limit=typer.Option(None, help="questions per (sub)task (default: all)"),
-    num_fewshot=typer.Option(None, help="few-shot examples (default: the task's; mmlu_pro: 5)"),
-    max_gen_toks=typer.Option(None, help="cap generated tokens (default: the task's; mmlu_pro: 2048)"),
-    batch_size=typer.Option(4, help="lm-eval batch size"),
-    backend=typer.Option("hf", help="hf (fp32 + simulated engine numerics) or vllm (if installed)"),
-    device=typer.Option("cpu", help="hf backend device: cpu, cuda, cuda:N"),
-    no_simulate=typer.Option(False, "--no-simulate", help="hf backend: dequantized weights only, no activation/KV quantization"),
-    gate=typer.Option([], "--gate", help="gate on '<task>' (percent) or '<task>_delta' (points), e.g. mmlu_pro_delta>=-1.0"),
-    json_out=typer.Option(False, "--json"),
-    save=typer.Option(None, "--save", help="also write the result JSON to this file"),
-    no_record=typer.Option(False, "--no-record", help="do not record the result in an fp8ptq checkpoint's report"),
-)
 
 
 @eval_app.command("mmlu_pro")

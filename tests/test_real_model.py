@@ -61,7 +61,7 @@ def test_convert_and_eval_cli(tmp_path, smol_kv8):
     assert "quantization_config" not in json.loads((hf / "config.json").read_text())
     out, _ = smol_kv8
     r = runner.invoke(app, ["eval", "quality", str(out), "--reference", str(hf), "--num-samples", "1",
-                            "--seq-len", "128", "--json"])
+                            "--seq-len", "128", "--json", "--no-record"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["numerics"]["kv_layers"] == 30 and 0 < res["kl"] < 0.2

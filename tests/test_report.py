@@ -93,3 +93,13 @@ def test_report_command(tiny_q, tmp_path):
     assert r.exit_code == 0 and (out / "report.md").is_file()
     r = runner.invoke(app, ["report", str(tmp_path)])
     assert r.exit_code == 2 and "fp8ptq_manifest.json" in r.output
+
+
+def test_eval_quality_is_recorded_in_the_report(tiny_q, tiny_dir):
+    out, _ = tiny_q
+    r = runner.invoke(app, ["eval", "quality", str(out), "--reference", str(tiny_dir), "--num-samples", "1", "--seq-len", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    kl = json.loads(r.stdout)["kl"]
+    assert (out / "fp8ptq_evals" / "quality.json").is_file()
+    assert f"KL {kl:.5f} per token" in (out / "report.md").read_text()
+    assert "Evaluation: quality" in dump_dom(out / "report.html")
