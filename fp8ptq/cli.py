@@ -41,9 +41,9 @@ def _return_freed_memory() -> None:
 
 
 def _offline() -> None:
-    # No network at run time: never let transformers/datasets reach for a hub.
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(var, "1")
+    from fp8ptq.models.loader import ensure_offline
+
+    ensure_offline()
 
 
 @contextmanager
@@ -86,13 +86,13 @@ _GATE_HELP = "quality gate METRIC OP NUMBER, e.g. kl<=0.05, top1>=0.9 (repeatabl
 
 def _finish_gates(results: list[dict]) -> None:
     """Print gate results; exit GATE_FAILED_EXIT when any failed (after everything else was printed)."""
-    from fp8ptq.gates import Gate, GateResult
+    from fp8ptq.gates import GateResult
 
     if not results:
         return
     failed = 0
     for r in results:
-        res = GateResult(Gate(r["metric"], r["op"], r["threshold"]), r["value"], r["passed"])
+        res = GateResult.from_dict(r)
         console.print(("[green]gate[/] " if r["passed"] else "[bold red]gate[/] ") + res.describe(), highlight=False)
         failed += not r["passed"]
     if failed:
@@ -237,23 +237,18 @@ def eval_quality(
     out.print(table)
 
 
-def _harness(cfg, gate, json_out, save, no_record, name):
-    """Shared body of `eval mmlu_pro` and `eval tasks`: run lm-eval, gate, record, print."""
+def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save, no_record: bool, **fields):
+    """Shared body of `eval mmlu_pro` and `eval tasks`: run lm-eval (gates included), record, print.
+    `fields` are the HarnessConfig fields the two commands share."""
     _offline()
-    from fp8ptq import gates as gates_mod
-    from fp8ptq.eval.harness import gate_metrics, run
-    from fp8ptq.report import save_eval
+    from fp8ptq.eval.harness import HarnessConfig, run
+    from fp8ptq.report import fmt_num as f, save_eval
 
+    cfg = HarnessConfig(tasks=tuple(tasks), simulate=not no_simulate, gates=tuple(gate), **fields)
     model, baseline = cfg.model, cfg.baseline
     with _user_errors():
-        gates = gates_mod.parse_gates(gate)
-        for g in gates:  # refuse before the (long) run a gate this run cannot produce
-            if not any(g.metric == t or g.metric.startswith(t + "_") for t in cfg.tasks):
-                raise Fp8ptqError(f"gate '{g}': this evaluation produces no '{g.metric}'",
-                                  fix=f"gate on {', '.join(f'{t}, {t}_delta' for t in cfg.tasks)} (or a {cfg.tasks[0]}_<subtask>)")
         console.print(f"lm-eval: {', '.join(cfg.tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False)
         result = run(cfg)
-    result["gates"] = [r.as_dict() for r in gates_mod.check(gates, gate_metrics(result))]
     if save:
         save.write_text(json.dumps(result, indent=2) + "\n")
     recorded = None if no_record else save_eval(Path(model), name, result)
@@ -262,9 +257,6 @@ def _harness(cfg, gate, json_out, save, no_record, name):
     else:
         table = Table("task", "n", "score ± s.e. (%)", "baseline (%)", "delta [95% CI] (pts)",
                       title=f"{name}: {model}" + (f" vs {baseline}" if baseline else ""))
-        def f(x, spec=".1f"):
-            return "n/a" if x is None else format(x, spec)
-
         for task, r in result["tasks"].items():
             delta = (f"{f(r['delta'], '+.1f')} [{f(r['delta_ci95'][0], '+.1f')}, {f(r['delta_ci95'][1], '+.1f')}]"
                      if "delta" in r else "–")
@@ -275,8 +267,6 @@ def _harness(cfg, gate, json_out, save, no_record, name):
         if recorded:
             console.print(f"recorded in {recorded}", highlight=False)
     _finish_gates(result["gates"])
-
-
 
 
 @eval_app.command("mmlu_pro")
@@ -290,12 +280,7 @@ def eval_mmlu_pro(
     save: Optional[Path] = _EVAL_OPTS["save"], no_record: bool = _EVAL_OPTS["no_record"],
 ):
     """lm-eval's mmlu_pro (5-shot CoT, answer regex) offline, per category, with the delta vs a baseline."""
-    from fp8ptq.eval.harness import HarnessConfig
-
-    cfg = HarnessConfig(model=model, tasks=("mmlu_pro",), baseline=baseline, data=data, limit=limit,
-                        num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, batch_size=batch_size, backend=backend,
-                        device=device, simulate=not no_simulate)
-    _harness(cfg, gate, json_out, save, no_record, "mmlu_pro")
+    _harness("mmlu_pro", tasks=["mmlu_pro"], **locals())
 
 
 @eval_app.command("tasks")
@@ -313,12 +298,9 @@ def eval_tasks(
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail(Fp8ptqError("--tasks is empty", fix="pass e.g. --tasks my_task,other_task"))
-    from fp8ptq.eval.harness import HarnessConfig
-
-    cfg = HarnessConfig(model=model, tasks=tuple(names), baseline=baseline, include_path=include_path, limit=limit,
-                        num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, batch_size=batch_size, backend=backend,
-                        device=device, simulate=not no_simulate)
-    _harness(cfg, gate, json_out, save, no_record, "tasks-" + "-".join(names))
+    opts = {**locals(), "tasks": names}
+    del opts["names"]
+    _harness("tasks-" + "-".join(names), **opts)
 
 
 @app.command()

@@ -56,6 +56,10 @@ class GateResult:
         verdict = "passed" if self.passed else "FAILED"
         return f"{self.gate}: {verdict}, {self.gate.metric} = {self.value:.6g} (margin {self.margin:+.4g})"
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "GateResult":
+        return cls(Gate(d["metric"], d["op"], d["threshold"]), d["value"], d["passed"])
+
     def as_dict(self) -> dict:
         return {"gate": str(self.gate), "metric": self.gate.metric, "op": self.gate.op,
                 "threshold": self.gate.threshold, "value": self.value, "passed": self.passed, "margin": self.margin}
@@ -99,4 +103,13 @@ def quantize_metrics(manifest: dict) -> dict[str, float]:
     return out
 
 
-QUALITY_METRICS = ("kl", "top1", "ppl", "ppl_ratio")
+QUALITY_METRICS = ("kl", "top1", "ppl", "ppl_ratio")  # need the quality check
+QUANTIZE_METRICS = QUALITY_METRICS + ("size_ratio", "worst_linear_rel_err")  # what quantize_metrics() can produce
+
+
+def check_task_gates(gates: list[Gate], tasks) -> None:
+    """Refuse, before a (long) lm-eval run, a gate that run cannot produce."""
+    for g in gates:
+        if not any(g.metric == t or g.metric.startswith(t + "_") for t in tasks):
+            raise RecipeError(f"gate '{g}': this evaluation produces no '{g.metric}'",
+                              fix=f"gate on {', '.join(f'{t}, {t}_delta' for t in tasks)} (or a {tasks[0]}_<subtask>)")

@@ -191,7 +191,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
 def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:
     """(gates to check, recipe gates skipped), checked before any work. A gate on a quality metric needs the
     quality check: asked for with --gate it is an error without one; a recipe's own is skipped and reported."""
-    known = set(gates_mod.QUALITY_METRICS) | {"size_ratio", "worst_linear_rel_err"}
+    known = gates_mod.QUANTIZE_METRICS
     gates, skipped = [], []
     for g, from_recipe in [(g, True) for g in (recipe.gates if cfg.recipe_gates else ())] + [(g, False) for g in cfg.gates]:
         g = gates_mod.parse_gate(g)

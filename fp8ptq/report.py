@@ -130,7 +130,8 @@ def _context(out_dir: Path, manifest: dict, serve_path: str) -> dict:
     }
 
 
-def _num(x, spec: str = ".1f") -> str:
+def fmt_num(x, spec: str = ".1f") -> str:
+    """A number, or 'n/a' for None (e.g. the standard error of a single question)."""
     return "n/a" if x is None else format(x, spec)
 
 
@@ -138,7 +139,7 @@ def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("fp8ptq", "report_templates"),
                              autoescape=jinja2.select_autoescape(["html", "html.j2"]),
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters["num"] = _num
+    env.filters["num"] = fmt_num
     return env
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fp8ptq import gates as gates_mod
 from fp8ptq.errors import DataError, ModelError
+from fp8ptq.models.loader import ensure_offline
 
 MMLU_PRO = "mmlu_pro"
 MMLU_PRO_COLUMNS = ("question", "options", "answer", "cot_content", "category")
@@ -45,6 +46,7 @@ class HarnessConfig:
     device: str = "cpu"
     simulate: bool = True
     seed: int = 0
+    gates: tuple[str, ...] = ()  # on '<task>' (percent) or '<task>_delta' (points); checked before the run
 
 
 def _split_files(root: Path, split: str) -> list[Path]:
@@ -196,7 +198,7 @@ def _paired_delta(cand: dict[str, dict[int, float]], base: dict[str, dict[int, f
     return 100 * mean, 100 * (mean - half), 100 * (mean + half)
 
 
-def _run_one(cfg: HarnessConfig, model: str, specs: list, task_manager, progress) -> tuple[dict, dict, dict]:
+def _run_one(cfg: HarnessConfig, model: str, specs: list, task_manager) -> tuple[dict, dict, dict]:
     from lm_eval import evaluator
 
     lm, numerics = _lm(cfg, model)
@@ -212,8 +214,6 @@ def _run_one(cfg: HarnessConfig, model: str, specs: list, task_manager, progress
                             "a hub dataset works only if it is already in the HF datasets cache") from None
     del lm
     scores, metrics = _per_sample(res)
-    if progress:
-        progress("evaluate", 1, 1)
     return scores, metrics, numerics
 
 
@@ -245,33 +245,33 @@ def _finite(x):
     return x
 
 
-def run(cfg: HarnessConfig, progress=None) -> dict:
-    """Evaluate cfg.model (and cfg.baseline) on cfg.tasks. Returns a JSON-ready dict."""
+def run(cfg: HarnessConfig) -> dict:
+    """Evaluate cfg.model (and cfg.baseline) on cfg.tasks and check cfg.gates. Returns a JSON-ready dict
+    (lm-eval draws its own progress bars)."""
     from lm_eval.tasks import TaskManager
 
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(var, "1")  # never reach for a hub
+    gates = gates_mod.parse_gates(cfg.gates)
+    gates_mod.check_task_gates(gates, cfg.tasks)
+    ensure_offline()
     _quiet_expected_warnings()
     tm = TaskManager(include_path=cfg.include_path)
     specs: list = []
-    groups = []
     for task in cfg.tasks:
         if task == MMLU_PRO:
             specs += mmlu_pro_specs(tm, cfg.data, 5 if cfg.num_fewshot is None else cfg.num_fewshot)
-            groups.append(MMLU_PRO)
         elif task in tm.all_tasks:
             specs.append(task)
         else:
             near = [t for t in tm.all_tasks if task in t][:8]
             raise DataError(f"unknown lm-eval task '{task}'",
                             fix=f"did you mean one of {near}?" if near else "see `lm-eval ls tasks`, or add --include-path DIR with your task YAML")
-    group = groups[0] if groups and len(cfg.tasks) == 1 else None
-    cand, metrics, numerics = _run_one(cfg, cfg.model, specs, tm, progress)
+    group = MMLU_PRO if cfg.tasks == (MMLU_PRO,) else None
+    cand, metrics, numerics = _run_one(cfg, cfg.model, specs, tm)
     rows = _summarise(cand, metrics, group)
     result = {"model": cfg.model, "tasks": rows, "numerics": numerics, "group": group,
               "config": asdict(cfg)}
     if cfg.baseline:
-        base, _, base_numerics = _run_one(cfg, cfg.baseline, specs, tm, progress)
+        base, _, base_numerics = _run_one(cfg, cfg.baseline, specs, tm)
         base_rows = _summarise(base, metrics, group)
         for name, row in rows.items():
             tasks = list(cand) if name == group else [name]
@@ -279,7 +279,9 @@ def run(cfg: HarnessConfig, progress=None) -> dict:
             row["baseline"] = base_rows.get(name, {}).get("score")
             row["delta"], row["delta_ci95"] = delta, [lo, hi]
         result["baseline"] = {"model": cfg.baseline, "numerics": base_numerics}
-    return _finite(result)
+    result = _finite(result)
+    result["gates"] = [r.as_dict() for r in gates_mod.check(gates, gate_metrics(result))]
+    return result
 
 
 def gate_metrics(result: dict) -> dict[str, float]:

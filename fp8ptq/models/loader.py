@@ -27,6 +27,13 @@ ALIASES = {
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
+
+def ensure_offline() -> None:
+    """No network at run time: never let transformers / datasets / lm-eval reach for a hub."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("FP8PTQ_CACHE", Path.home() / ".cache" / "fp8ptq"))
 
