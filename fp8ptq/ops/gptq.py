@@ -1,30 +1,137 @@
 """GPTQ (Frantar et al. 2022) as a pure function: quantize W column by column, pushing each column's
 rounding error onto the not-yet-quantized columns through the inverse Hessian of the layer inputs.
+Minimises ||W X^T - Q X^T||^2 for the inputs X whose Hessian H = 2 X^T X was accumulated.
 
-The quantization grid is a callback, so the same solver serves FP8 (per-tensor / per-channel scales)
-and integer grids. Minimises ||W X - Q X||^2 for the X whose Hessian H = X^T X was accumulated.
+The grid is a value (`WeightGrid`: choose params, fake-quantize), so one solver serves FP8 per-tensor /
+per-channel scales and integer grids, including per-group integer grids whose params are chosen
+either lazily from the error-updated weights (standard GPTQ) or up front in original column order
+("static groups", required with act-order so the checkpoint needs no g_idx).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8
+from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
+from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
+
+# (scale, zero_point | None) at a grid's granularity; x ~= (q - zero_point) * scale.
+Params = tuple[torch.Tensor, torch.Tensor | None]
 # fake_quant_col(w_col [out], j) -> quantized column [out]; j is the column's index in the original W.
 ColumnQuantizer = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def accumulate_hessian(H: torch.Tensor | None, x: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-    """Running mean of 2 x^T x over rows of x [..., in]; returns (H [in, in] fp32, rows seen)."""
+# --- Hessian -------------------------------------------------------------------------------------
+
+
+def hessian_partial(x: torch.Tensor) -> torch.Tensor:
+    """2 X^T X (fp32, [in, in]) over the rows of x [..., in]: one chunk's unnormalised contribution.
+
+    Partials can be summed in any fixed order; `gptq` does not need them divided by the row count.
+    fp32 matmuls are only bit-reproducible for a fixed BLAS thread count (the reduction may be
+    split differently), so compute partials with the same thread count wherever bits must match.
+    """
+    rows = x.detach().reshape(-1, x.shape[-1]).float()
+    return (rows.T @ rows).mul_(2.0)
+
+
+def accumulate_hessian(
+    H: torch.Tensor | None, x: torch.Tensor, count: int, mean: bool = True
+) -> tuple[torch.Tensor, int]:
+    """Add rows of x [..., in] to H; returns (H [in, in] fp32, rows seen). H is updated in place.
+
+    mean=True keeps the running mean of 2 x^T x; mean=False keeps the plain sum (= the sum of
+    `hessian_partial`), which GPTQ accepts unchanged because its damping is relative to mean(diag H).
+    """
     rows = x.reshape(-1, x.shape[-1]).float()
     n = rows.shape[0]
     if H is None:
         H = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float32, device=rows.device)
     total = count + n
-    H.mul_(count / total).add_(rows.T @ rows, alpha=2.0 / total)
+    if mean:
+        H.mul_(count / total).add_(rows.T @ rows, alpha=2.0 / total)
+    else:
+        H.add_(rows.T @ rows, alpha=2.0)
     return H, total
+
+
+# --- Grids ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightGrid:
+    """A quantization grid for GPTQ, as two pure functions.
+
+    choose(W [out, k]) -> Params for those columns: per-tensor ([1]) or per-row ([out, 1]).
+    fake_quant(W [out, k], params) -> [out, k] fp32 on the grid the params define.
+    group_size None: one Params for the whole W, chosen once before solving (FP8/INT8 per-tensor or
+    per-channel). group_size n: one Params per n consecutive input columns; `choose` must then be
+    per-row ([out, 1]), and the result stacks them into [out, in / n].
+    """
+
+    choose: Callable[[torch.Tensor], Params]
+    fake_quant: Callable[[torch.Tensor, Params], torch.Tensor]
+    group_size: int | None = None
+
+
+def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
+    """FP8 E4M3 grid, per-tensor or per-channel. scale: a fixed scale (e.g. shared by fused shards);
+    None chooses the min-max scale of W."""
+    assert g in (TENSOR, CHANNEL), g
+    if scale is None:
+        choose = lambda w: (choose_fp8_scale(w, g), None)  # noqa: E731
+    else:
+        fixed = scale.float().reshape(-1, 1) if g == CHANNEL else scale.float().reshape(1)
+        choose = lambda w: (fixed, None)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g))
+
+
+def int_grid(
+    bits: int,
+    symmetric: bool,
+    g: Granularity,
+    mse: bool = False,
+    shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
+    scale_dtype: torch.dtype | None = None,
+    params: Params | None = None,
+) -> WeightGrid:
+    """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
+
+    mse: choose each scale (per row, per group) by the clipping search of `mse_int_qparams`
+    instead of plain min-max. scale_dtype: round scales to the dtype the engine loads them in.
+    params: fixed (scale, zero_point) for TENSOR / CHANNEL grids (e.g. a scale shared by fused shards).
+    """
+    assert g.kind in ("tensor", "channel", "group"), g
+    within = TENSOR if g == TENSOR else CHANNEL  # a group's params are per-row over its n columns
+    if params is not None:
+        assert g.kind != "group", "fixed params are for per-tensor / per-channel grids"
+        choose = lambda w: params  # noqa: E731
+    elif mse:
+        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, shrink_grid, scale_dtype)  # noqa: E731
+    else:
+        choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size)
+
+
+# --- Solver --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """weight: fake-quantized W [out, in] fp32, every column on its grid. scale / zero_point: the
+    params actually used (group grids: [out, in / n]), to be exported as-is. dead_columns: inputs
+    that were always zero (quantized as 0). damp: relative damping finally used (after retries)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    dead_columns: int
+    damp: float
 
 
 @contextmanager
@@ -39,17 +146,126 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, retrying with more damping if needed."""
+def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, retrying with more damping if needed.
+    Damping relative to mean(diag H) makes the solve invariant to the scale of H (mean or sum)."""
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     mean_diag = torch.diag(H).mean().clamp_min(1e-12)
     for attempt in range(6):
+        d = damp * 10**attempt
         try:
-            L = torch.linalg.cholesky(H + (damp * 10**attempt) * mean_diag * eye)
-            return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+            L = torch.linalg.cholesky(H + d * mean_diag * eye)
+            return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True), d
         except torch.linalg.LinAlgError:
             continue
     raise torch.linalg.LinAlgError("GPTQ: Hessian is not positive definite even with 1e5x damping")
+
+
+def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 copies of W and H with dead inputs (zero H diagonal) neutralised: their weights are 0 and
+    their diagonal is the mean live diagonal (keeps mean(diag H), hence damping, scale-invariant)."""
+    W = W.detach().float().clone()
+    H = H.detach().float().clone()
+    diag = H.diagonal()
+    dead = diag == 0
+    if dead.any():
+        live = diag[~dead]
+        diag[dead] = live.mean() if live.numel() else 1.0
+        W[:, dead] = 0.0
+    return W, H, dead
+
+
+def _solve(W, H, order, quant_col, block_size, damp, group_size=None, start_group=None):
+    """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
+
+    start_group(slab [out, group_size]) is called when the solve reaches the first column of each
+    group, with that group's current (error-updated) weights; blocks must then be group-aligned.
+    Returns (Q [out, in] in original column order, damping used).
+    """
+    n = W.shape[1]
+    Wt = W[:, order].T.contiguous()
+    Qt = torch.empty_like(Wt)
+    Hinv, used = _inverse_hessian_cholesky(H[order][:, order], damp)
+    js = order.tolist()
+    # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
+    # rounding of the original implementation bit for bit, without a temporary per column
+    buf = torch.empty(min(block_size, n), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        W1 = Wt[i1:i2]  # a view: updated in place
+        Err1 = torch.empty_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            if start_group is not None and (i1 + i) % group_size == 0:
+                start_group(W1[i : i + group_size].T)
+            w = W1[i]
+            q = quant_col(w, js[i1 + i])
+            Qt[i1 + i] = q
+            err = torch.div(w - q, Hinv1[i, i], out=Err1[i])
+            rest = i2 - i1 - i - 1
+            if rest:
+                W1[i + 1 :].sub_(torch.mul(Hinv1[i, i + 1 :].unsqueeze(1), err, out=buf[:rest]))
+        Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
+    return Qt.T[:, torch.argsort(order)].contiguous(), used
+
+
+def _column_order(H: torch.Tensor, act_order: bool) -> torch.Tensor:
+    n = H.shape[0]
+    if not act_order:
+        return torch.arange(n, device=H.device)
+    return torch.argsort(torch.diag(H), descending=True, stable=True)  # stable: ties stay deterministic
+
+
+def gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    grid: WeightGrid,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool = False,
+) -> GPTQResult:
+    """GPTQ-quantize W [out, in] onto `grid` given the input Hessian H [in, in] (mean or sum of
+    2 x^T x: only its shape matters, not its scale). W and H are not modified.
+
+    act_order: visit columns by decreasing diag(H). For group grids this implies static groups.
+    static_groups: choose every group's params up front from the original W, in original column
+    order (each column keeps its own group's params, so the export needs no g_idx). Otherwise each
+    group's params are chosen when the solve reaches its first column, from the error-updated
+    weights; block_size is then rounded down to a multiple of group_size (at least one group) so a
+    group never straddles blocks and its params see fully updated weights.
+    Params are chosen after dead inputs are zeroed.
+    """
+    n, n_g = W.shape[1], grid.group_size
+    if n_g is not None and (n_g <= 0 or n % n_g):
+        raise ValueError(f"group_size {n_g} does not divide in_features {n}")
+    W, H, dead = _prepare(W, H)
+    order = _column_order(H, act_order)
+    with _one_thread():
+        if n_g is None:
+            params = grid.choose(W)
+            quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
+            Q, used = _solve(W, H, order, quant, block_size, damp)
+            scale, zero_point = params
+        elif act_order or static_groups:
+            # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
+            s, z = grid.choose(W.reshape(-1, n_g))
+            scale = s.reshape(W.shape[0], -1)
+            zero_point = None if z is None else z.reshape(W.shape[0], -1)
+            cols = [
+                (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1])
+                for k in range(n // n_g)
+            ]
+            quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), cols[j // n_g])[:, 0]  # noqa: E731
+            Q, used = _solve(W, H, order, quant, block_size, damp)
+        else:
+            groups: list[Params] = []
+            quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
+            aligned = max(1, block_size // n_g) * n_g
+            Q, used = _solve(W, H, order, quant, aligned, damp, n_g, lambda slab: groups.append(grid.choose(slab)))
+            scale = torch.cat([p[0] for p in groups], dim=1)
+            zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)
+    return GPTQResult(Q, scale, zero_point, int(dead.sum()), used)
 
 
 def gptq_quantize(
@@ -60,39 +276,13 @@ def gptq_quantize(
     damp: float = 0.01,
     act_order: bool = False,
 ) -> torch.Tensor:
-    """Return the GPTQ-quantized (fake-quant, fp32) copy of W [out, in]; W is not modified.
-
-    H [in, in]: input Hessian. Columns whose inputs are always zero are quantized as zero.
-    act_order: visit columns by decreasing H diagonal (largest inputs first).
+    """Column-callback form (kept for existing callers): the GPTQ-quantized (fake-quant, fp32) copy of
+    W [out, in]; W is not modified. fake_quant_col(w_col [out], j) rounds column j (original index)
+    onto the caller's fixed grid. Columns whose inputs are always zero are quantized as zero.
+    act_order: visit columns by decreasing H diagonal (largest inputs first). Prefer `gptq`, which
+    also returns the params it used.
     """
-    W = W.detach().float().clone()
-    H = H.detach().float().clone()
-    n = W.shape[1]
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(n, device=W.device)
-    W = W[:, order]
-    H = H[order][:, order]
-    Q = torch.zeros_like(W)
+    W, H, _ = _prepare(W, H)
     with _one_thread():
-        Hinv = _inverse_hessian_cholesky(H, damp)
-        _solve(W, Hinv, Q, order, fake_quant_col, block_size)
-    return Q[:, torch.argsort(order)]
-
-
-def _solve(W, Hinv, Q, order, fake_quant_col, block_size) -> None:
-    n = W.shape[1]
-    for i1 in range(0, n, block_size):
-        i2 = min(i1 + block_size, n)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            w = W1[:, i]
-            q = fake_quant_col(w, int(order[i1 + i]))
-            Q[:, i1 + i] = q
-            err = (w - q) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+        Q, _ = _solve(W, H, _column_order(H, act_order), fake_quant_col, block_size, damp)
+    return Q

@@ -52,6 +52,26 @@ def reduce_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1, n).amax(dim=-1)
 
 
+def reduce_minmax(x: torch.Tensor, g: Granularity) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of x (fp32) reduced to the scale shape of `g`, like `reduce_amax`; NaN propagates.
+
+    Asymmetric integer grids need both ends, not just |x|.
+    """
+    if g.kind == "tensor":
+        if not x.numel():
+            return torch.zeros(1), torch.zeros(1)
+        lo, hi = torch.aminmax(x.detach())
+        return lo.float().reshape(1), hi.float().reshape(1)
+    rows = x.detach().float().reshape(-1, x.shape[-1])
+    if g.kind == "group":
+        n = g.group_size
+        assert rows.shape[-1] % n == 0, (rows.shape, n)
+        lo, hi = torch.aminmax(rows.reshape(rows.shape[0], -1, n), dim=-1)
+        return lo, hi
+    lo, hi = torch.aminmax(rows, dim=-1, keepdim=True)
+    return lo, hi
+
+
 def expand_scale(scale: torch.Tensor, x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """Broadcast a scale of granularity g to x's 2-D view [-1, last]."""
     if g.kind == "tensor":
