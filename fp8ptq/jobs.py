@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,18 +19,20 @@ import torch
 
 import fp8ptq
 from fp8ptq import data as data_mod
-from fp8ptq.calibrate.pipeline import LayerResult, Progress, QuantizedLinear, calibrate, quantize_weights
 from fp8ptq import gates as gates_mod
-from fp8ptq.errors import ModelError, RecipeError
+from fp8ptq.calibrate.pipeline import CalibrationSetup, LayerResult, Progress, QuantizedLinear, calibrate
+from fp8ptq.dist import LocalComm, init_from_env
+from fp8ptq.errors import Fp8ptqError, ModelError, RecipeError
 from fp8ptq.eval.quality import compare, load_simulated
-from fp8ptq.export.atomic import atomic_output_dir, check_output
-from fp8ptq.export.compressed_tensors import ShardWriter, compress_linear, ct_scheme, quantization_config
+from fp8ptq.export.atomic import RunDir, check_output
+from fp8ptq.export.compressed_tensors import quantization_config
+from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.models.loader import ModelSource, convert_gguf, open_hf_dir, resolve_model
 from fp8ptq.models.skeleton import build_skeleton, decoder_layers
 from fp8ptq.quantize.plan import plan_layer
+from fp8ptq.quantize.schemes import LinearScheme, quantize_group
 from fp8ptq.recipe import Recipe, load_recipe, recipe_yaml
 from fp8ptq.report import write_report
-
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,11 @@ class QuantizeConfig:
     eval_seq_len: int = 512
     gates: tuple[str, ...] = ()  # added to the recipe's own gates
     recipe_gates: bool = True  # False: ignore the recipe's gates
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
+    offload_activations: bool = False  # keep calibration activations on disk instead of RAM
+    resume: bool = False  # continue an interrupted run of the same command
+    checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (every layer when small)
 
 
 @dataclass(frozen=True)
@@ -70,59 +78,39 @@ def _versions() -> dict:
             "compressed-tensors": compressed_tensors.__version__, "python": platform.python_version()}
 
 
-class _CheckpointWriter:
-    """Streams one layer at a time into the shard writer; copies everything not quantized as-is."""
-
-    def __init__(self, src: ModelSource, recipe: Recipe, out: Path):
-        self.src, self.recipe, self.scheme = src, recipe, ct_scheme(recipe)
-        self.shards = ShardWriter(out)
-        self.written: set[str] = set()
-        self.layers: list[dict] = []
-
-    def _copy(self, name: str) -> None:
-        self.shards.add(name, self.src.tensor(name))
-        self.written.add(name)
-
-    def layer(self, res: LayerResult) -> None:
-        for module, q in res.linears.items():
-            tensors = compress_linear(q.weight, q.weight_scale, q.input_scale, self.scheme)
-            for k, t in tensors.items():
-                self.shards.add(f"{module}.{k}", t)
-            self.written.add(f"{module}.weight")
-        for name, scale in res.kv_scales.items():
-            self.shards.add(name, scale.float().reshape(1))  # shape [1], as compressed-tensors creates them
-        for name in self.src.weight_map:
-            if name.startswith(res.prefix) and name not in self.written:
-                self._copy(name)
-        self.layers.append({"index": res.index, "quantized": {m: q.report for m, q in res.linears.items()}, **res.report})
-
-    def finish(self) -> list[str]:
-        for name in self.src.weight_map:
-            if name not in self.written and not name.startswith("model.layers."):
-                self._copy(name)
-        return self.shards.close()
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise Fp8ptqError(f"--device {device}: this torch has no CUDA device", fix="use --device cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise Fp8ptqError(f"unknown --device '{device}'", fix="use auto, cpu, cuda or cuda:N")
+    return device
 
 
-def _data_free(src: ModelSource, recipe: Recipe, writer: _CheckpointWriter, progress: Progress | None) -> None:
-    """Weight-only work (e.g. fp8-dynamic): per layer, read its weights, quantize, write. No forward."""
-    skeleton = build_skeleton(src.config)
-    layers = decoder_layers(skeleton)
-    for i, layer in enumerate(layers):
+def _data_free(src: ModelSource, recipe: Recipe, writer: CheckpointWriter, start: int, on_done, progress) -> None:
+    """Weight-only work (RTN, no activation statistics): per layer, read its weights, quantize, write."""
+    layers = decoder_layers(build_skeleton(src.config))
+    scheme = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    for i in range(start, len(layers)):
         prefix = f"model.layers.{i}."
-        plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore)
+        plan = plan_layer(layers[i], prefix, recipe.scheme.targets, recipe.scheme.ignore)
         res = LayerResult(index=i, prefix=prefix, report={"skipped": {prefix + n: why for n, why in plan.skipped}})
         for group in plan.groups:
             weights = {n: src.tensor(f"{prefix}{n}.weight") for n in group}
-            for n, (q, scale, report) in quantize_weights(weights, recipe, None).items():
-                res.linears[prefix + n] = QuantizedLinear(q, scale, None, report)
+            for n, qw in quantize_group(weights, recipe.scheme.weights, recipe.calibration, None).items():
+                res.linears[prefix + n] = QuantizedLinear(qw.fake, qw.params, scheme, qw.report)
         writer.layer(res)
+        on_done(i)
         if progress:
             progress("quantize", i + 1, len(layers))
 
 
-def _write_metadata(src: ModelSource, recipe: Recipe, tokenizer, out: Path) -> None:
+def _write_metadata(src: ModelSource, recipe: Recipe, tokenizer, out: Path, config_updates: dict | None = None,
+                    groups=None) -> None:
     config = json.loads((src.path / "config.json").read_text())
-    config["quantization_config"] = quantization_config(recipe)
+    config.update(config_updates or {})
+    config["quantization_config"] = quantization_config(recipe, groups)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for extra in ("generation_config.json",):
         if (src.path / extra).is_file():
@@ -131,16 +119,49 @@ def _write_metadata(src: ModelSource, recipe: Recipe, tokenizer, out: Path) -> N
     (out / "recipe.yaml").write_text(recipe_yaml(recipe))
 
 
+def _fingerprint(src: ModelSource, recipe: Recipe, ids: torch.Tensor | None, cfg: QuantizeConfig, world: int) -> dict:
+    """What a resumed run must share with the interrupted one for the result to be the same."""
+    import hashlib
+
+    return {"model": src.label, "model_bytes": src.size_bytes(), "fp8ptq": fp8ptq.__version__,
+            "recipe": recipe.model_dump(mode="json"),
+            "calibration_data": None if ids is None else hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+            "chunk_tokens": cfg.chunk_tokens, "world_size": world}
+
+
+def _open_run(cfg: QuantizeConfig, comm, fingerprint: dict) -> tuple[RunDir | None, dict]:
+    """Rank 0 opens (or resumes) the run directory; every rank gets its state (or rank 0's error)."""
+    run, msg = None, None
+    if comm.rank == 0:
+        run = RunDir(cfg.output, overwrite=cfg.overwrite, resume=cfg.resume, fingerprint=fingerprint)
+        try:
+            run.__enter__()
+            msg = ("ok", run.state, run.resumed, str(run.path))
+        except Fp8ptqError as err:
+            msg = ("error", err.message, err.fix, type(err).__name__)
+            if comm.world == 1:
+                raise
+    msg = comm.broadcast_object(msg)
+    if msg[0] == "error":
+        raise Fp8ptqError(msg[1], fix=msg[2])
+    return run, {"state": msg[1], "resumed": msg[2], "path": Path(msg[3])}
+
+
 def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
-    """Quantize cfg.model with cfg.recipe into cfg.output. Returns the manifest (also written to disk)."""
+    """Quantize cfg.model with cfg.recipe into cfg.output. Returns the manifest (also written to disk).
+
+    Under torchrun (WORLD_SIZE > 1) every rank calibrates its share of the samples, statistics are
+    combined exactly, and rank 0 writes the output; the manifest is returned on rank 0 (others: {})."""
     recipe = load_recipe(cfg.recipe)
     check_output(cfg.output, cfg.overwrite)  # fail before any work
+    device = resolve_device(cfg.device)
     cal = recipe.calibration
     overrides = {k: v for k, v in (("num_samples", cfg.num_samples), ("seq_len", cfg.seq_len), ("seed", cfg.seed)) if v is not None}
     if overrides:
         recipe = recipe.model_copy(update={"calibration": cal.model_copy(update=overrides)})
         cal = recipe.calibration
     gates, gates_skipped = _gates(cfg, recipe)
+    comm = init_from_env(device)
     t0 = time.perf_counter()
     src = resolve_model(cfg.model)
     tokenizer = src.tokenizer()
@@ -148,44 +169,98 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
     if recipe.needs_data:
         ids = data_mod.load_samples(cfg.data, tokenizer, cal.num_samples, cal.seq_len, "calibration", cal.seed,
                                     cfg.text_field, cfg.chat_template)
-    eval_ids = None
-    if cfg.eval_samples > 0:
-        eval_ids = data_mod.load_samples(data_mod.BUILTIN, tokenizer, cfg.eval_samples, cfg.eval_seq_len, "evaluation", 0)
     timings = {"load_s": time.perf_counter() - t0}
-    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
-        writer = _CheckpointWriter(src, recipe, tmp)
-        t1 = time.perf_counter()
-        if ids is not None:
-            calibrate(src, recipe, ids, writer.layer, progress)
+    run, info = _open_run(cfg, comm, _fingerprint(src, recipe, ids, cfg, comm.world))
+    try:
+        manifest = _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, timings, progress)
+        if run is not None:
+            manifest["gates"] = [r.as_dict() for r in gates_mod.check(gates, gates_mod.quantize_metrics(manifest))]
+            manifest["gates_skipped"] = gates_skipped  # recipe gates that need the quality check, which was off
+            (run.path / "fp8ptq_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            write_report(run.path, manifest, serve_path=str(cfg.output))
+            CheckpointWriter(src, run.path).cleanup()
+            run.commit()
+    finally:
+        if run is not None:
+            run.__exit__(*sys.exc_info())
+    return manifest if run is not None else {}
+
+
+def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, timings, progress) -> dict:
+    """The body of quantize() inside the (possibly resumed) run directory."""
+    path, state = info["path"], info["state"]
+    writer = CheckpointWriter(src, path) if comm.rank == 0 else None
+    start = state.get("checkpoint", 0)
+    layers_total = src.config.num_hidden_layers
+    t1 = time.perf_counter()
+    if start < layers_total:
+        if ids is None:  # data-free: nothing to share between ranks, rank 0 does it
+            if comm.rank == 0:
+                _data_free(src, recipe, writer, start, lambda i: run.save_state(layers_done=i + 1, checkpoint=i + 1), progress)
         else:
-            _data_free(src, recipe, writer, progress)
-        shards = writer.finish()
-        timings["quantize_s"] = time.perf_counter() - t1
-        _write_metadata(src, recipe, tokenizer, tmp)
-        manifest = {
-            "model": src.label,
-            "recipe": recipe.model_dump(mode="json"),
-            "versions": _versions(),
-            "calibration": None if ids is None else {"source": cfg.data, "samples": ids.shape[0], "seq_len": ids.shape[1],
-                                                     "tokens": ids.numel(), "seed": cal.seed},
-            "shards": shards,
-            "size_bytes": {"source": src.size_bytes(), "output": sum((tmp / s).stat().st_size for s in shards)},
-            "layers": writer.layers,
-            "summary": _summary(writer.layers),
-        }
-        if eval_ids is not None:
-            t2 = time.perf_counter()
-            quant = load_simulated(open_hf_dir(tmp, label=str(cfg.output)))
-            ref = load_simulated(src)
-            manifest["quality"] = {**compare(ref.model, quant.model, eval_ids, progress=progress),
-                                   "data": "built-in evaluation split", "numerics": quant.numerics}
-            timings["eval_s"] = time.perf_counter() - t2
-        manifest["timings"] = timings
-        manifest["gates"] = [r.as_dict() for r in gates_mod.check(gates, gates_mod.quantize_metrics(manifest))]
-        manifest["gates_skipped"] = gates_skipped  # recipe gates that need the quality check, which was off
-        (tmp / "fp8ptq_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        write_report(tmp, manifest, serve_path=str(cfg.output))
+            _calibrate_run(cfg, recipe, src, ids, comm, run, writer, path, start, device, progress)
+    timings["quantize_s"] = time.perf_counter() - t1
+    if comm.rank != 0:
+        return {}
+    layers = writer.reports()
+    shards = state.get("shards")  # a resumed run that had already assembled its shards
+    if not shards:
+        shards = writer.finish(layers_total)
+        run.save_state(shards=shards)
+    _write_metadata(src, recipe, tokenizer, path)
+    manifest = {
+        "model": src.label,
+        "recipe": recipe.model_dump(mode="json"),
+        "versions": _versions(),
+        "calibration": None if ids is None else {"source": cfg.data, "samples": ids.shape[0], "seq_len": ids.shape[1],
+                                                 "tokens": ids.numel(), "seed": recipe.calibration.seed},
+        "run": {"device": device, "world_size": comm.world, "resumed_from_layer": start if info["resumed"] else None,
+                "offload_activations": cfg.offload_activations, "chunk_tokens": cfg.chunk_tokens},
+        "shards": shards,
+        "size_bytes": {"source": src.size_bytes(), "output": sum((path / s).stat().st_size for s in shards)},
+        "layers": layers,
+        "summary": _summary(layers),
+    }
+    if cfg.eval_samples > 0:
+        t2 = time.perf_counter()
+        eval_ids = data_mod.load_samples(data_mod.BUILTIN, tokenizer, cfg.eval_samples, cfg.eval_seq_len, "evaluation", 0)
+        quant = load_simulated(open_hf_dir(path, label=str(cfg.output)), device=device)
+        ref = load_simulated(src, device=device)
+        manifest["quality"] = {**compare(ref.model, quant.model, eval_ids.to(device), progress=progress),
+                               "data": "built-in evaluation split", "numerics": quant.numerics}
+        del quant, ref
+        timings["eval_s"] = time.perf_counter() - t2
+    manifest["timings"] = timings
     return manifest
+
+
+def _calibrate_run(cfg, recipe, src, ids, comm, run, writer, path, start, device, progress) -> None:
+    chunk_samples = max(1, cfg.chunk_tokens // ids.shape[1])
+    resume_dir = path / "resume"
+    restore = resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None
+    setup = CalibrationSetup(recipe, chunk_samples=chunk_samples, device=device,
+                             offload_dir=resume_dir if cfg.offload_activations else None,
+                             start_layer=start, restore=restore)
+    last = {"t": time.monotonic()}
+
+    def on_layer(res: LayerResult, st) -> None:
+        if writer is not None:
+            writer.layer(res)
+        i = res.index
+        due = (st.store.nbytes <= 256 << 20 or time.monotonic() - last["t"] >= cfg.checkpoint_every_s
+               or i + 1 == src.config.num_hidden_layers)
+        if due:  # every rank saves its own activations, then rank 0 records the checkpoint
+            resume_dir.mkdir(exist_ok=True)
+            st.store.save(resume_dir / f"hidden.rank{comm.rank}.bin")
+            last["t"] = time.monotonic()
+        comm.barrier()
+        if run is not None:
+            run.save_state(layers_done=i + 1, **({"checkpoint": i + 1} if due else {}))
+
+    calibrate(src, recipe, ids, on_layer, progress, setup, comm)
+    comm.barrier()
+    if run is not None:
+        shutil.rmtree(resume_dir, ignore_errors=True)
 
 
 def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:

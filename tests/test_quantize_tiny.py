@@ -68,8 +68,13 @@ def test_fp8_kv8_tensors(kv8, tiny_sharded_dir):
 def test_fp8_kv8_layout(kv8):
     out, _ = kv8
     names = sorted(p.name for p in out.iterdir())
-    for f in ("config.json", "fp8ptq_manifest.json", "recipe.yaml", "tokenizer.json", "model.safetensors"):
+    for f in ("config.json", "fp8ptq_manifest.json", "recipe.yaml", "tokenizer.json", "model.safetensors.index.json"):
         assert f in names
+    # one shard per decoder layer (streamed as each finishes) + one for embeddings / norm
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == sorted(n for n in names if n.endswith(".safetensors"))
+    assert len(shards) == read_config(out)["num_hidden_layers"] + 1
     qc = read_config(out)["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
@@ -123,10 +128,14 @@ def test_config_parses_under_ct_versions(which, ct, request):
         assert r.stdout.strip() == "0.17.0"
 
 
+def _shard_bytes(path: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.glob("*.safetensors"))}
+
+
 def test_runs_are_bit_identical(tmp_path, tiny_dir):
     a = _run(tiny_dir, tmp_path / "a", "fp8-kv8", eval_samples=0)
     b = _run(tiny_dir, tmp_path / "b", "fp8-kv8", eval_samples=0)
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "b")
     assert a["summary"] == b["summary"]
 
 
@@ -143,13 +152,25 @@ def test_output_exists_needs_overwrite(tmp_path, tiny_dir):
     assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
 
 
-def test_failure_leaves_nothing(tmp_path, tiny_dir, monkeypatch):
+def test_failure_leaves_no_complete_output_and_resumes(tmp_path, tiny_dir, monkeypatch):
     import fp8ptq.jobs as jobs
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash in the middle of writing")
 
+    real = jobs._write_metadata
     monkeypatch.setattr(jobs, "_write_metadata", boom)
     with pytest.raises(RuntimeError):
         _run(tiny_dir, tmp_path / "x", "fp8-dynamic", eval_samples=0)
-    assert list(tmp_path.iterdir()) == []
+    # finished layers are kept (hidden) for --resume; nothing that looks like an output exists
+    assert [p.name for p in tmp_path.iterdir()] == [".x.partial"]
+    from fp8ptq.errors import OutputError
+
+    with pytest.raises(OutputError, match="--resume"):
+        _run(tiny_dir, tmp_path / "x", "fp8-dynamic", eval_samples=0)
+    monkeypatch.setattr(jobs, "_write_metadata", real)
+    m = _run(tiny_dir, tmp_path / "x", "fp8-dynamic", eval_samples=0, resume=True)
+    assert m["run"]["resumed_from_layer"] == 2  # both layers were done: only metadata was left
+    _run(tiny_dir, tmp_path / "y", "fp8-dynamic", eval_samples=0)
+    assert _shard_bytes(tmp_path / "x") == _shard_bytes(tmp_path / "y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "y"]

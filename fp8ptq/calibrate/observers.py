@@ -1,8 +1,11 @@
-"""Observers: turn an observed tensor into a per-tensor FP8 scale. Registry: name -> function.
+"""Observers: turn activation statistics into a static per-tensor scale. Registry: name -> function.
 
-minmax: scale = amax / 448 (nothing clipped).
-mse:    adaptive search over clip ratios r in [0.5, 1]; scale = r * amax / 448 minimising the
-        reconstruction MSE ||fq(x) - x||^2 on up to `max_rows` rows (deterministic subsample).
+An observer reads an `ActStats` (outliers/stats.py, the one statistics code path) and a grid (FP8 or
+INT8: its max code and its fake-quant function), and returns the scale (x ~= q * scale).
+
+minmax: scale = amax / qmax (nothing clipped).
+mse:    adaptive search over clip ratios r in [0.5, 1]: scale = r * amax / qmax minimising the
+        reconstruction MSE ||fq(x) - x||^2 on the statistics' row subsample.
 """
 
 from __future__ import annotations
@@ -12,47 +15,61 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.ops.fp8 import fake_quant_fp8, scale_from_amax
-from fp8ptq.ops.granularity import TENSOR, reduce_amax
+from fp8ptq.ops.fp8 import MIN_SCALE
+from fp8ptq.outliers.stats import ActStats, StatsSpec
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A per-tensor symmetric quantization grid: largest code and fake-quant(x, scale)."""
+
+    name: str
+    qmax: float
+    fake_quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def scale(self, amax: float | torch.Tensor) -> torch.Tensor:
+        a = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+        return (a / self.qmax).clamp_min(MIN_SCALE)
 
 
 @dataclass(frozen=True)
 class ScaleChoice:
     scale: torch.Tensor  # [1] fp32
     amax: float
-    clip_ratio: float  # scale * 448 / amax; 1.0 means nothing clipped
+    clip_ratio: float  # scale * qmax / amax; 1.0 means nothing clipped
 
 
-OBSERVERS: dict[str, Callable[[torch.Tensor], ScaleChoice]] = {}
+OBSERVERS: dict[str, Callable[[ActStats, Grid], ScaleChoice]] = {}
+# What each observer needs collected during calibration.
+OBSERVER_STATS: dict[str, StatsSpec] = {}
 
 
-def observer(name: str):
+def observer(name: str, needs: StatsSpec = StatsSpec()):
     def register(fn):
         assert name not in OBSERVERS, name
         OBSERVERS[name] = fn
+        OBSERVER_STATS[name] = needs
         return fn
 
     return register
 
 
 @observer("minmax")
-def minmax(x: torch.Tensor) -> ScaleChoice:
-    amax = reduce_amax(x, TENSOR)
-    return ScaleChoice(scale_from_amax(amax), float(amax), 1.0)
+def minmax(stats: ActStats, grid: Grid) -> ScaleChoice:
+    amax = stats.amax
+    return ScaleChoice(grid.scale(amax), amax, 1.0)
 
 
-@observer("mse")
-def mse(x: torch.Tensor, ratios: torch.Tensor | None = None, max_rows: int = 16384) -> ScaleChoice:
-    amax = reduce_amax(x, TENSOR)
-    rows = x.reshape(-1, x.shape[-1]).float()
-    if rows.shape[0] > max_rows:
-        step = rows.shape[0] // max_rows
-        rows = rows[::step][:max_rows]
+@observer("mse", needs=StatsSpec(rows=16384))
+def mse(stats: ActStats, grid: Grid, ratios: torch.Tensor | None = None) -> ScaleChoice:
+    amax = stats.amax
+    rows = stats.rows
+    assert rows is not None, "mse observer needs a row subsample (StatsSpec.rows)"
     ratios = torch.linspace(0.5, 1.0, 26) if ratios is None else ratios
     best, best_err = 1.0, float("inf")
     for r in ratios.tolist():
-        s = scale_from_amax(amax * r)
-        err = float((fake_quant_fp8(rows, s, TENSOR) - rows).pow(2).mean())
+        s = grid.scale(amax * r)
+        err = float((grid.fake_quant(rows, s) - rows).pow(2).mean())
         if err < best_err:
             best, best_err = r, err
-    return ScaleChoice(scale_from_amax(amax * best), float(amax), best)
+    return ScaleChoice(grid.scale(amax * best), amax, best)

@@ -16,19 +16,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.utils.match import is_match
 
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name
-from fp8ptq.quantize.numerics import (
-    input_quantizer,
-    install_input_quant,
-    install_kv_quant,
-    quantize_input_dynamic,
-    register_attention,
-)
-from fp8ptq.quantize.plan import granularity, matches
-from fp8ptq.ops.fp8 import fake_quant_fp8_dynamic
+from fp8ptq.quantize.numerics import install_input_quant, install_kv_quant, register_attention
+from fp8ptq.quantize.schemes import input_quantizer
 
 # Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
 _LINEAR_KEYS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
@@ -42,14 +36,20 @@ class Simulated:
 
 
 def _scheme_for(name, module, qcfg: QuantizationConfig):
-    for scheme in qcfg.config_groups.values():
-        if matches(name, module, scheme.targets, qcfg.ignore or []):
-            return scheme
+    """The config group vLLM would pick: a name or `re:` target anywhere wins over a class-name target."""
+    if qcfg.ignore and is_match(name, module, qcfg.ignore):
+        return None
+    for by_name in (True, False):
+        for scheme in qcfg.config_groups.values():
+            targets = [t for t in scheme.targets if (t.startswith("re:") or "." in t) == by_name]
+            if targets and is_match(name, module, targets, []):
+                return scheme
     return None
 
 
-def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu") -> Simulated:
-    """An fp32 model of `src`. simulate=False: dequantized weights only (what a plain HF load computes)."""
+def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu", kv: bool = True) -> Simulated:
+    """An fp32 model of `src`. simulate=False: dequantized weights only (what a plain HF load computes).
+    kv=False: leave the KV cache unquantized (an engine run with a bf16 KV cache)."""
     model = build_skeleton(src.config, attn_implementation=register_attention())
     raw = getattr(src.config, "quantization_config", None)
     qcfg = None
@@ -73,14 +73,9 @@ def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu")
             counts["quantized_linears"] += 1
             acts = scheme.input_activations
             if acts is not None:
-                if acts.dynamic:
-                    g = granularity(acts)
-                    input_quant[name] = quantize_input_dynamic if g.kind == "token" else (lambda x, g=g: fake_quant_fp8_dynamic(x, g))
-                    counts["dynamic_inputs"] += 1
-                else:
-                    s = local["input_scale"].float().reshape(1)
-                    input_quant[name] = input_quantizer(False, s)
-                    counts["static_inputs"] += 1
+                scale = None if acts.dynamic else local["input_scale"].float().reshape(1)
+                input_quant[name] = input_quantizer(acts, scale)
+                counts["dynamic_inputs" if acts.dynamic else "static_inputs"] += 1
             continue
         for pname, _ in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
@@ -95,7 +90,7 @@ def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu")
         modules = dict(model.named_modules())
         for name, quant in input_quant.items():
             install_input_quant(modules[name], quant)
-        if qcfg is not None and qcfg.kv_cache_scheme is not None:
+        if kv and qcfg is not None and qcfg.kv_cache_scheme is not None:
             for name, module in modules.items():
                 if name.endswith("self_attn") and src.has(f"{name}.k_scale"):
                     install_kv_quant(module, src.tensor(f"{name}.k_scale").float(), src.tensor(f"{name}.v_scale").float())

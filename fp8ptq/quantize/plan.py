@@ -11,7 +11,6 @@ import torch
 from compressed_tensors.utils.match import is_match
 
 from fp8ptq.errors import RecipeError
-from fp8ptq.ops.granularity import CHANNEL, TENSOR, TOKEN, Granularity
 
 # vLLM's packed_modules_mapping for Llama-family models: these shards run as one fused GEMM, read the
 # same input, so they must share the input scale (and, per-tensor, the weight scale).
@@ -19,12 +18,6 @@ FUSED_SHARDS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-
-
-def granularity(args) -> Granularity:
-    """compressed-tensors / recipe QuantArgs -> Granularity."""
-    strategy = getattr(args.strategy, "value", args.strategy)
-    return {"tensor": TENSOR, "channel": CHANNEL, "token": TOKEN}[strategy]
 
 
 def matches(name: str, module: torch.nn.Module, targets, ignore) -> bool:

@@ -1,0 +1,99 @@
+"""Stream a quantized checkpoint to disk one decoder layer at a time.
+
+Each finished layer becomes its own safetensors file (and a small JSON report) in the run directory,
+written to a temp name, fsynced and renamed, so a layer on disk is complete and a resumed run can
+trust it. `finish()` writes the remaining (non-layer) tensors, renames everything into HF shard names
+(`model-0000k-of-0000n.safetensors`) and writes `model.safetensors.index.json`. Memory: one layer.
+Tensors the recipe does not quantize are copied from the source in its dtype; tensors changed by exact
+transforms (smoothed norms, flattened MLP weights left unquantized) are written in the source's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fp8ptq.calibrate.pipeline import LayerResult
+from fp8ptq.export.atomic import write_json_atomic
+from fp8ptq.export.compressed_tensors import compress_linear
+from fp8ptq.models.loader import ModelSource
+
+LAYERS = "layers"
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> int:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class CheckpointWriter:
+    def __init__(self, src: ModelSource, run_dir: Path):
+        self.src, self.dir = src, Path(run_dir)
+        (self.dir / LAYERS).mkdir(exist_ok=True)
+
+    def layer_tensors(self, res: LayerResult) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for module, q in res.linears.items():
+            for k, t in compress_linear(q.weight, q.params, q.scheme).items():
+                out[f"{module}.{k}"] = t.clone()  # own storage: fused shards share scale tensors
+        for name, scale in res.kv_scales.items():
+            out[name] = scale.float().reshape(1)  # shape [1], as compressed-tensors creates them
+        quantized = {f"{m}.weight" for m in res.linears}
+        for name, t in res.float_tensors.items():
+            if name not in quantized:
+                out[name] = t.to(self.src.tensor_dtype(name) if self.src.has(name) else torch.bfloat16)
+        for name in self.src.weight_map:
+            if name.startswith(res.prefix) and name not in quantized and name not in out:
+                out[name] = self.src.tensor(name)
+        return out
+
+    def layer(self, res: LayerResult) -> None:
+        """Write one finished layer (atomically) and its report."""
+        path = self.dir / LAYERS / f"layer-{res.index:05d}.safetensors"
+        nbytes = _save(self.layer_tensors(res), path)
+        report = {"index": res.index, "quantized": {m: q.report for m, q in res.linears.items()},
+                  "bytes": nbytes, **res.report}
+        write_json_atomic(path.with_suffix(".json"), report)
+        self.src.close()
+
+    def reports(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted((self.dir / LAYERS).glob("layer-*.json"))]
+
+    def finish(self, num_layers: int) -> list[str]:
+        """Write the non-layer tensors, rename all files into HF shards, write the index."""
+        rest = {n: self.src.tensor(n) for n in self.src.weight_map if not n.startswith("model.layers.")}
+        layer_files = [self.dir / LAYERS / f"layer-{i:05d}.safetensors" for i in range(num_layers)]
+        missing = [p.name for p in layer_files if not p.is_file()]
+        assert not missing, f"layers not written: {missing[:3]}"
+        files = layer_files + ([self.dir / LAYERS / "other.safetensors"] if rest else [])
+        if rest:
+            _save(rest, files[-1])
+        self.src.close()
+        names, weight_map, total = [], {}, 0
+        from safetensors import safe_open
+
+        for i, f in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    weight_map[k] = final
+            total += f.stat().st_size
+            os.replace(f, self.dir / final)
+            names.append(final)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+    def cleanup(self) -> None:
+        """Remove the per-layer reports (they are in the manifest by now)."""
+        for p in (self.dir / LAYERS).glob("*"):
+            p.unlink()
+        (self.dir / LAYERS).rmdir()

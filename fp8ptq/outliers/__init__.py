@@ -1,0 +1,1 @@
+"""Outlier analysis (stats, report) and exact transforms that tame outliers (flatten, smooth)."""
