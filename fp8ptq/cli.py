@@ -64,6 +64,10 @@ def _progress(enabled: bool):
         yield update
 
 
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _fail(err: Exception) -> None:
     console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
@@ -76,7 +80,8 @@ def _user_errors():
     except Fp8ptqError as err:
         _fail(err)
     except KeyboardInterrupt:
-        console.print("[red]interrupted; no output was left behind[/]")
+        console.print("[red]interrupted: no complete output was written[/] (a quantize run keeps its finished "
+                      "layers hidden in .OUT.partial: repeat the command with --resume to continue)")
         raise typer.Exit(code=130)
 
 
@@ -129,10 +134,19 @@ def quantize(
     eval_samples: int = typer.Option(8, help="held-out samples for the quality check (0 = skip)"),
     gate: List[str] = typer.Option([], "--gate", help=_GATE_HELP),
     no_recipe_gates: bool = typer.Option(False, "--no-recipe-gates", help="ignore the gates the recipe carries"),
-    overwrite: bool = typer.Option(False, help="replace an existing output directory"),
+    overwrite: bool = typer.Option(False, help="replace an existing output directory (or discard an interrupted run)"),
+    resume: bool = typer.Option(False, help="continue an interrupted run of the same command from its last checkpoint"),
+    device: str = typer.Option("cpu", help="auto, cpu, cuda or cuda:N (one layer at a time is moved there)"),
+    chunk_tokens: int = typer.Option(8192, help="calibration tokens per step: bounds activation memory, not the result"),
+    offload_activations: bool = typer.Option(False, help="keep calibration activations on disk (RAM: one chunk)"),
+    int4_fraction: Optional[float] = typer.Option(None, help="mixed recipes: share of linear FLOPs at 4 bit"),
+    tp: Optional[int] = typer.Option(None, help="flatten recipes: tensor-parallel size the MLP width must divide"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):
-    """Calibrate, quantize and export a compressed-tensors checkpoint."""
+    """Calibrate, quantize and export a compressed-tensors checkpoint.
+
+    Under `torchrun --nproc-per-node N -m fp8ptq quantize ...` the calibration samples are split over
+    N processes (gloo on CPU, nccl on CUDA) and the result equals a one-process run."""
     _offline()
     _return_freed_memory()
     from fp8ptq.jobs import QuantizeConfig, quantize as run
@@ -140,9 +154,12 @@ def quantize(
     cfg = QuantizeConfig(model=model, recipe=recipe, output=output, data=data, text_field=text_field,
                          num_samples=num_samples, seq_len=seq_len, seed=seed, chat_template=chat_template,
                          overwrite=overwrite, eval_samples=eval_samples, gates=tuple(gate),
-                         recipe_gates=not no_recipe_gates)
-    with _user_errors(), _progress(not json_out) as progress:
+                         recipe_gates=not no_recipe_gates, resume=resume, device=device, chunk_tokens=chunk_tokens,
+                         offload_activations=offload_activations, int4_fraction=int4_fraction, tp=tp)
+    with _user_errors(), _progress(not json_out and _is_rank0()) as progress:
         manifest = run(cfg, progress)
+    if not manifest:  # a non-zero rank of a torchrun job: rank 0 reports
+        return
     if json_out:
         typer.echo(json.dumps(manifest, indent=2))
         _finish_gates(manifest["gates"])
@@ -333,6 +350,10 @@ def recipes_show(name: str):
 
     with _user_errors():
         typer.echo(recipe_yaml(load_recipe(name)), nl=False)  # raw: rich would wrap long lines
+
+
+from fp8ptq.cli_spec import register as _register_spec  # noqa: E402
+_register_spec(app)
 
 
 def main() -> None:  # pragma: no cover

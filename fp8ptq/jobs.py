@@ -56,6 +56,8 @@ class QuantizeConfig:
     offload_activations: bool = False  # keep calibration activations on disk instead of RAM
     resume: bool = False  # continue an interrupted run of the same command
     checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (every layer when small)
+    int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
+    tp: int | None = None  # flatten recipes: override the tensor-parallel size
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
     if overrides:
         recipe = recipe.model_copy(update={"calibration": cal.model_copy(update=overrides)})
         cal = recipe.calibration
+    recipe = _recipe_overrides(cfg, recipe)
     gates, gates_skipped = _gates(cfg, recipe)
     comm = init_from_env(device)
     t0 = time.perf_counter()
@@ -215,7 +218,8 @@ def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, ti
         "calibration": None if ids is None else {"source": cfg.data, "samples": ids.shape[0], "seq_len": ids.shape[1],
                                                  "tokens": ids.numel(), "seed": recipe.calibration.seed},
         "run": {"device": device, "world_size": comm.world, "resumed_from_layer": start if info["resumed"] else None,
-                "offload_activations": cfg.offload_activations, "chunk_tokens": cfg.chunk_tokens},
+                "offload_activations": cfg.offload_activations, "chunk_tokens": cfg.chunk_tokens,
+                "chunks_per_rank": None if ids is None else _chunks_per_rank(cfg, ids, comm.world)},
         "shards": shards,
         "size_bytes": {"source": src.size_bytes(), "output": sum((path / s).stat().st_size for s in shards)},
         "layers": layers,
@@ -234,8 +238,23 @@ def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, ti
     return manifest
 
 
+def _chunk_samples(cfg: QuantizeConfig, ids: torch.Tensor) -> int:
+    return max(1, cfg.chunk_tokens // ids.shape[1])
+
+
+def _chunks_per_rank(cfg: QuantizeConfig, ids: torch.Tensor, world: int) -> list[int]:
+    from fp8ptq.dist import ChunkPlan
+
+    plan = ChunkPlan(ids.shape[0], _chunk_samples(cfg, ids), 0, world)
+    return [len(plan.owned(r)) for r in range(world)]
+
+
 def _calibrate_run(cfg, recipe, src, ids, comm, run, writer, path, start, device, progress) -> None:
-    chunk_samples = max(1, cfg.chunk_tokens // ids.shape[1])
+    chunk_samples = _chunk_samples(cfg, ids)
+    idle = [r for r, n in enumerate(_chunks_per_rank(cfg, ids, comm.world)) if n == 0]
+    if idle:
+        raise Fp8ptqError(f"{ids.shape[0]} samples in chunks of {chunk_samples} leave ranks {idle} of {comm.world} without work",
+                          fix="use fewer processes, more --num-samples, or a smaller --chunk-tokens")
     resume_dir = path / "resume"
     restore = resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None
     setup = CalibrationSetup(recipe, chunk_samples=chunk_samples, device=device,
@@ -261,6 +280,22 @@ def _calibrate_run(cfg, recipe, src, ids, comm, run, writer, path, start, device
     comm.barrier()
     if run is not None:
         shutil.rmtree(resume_dir, ignore_errors=True)
+
+
+def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
+    """--int4-fraction / --tp change the recipe's mixed / flatten sections (validated like the YAML)."""
+    from fp8ptq.recipe import parse_recipe
+
+    data = recipe.model_dump(mode="json")
+    for value, section, key, flag in ((cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
+                                      (cfg.tp, "flatten", "tp", "--tp")):
+        if value is None:
+            continue
+        if data.get(section) is None:
+            raise RecipeError(f"{flag} needs a recipe with a '{section}' section; '{recipe.name}' has none",
+                              fix=f"drop {flag} or use a recipe such as {'mixed-w4-w8' if section == 'mixed' else 'flatten-w8a8'}")
+        data[section][key] = value
+    return parse_recipe(data, f"{recipe.name} with command-line overrides")
 
 
 def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:

@@ -1,0 +1,79 @@
+"""Synthetic Llama-shaped checkpoints for scaling tests and benchmarks: random weights with injected
+outlier channels (as real LLMs have), written layer by layer as sharded safetensors, so a model far
+larger than RAM can be generated. The tokenizer is copied from a real model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    layers: int = 4
+    hidden: int = 1024
+    intermediate: int = 4096
+    heads: int = 16
+    kv_heads: int = 4
+    vocab: int = 49152
+    outlier_channels: int = 4  # residual channels whose RMSNorm weight is large: activation outliers
+    outlier_scale: float = 20.0
+    seed: int = 0
+
+
+def _linear(out_f: int, in_f: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(torch.bfloat16)
+
+
+def write_synthetic(out: Path, tokenizer_dir: Path, spec: SyntheticSpec = SyntheticSpec()) -> Path:
+    """Write an HF Llama directory (config, tokenizer, one shard per decoder layer + one for the rest)."""
+    from transformers import LlamaConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(spec.seed)
+    head_dim = spec.hidden // spec.heads
+    outliers = torch.randperm(spec.hidden, generator=g)[: spec.outlier_channels]
+    files = spec.layers + 1
+    weight_map, total = {}, 0
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        norm1 = torch.ones(spec.hidden)
+        norm1[outliers] = spec.outlier_scale
+        t = {
+            p + "self_attn.q_proj.weight": _linear(spec.heads * head_dim, spec.hidden, g),
+            p + "self_attn.k_proj.weight": _linear(spec.kv_heads * head_dim, spec.hidden, g),
+            p + "self_attn.v_proj.weight": _linear(spec.kv_heads * head_dim, spec.hidden, g),
+            p + "self_attn.o_proj.weight": _linear(spec.hidden, spec.heads * head_dim, g),
+            p + "mlp.gate_proj.weight": _linear(spec.intermediate, spec.hidden, g),
+            p + "mlp.up_proj.weight": _linear(spec.intermediate, spec.hidden, g),
+            p + "mlp.down_proj.weight": _linear(spec.hidden, spec.intermediate, g),
+            p + "input_layernorm.weight": norm1.to(torch.bfloat16),
+            p + "post_attention_layernorm.weight": norm1.to(torch.bfloat16),
+        }
+        name = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        save_file(t, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in t})
+        total += sum(v.numel() * v.element_size() for v in t.values())
+    rest = {"model.embed_tokens.weight": (torch.randn(spec.vocab, spec.hidden, generator=g) * 0.02).to(torch.bfloat16),
+            "model.norm.weight": torch.ones(spec.hidden, dtype=torch.bfloat16)}
+    name = f"model-{files:05d}-of-{files:05d}.safetensors"
+    save_file(rest, str(out / name), metadata={"format": "pt"})
+    weight_map.update({k: name for k in rest})
+    total += sum(v.numel() * v.element_size() for v in rest.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                      max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="bfloat16")
+    cfg.save_pretrained(str(out))
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.name in ("vocab.json", "merges.txt"):
+            shutil.copy2(f, out / f.name)
+    return out
