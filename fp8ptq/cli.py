@@ -331,6 +331,91 @@ def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output di
         out.print(f"wrote {p}")
 
 
+@app.command()
+def analyze(
+    model: str = typer.Argument(..., help="HF model dir, .gguf file, or alias (smollm2-135m)"),
+    output: Path = typer.Option(..., "--output", "-o", help="report directory (written atomically)"),
+    data: str = typer.Option("builtin", help="text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
+    text_field: str = typer.Option("text"),
+    num_samples: int = typer.Option(32, help="samples of --seq-len tokens"),
+    seq_len: int = typer.Option(512),
+    seed: int = typer.Option(0),
+    chat_template: bool = typer.Option(False),
+    device: str = typer.Option("cpu", help="auto, cpu, cuda or cuda:N"),
+    overwrite: bool = typer.Option(False),
+    json_out: bool = typer.Option(False, "--json", help="print report.json on stdout"),
+):
+    """Outlier analysis: per layer and Linear input abs-max, percentiles, kurtosis, outlier channels and
+    their stability, massive activations, K/V ranges; report.json + PNG plots + summary.md."""
+    _offline()
+    from fp8ptq.jobs import AnalyzeConfig, analyze as run
+
+    cfg = AnalyzeConfig(model=model, output=output, data=data, text_field=text_field, num_samples=num_samples,
+                        seq_len=seq_len, seed=seed, chat_template=chat_template, overwrite=overwrite, device=device)
+    with _user_errors(), _progress(not json_out) as progress:
+        rep = run(cfg, progress)
+    if json_out:
+        typer.echo(json.dumps(rep, indent=2))
+        return
+    table = Table("layer", "input", "abs-max", "p99", "max/p99", "kurtosis", "outlier ch.", "top channels", "stability",
+                  title=f"worst Linear inputs of {model}")
+    for w in rep["worst"]:
+        table.add_row(str(w["layer"]), w["input"], f"{w['amax']:.3g}", f"{w['p99']:.3g}", f"{w['max_over_p99']:.1f}",
+                      f"{w['kurtosis']:.0f}", str(w["outlier_channels"]), ", ".join(map(str, w["top_channels"])),
+                      f"{w['stability_mean']:.2f}")
+    out.print(table)
+    n_massive = sum(bool(l["massive"]) for l in rep["layers"])
+    console.print(f"massive activations after {n_massive} of {len(rep['layers'])} layers; report: {output / 'summary.md'}",
+                  highlight=False)
+
+
+ENGINE_FAILED_EXIT = 4
+
+
+@app.command()
+def verify(
+    model: str = typer.Argument(..., help="compressed-tensors checkpoint directory"),
+    reference: Optional[str] = typer.Option(None, help="unquantized model (default: the one the checkpoint was made from)"),
+    prompts: int = typer.Option(4, help="held-out prompts"),
+    max_tokens: int = typer.Option(32, help="greedy tokens generated per prompt"),
+    dtype: str = typer.Option("float32", help="vLLM compute dtype (float32 isolates quantization from bf16 rounding)"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8 to use the checkpoint's k/v scales"),
+    vllm_python: Optional[str] = typer.Option(None, help="python of a venv with vLLM (default: .venv-vllm, $FP8PTQ_VLLM_PYTHON)"),
+    json_out: bool = typer.Option(False, "--json"),
+    no_record: bool = _EVAL_OPTS["no_record"],
+):
+    """Load the checkpoint in real vLLM and compare with fp8ptq's simulated numerics: first layers'
+    outputs, greedy agreement, prompt log-probs. Exits 4 if vLLM cannot load or run it (root cause shown)."""
+    _offline()
+    from fp8ptq.jobs import VerifyConfig, verify as run
+
+    cfg = VerifyConfig(model=model, reference=reference, num_prompts=prompts, max_tokens=max_tokens, dtype=dtype,
+                       kv_cache_dtype=kv_cache_dtype, vllm_python=vllm_python)
+    with _user_errors():
+        with console.status(f"running {model} in vLLM"):
+            res = run(cfg)
+    if not no_record:
+        from fp8ptq.report import save_eval
+
+        save_eval(Path(model), "engine", res)
+    if json_out:
+        typer.echo(json.dumps(res, indent=2))
+    elif res["ok"]:
+        a = res["agreement"]
+        table = Table(title=f"vLLM vs fp8ptq simulation: {model}", show_header=False)
+        for i, e in enumerate(res.get("layer_rel_err", [])):
+            table.add_row(f"layer {i} output rel. error (median / max over tokens)", f"{e['median']:.2e} / {e['max']:.2e}")
+        table.add_row("greedy: identical prefix (mean tokens)", f"{a['prefix_match_mean']:.1f} of {a['tokens_per_prompt']}")
+        table.add_row("greedy: teacher-forced top-1 agreement", f"{a['teacher_forced_agreement'] * 100:.1f}%")
+        d = res["logprob_delta"]
+        table.add_row("mean |log p| difference to vLLM", ", ".join(f"{k} {v:.4f}" for k, v in d.items()))
+        out.print(table)
+    if not res["ok"]:
+        v = res["vllm"]
+        console.print(f"[bold red]vLLM could not run {model}[/] ({v.get('stage')}): {v.get('error')}", highlight=False)
+        raise typer.Exit(code=ENGINE_FAILED_EXIT)
+
+
 @recipes_app.command("list")
 def recipes_list():
     """List built-in recipes."""

@@ -72,6 +72,33 @@ class EvalConfig:
     simulate: bool = True
 
 
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    model: str
+    output: Path
+    data: str = data_mod.BUILTIN
+    text_field: str = "text"
+    num_samples: int = 32
+    seq_len: int = 512
+    seed: int = 0
+    chat_template: bool = False
+    overwrite: bool = False
+    device: str = "cpu"
+    chunk_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    model: str  # a compressed-tensors checkpoint directory
+    reference: str | None = None  # default: the model an fp8ptq checkpoint was made from
+    num_prompts: int = 4
+    prompt_len: int = 96
+    max_tokens: int = 32
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    vllm_python: str | None = None
+
+
 def _versions() -> dict:
     import compressed_tensors
     import transformers
@@ -167,6 +194,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> dict:
     comm = init_from_env(device)
     t0 = time.perf_counter()
     src = resolve_model(cfg.model)
+    _check_group_sizes(src, recipe)
     tokenizer = src.tokenizer()
     ids = None
     if recipe.needs_data:
@@ -210,7 +238,7 @@ def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, ti
     if not shards:
         shards = writer.finish(layers_total)
         run.save_state(shards=shards)
-    _write_metadata(src, recipe, tokenizer, path)
+    _write_metadata(src, recipe, tokenizer, path, _config_updates(layers), _export_groups(recipe, layers, run.state))
     manifest = {
         "model": src.label,
         "recipe": recipe.model_dump(mode="json"),
@@ -225,6 +253,8 @@ def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, ti
         "layers": layers,
         "summary": _summary(layers),
     }
+    if recipe.mixed is not None:
+        manifest["mixed"] = run.state["mixed"]["report"]
     if cfg.eval_samples > 0:
         t2 = time.perf_counter()
         eval_ids = data_mod.load_samples(data_mod.BUILTIN, tokenizer, cfg.eval_samples, cfg.eval_seq_len, "evaluation", 0)
@@ -238,7 +268,43 @@ def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, ti
     return manifest
 
 
-def _chunk_samples(cfg: QuantizeConfig, ids: torch.Tensor) -> int:
+def _mixed_low(recipe, src, ids, setup, comm, run, progress) -> set[str]:
+    """The modules at the low-bit scheme: planned once, kept in the run state so a resumed run reuses it."""
+    from dataclasses import replace
+
+    from fp8ptq.calibrate.mixed import plan_mixed
+
+    state = run.state if run is not None else None
+    known = comm.broadcast_object(None if state is None else state.get("mixed"))
+    if known is not None:
+        return set(known["low"])
+    plan = plan_mixed(src, recipe, ids, replace(setup, start_layer=0, restore=None), comm, progress)
+    if run is not None:
+        run.save_state(mixed={"low": sorted(plan.low), "report": plan.report})
+    return set(plan.low)
+
+
+def _export_groups(recipe: Recipe, layers: list[dict], state: dict):
+    """(scheme, module names) per compressed-tensors config group; None: the recipe's single group."""
+    if recipe.mixed is None:
+        return None
+    low = set(state["mixed"]["low"])
+    names = sorted(n for l in layers for n in l["quantized"])
+    high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    groups = [(high, [n for n in names if n not in low])]
+    if low:
+        groups.append((LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations), sorted(low)))
+    return [g for g in groups if g[1]]
+
+
+def _config_updates(layers: list[dict]) -> dict:
+    """config.json changes made by transforms: FlattenQuant widens every layer's MLP the same way."""
+    widths = {l["transforms"]["flatten"]["width"] for l in layers if l.get("transforms", {}).get("flatten")}
+    assert len(widths) <= 1, f"layers flattened to different widths: {widths}"
+    return {"intermediate_size": widths.pop()} if widths else {}
+
+
+def _chunk_samples(cfg, ids: torch.Tensor) -> int:
     return max(1, cfg.chunk_tokens // ids.shape[1])
 
 
@@ -276,10 +342,48 @@ def _calibrate_run(cfg, recipe, src, ids, comm, run, writer, path, start, device
         if run is not None:
             run.save_state(layers_done=i + 1, **({"checkpoint": i + 1} if due else {}))
 
-    calibrate(src, recipe, ids, on_layer, progress, setup, comm)
+    from fp8ptq.calibrate.transforms import make_transforms
+
+    layer_schemes = None
+    if recipe.mixed is not None:
+        low = _mixed_low(recipe, src, ids, setup, comm, run, progress)
+        high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+        low_scheme = LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations)
+
+        def layer_schemes(i, plan):
+            return {g: low_scheme if plan.prefix + g[0] in low else high for g in plan.groups}
+
+    calibrate(src, recipe, ids, on_layer, progress, setup, comm, transforms=make_transforms(recipe, src),
+              layer_schemes=layer_schemes)
     comm.barrier()
     if run is not None:
         shutil.rmtree(resume_dir, ignore_errors=True)
+
+
+def _check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
+    """Before any work: a group size must divide the input width of every Linear it will quantize
+    (after flattening, for down_proj)."""
+    from fp8ptq.ops.intq import valid_group_sizes
+
+    args = [a for a in (recipe.scheme.weights, recipe.mixed.weights if recipe.mixed else None) if a is not None]
+    sizes = {a.group_size for a in args if a.group_size}
+    if not sizes:
+        return
+    layer = decoder_layers(build_skeleton(src.config))[0]
+    plan = plan_layer(layer, "model.layers.0.", recipe.scheme.targets, recipe.scheme.ignore)
+    modules = dict(layer.named_modules())
+    widths = {n: modules[n].in_features for n in plan.modules}
+    if recipe.flatten is not None and "mlp.down_proj" in widths:
+        from fp8ptq.outliers.flatten import flattened_width
+
+        f = recipe.flatten
+        widths["mlp.down_proj"] = flattened_width(widths["mlp.down_proj"], f.extra_channels, f.multiple, f.tp)
+    common = sorted(set.intersection(*(set(valid_group_sizes(w)) for w in widths.values())))
+    for size in sizes:
+        bad = sorted({f"{n} ({w})" for n, w in widths.items() if w % size})
+        if bad:
+            raise RecipeError(f"group_size {size} does not divide the input width of {', '.join(bad)}",
+                              fix=f"use a group size that divides every quantized layer: {', '.join(map(str, common))}")
 
 
 def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
@@ -327,6 +431,42 @@ def _summary(layers: list[dict]) -> dict:
     errs = [r.get("output_rel_err", r["weight_rel_err"]) for l in layers for r in l["quantized"].values()]
     return {"layers": len(layers), "linears_quantized": quantized, "linears_skipped": skipped,
             "worst_linear_rel_err": max(errs, default=0.0)}
+
+
+def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
+    """Outlier analysis of the float model into cfg.output (report.json, PNGs, summary.md), atomically."""
+    from fp8ptq.calibrate.analyze import analyze_model
+    from fp8ptq.export.atomic import atomic_output_dir
+    from fp8ptq.outliers.report import write_analysis
+
+    check_output(cfg.output, cfg.overwrite)
+    device = resolve_device(cfg.device)
+    src = resolve_model(cfg.model)
+    ids = data_mod.load_samples(cfg.data, src.tokenizer(), cfg.num_samples, cfg.seq_len, "calibration", cfg.seed,
+                                cfg.text_field, cfg.chat_template)
+    setup = CalibrationSetup(None, chunk_samples=_chunk_samples(cfg, ids), device=device)
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report, cmax = analyze_model(src, ids, setup, progress=progress)
+        report["data"] = "built-in calibration split" if cfg.data == data_mod.BUILTIN else cfg.data
+        report["files"] = [p.name for p in write_analysis(tmp, report, cmax)]
+    return report
+
+
+def verify(cfg: VerifyConfig) -> dict:
+    """Run a checkpoint in vLLM and compare it with fp8ptq's simulation (eval/engine.py)."""
+    from fp8ptq.eval.engine import EngineCheck, check_engine
+    from fp8ptq.report import MANIFEST
+
+    src = resolve_model(cfg.model)
+    reference = cfg.reference
+    manifest = src.path / MANIFEST
+    if reference is None and manifest.is_file():
+        reference = json.loads(manifest.read_text())["model"]
+    ids = data_mod.load_samples(data_mod.BUILTIN, src.tokenizer(), cfg.num_prompts, cfg.prompt_len, "evaluation", 0)
+    kv_sim = cfg.kv_cache_dtype.startswith("fp8")
+    return check_engine(EngineCheck(model=cfg.model, prompts=tuple(tuple(p) for p in ids.tolist()), reference=reference,
+                                    max_tokens=cfg.max_tokens, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                                    simulate_kv=kv_sim, vllm_python=cfg.vllm_python))
 
 
 def convert(gguf: Path, output: Path, overwrite: bool = False, dtype: str = "bfloat16") -> Path:

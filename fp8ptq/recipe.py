@@ -85,10 +85,11 @@ def _check_weights(w: QuantArgs, where: str) -> None:
 class Smooth(_Frozen):
     """SmoothQuant: per-channel scales s folded into the RMSNorm before q/k/v and gate/up (x/s, W·s).
     Exact in fp32; moves activation outliers into the weights. alpha 'auto' picks, per layer and per
-    group, the alpha in `alphas` with the smallest measured quantized-output error (0 = no smoothing)."""
+    group, the alpha in `alphas` with the smallest measured quantized-output error; no smoothing is
+    always a candidate, so a group is only smoothed where it measurably helps."""
 
     alpha: float | Literal["auto"] = "auto"
-    alphas: tuple[float, ...] = (0.0, 0.15, 0.3, 0.45, 0.6, 0.75)
+    alphas: tuple[float, ...] = (0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
     groups: tuple[Literal["qkv", "gate_up"], ...] = ("qkv", "gate_up")
 
 

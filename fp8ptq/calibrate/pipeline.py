@@ -231,7 +231,8 @@ class LayerCalibrator:
         for name, qw in quantize_group(weights, scheme.weights, cal, H).items():
             self.modules[name].weight.data = qw.fake.to(self.modules[name].weight.dtype)
             params = dict(qw.params)
-            report = dict(qw.report, input_amax=stats.amax)
+            report = dict(qw.report, input_amax=stats.amax, scheme=scheme.weights.describe()
+                          + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}"))
             if choice is not None:
                 params["input_scale"] = choice.scale
                 report["input_clip_ratio"] = choice.clip_ratio
@@ -323,26 +324,22 @@ def observe_layer(layer: torch.nn.Module, prefix: str, state: RunState, spec: St
     (fused shards share one entry), post-RoPE keys/values and, optionally, massive activations in the
     residual stream. write=True stores the layer's output (analysis: nothing is quantized)."""
     modules = dict(layer.named_modules())
-    linears = {n: m for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
     stats: dict[str, ActStats] = {}
     current = {}
-    by_input: dict[int, str] = {}  # id(input tensor) -> the first Linear that saw it
     handles = []
 
     def hook(name):
         def fn(_m, args):
             x = args[0]
-            if by_input.get(id(x)) not in (None, name) and by_input[id(x)] in stats:
-                return  # a fused sibling already recorded this exact input
-            by_input[id(x)] = name
             if name not in stats:
                 stats[name] = state.new_stats(x.shape[-1], spec)
             stats[name].update(current["chunk"], current["first"], x)
 
         return fn
 
-    for n, m in linears.items():
-        handles.append(m.register_forward_pre_hook(hook(n)))
+    # every Linear, fused shards once (they read the same input): the first shard of each group
+    for group in plan_layer(layer, prefix, ("Linear",), ()).groups:
+        handles.append(modules[group[0]].register_forward_pre_hook(hook(group[0])))
     attn_name = next(n for n in modules if n.endswith("self_attn"))
     attn = modules[attn_name]
     if kv:
@@ -361,7 +358,6 @@ def observe_layer(layer: torch.nn.Module, prefix: str, state: RunState, spec: St
         with torch.inference_mode():
             for c, first, x in state.each_chunk():
                 current.update(chunk=c, first=first)
-                by_input.clear()
                 for block in BLOCKS:
                     x = run_block(layer, block, x, state)
                 if massive:

@@ -112,6 +112,11 @@ def _rtn(w: torch.Tensor, args: QuantArgs, grid: WeightGrid) -> tuple[torch.Tens
     return q, _params(scale, zp)
 
 
+def fake_quant_weight(w: torch.Tensor, args: QuantArgs, cal: Calibration) -> torch.Tensor:
+    """Round-to-nearest fake quantization of one weight [out, in] with the scheme's own grid."""
+    return _rtn(w.float(), args, weight_grid(args, cal))[0]
+
+
 def _params(scale: torch.Tensor, zp: torch.Tensor | None) -> dict:
     return {"weight_scale": scale} if zp is None else {"weight_scale": scale, "weight_zero_point": zp}
 

@@ -1,0 +1,65 @@
+"""SmoothQuant (Xiao et al. 2023): migrate activation outliers into the weights, exactly.
+
+For a Linear group fed by an RMSNorm (q/k/v after input_layernorm, gate/up after
+post_attention_layernorm): x' = x / s, W' = W * s (per input channel). Folding 1/s into the norm's
+weight keeps the function unchanged, so the transform is exact before quantization. With
+s_j = max|x_j|^alpha / max|W_j|^(1-alpha), alpha trades activation range for weight range; here it
+is chosen per layer and per group by the *measured* quantized-output error on a calibration
+subsample (no smoothing is always a candidate, so smoothing is only applied where it helps).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_EPS = 1e-5
+
+
+def smooth_scales(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-input-channel s (float32 [C]); channels never active keep s = 1."""
+    a = act_amax.float().clamp_min(_EPS)
+    w = weight_amax.float().clamp_min(_EPS)
+    s = (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-4, max=1e4)
+    return torch.where(act_amax > 0, s, torch.ones_like(s))
+
+
+def fold(norm_weight: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, stored_dtype: torch.dtype):
+    """Fold s into the norm (rounded to the dtype the checkpoint stores it in) and the weights.
+
+    The norm weight is what the engine loads in `stored_dtype`, so the effective scale is the one that
+    rounding leaves: s_eff = norm / round(norm / s). Using s_eff for the weights keeps the pair exact.
+    Returns (new norm weight fp32 holding stored_dtype values, new weights, s_eff)."""
+    norm = norm_weight.float()
+    new_norm = (norm / s.to(norm.device)).to(stored_dtype).float()
+    s_eff = torch.where(new_norm != 0, norm / new_norm, torch.ones_like(norm))
+    return new_norm, [w.float() * s_eff.to(w.device)[None, :] for w in weights], s_eff
+
+
+def quantized_output_error(rows: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor,
+                           act_quant: Callable[[torch.Tensor, float], torch.Tensor],
+                           weight_quant: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """||Q_a(x/s) Q_w(W s)^T - x W^T||^2 summed over the group, on calibration rows x [r, C].
+    act_quant(x, amax) fake-quantizes x with a scale covering amax (static) or per token (dynamic)."""
+    xs = rows / s[None, :]
+    xq = act_quant(xs, float(xs.abs().max()))
+    err = 0.0
+    for w in weights:
+        ref = rows @ w.float().T
+        err += float((xq @ weight_quant(w.float() * s[None, :]).T - ref).pow(2).sum())
+    return err
+
+
+def choose_alpha(rows: torch.Tensor, act_amax: torch.Tensor, weights: list[torch.Tensor], alphas,
+                 act_quant, weight_quant) -> tuple[float | None, dict]:
+    """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors)."""
+    w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    errors = {"none": quantized_output_error(rows, weights, torch.ones(rows.shape[1]), act_quant, weight_quant)}
+    best, best_err = None, errors["none"]
+    for a in alphas:
+        err = quantized_output_error(rows, weights, smooth_scales(act_amax, w_amax, a), act_quant, weight_quant)
+        errors[f"{a:g}"] = err
+        if err < best_err:
+            best, best_err = a, err
+    return best, errors
