@@ -43,6 +43,8 @@ def analyze_model(src: ModelSource, ids: torch.Tensor, setup: CalibrationSetup |
                 progress("analyze", i + 1, len(layers))
     finally:
         state.store.close()
+    order = list(INPUT_KINDS.values())
+    cmax = {k: cmax[k] for k in sorted(cmax, key=lambda k: order.index(k) if k in order else len(order))}
     report = {"model": src.label, "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "layers": rows,
               "worst": worst_inputs(rows)}
     return report, {k: torch.stack(v) for k, v in cmax.items()}

@@ -35,7 +35,8 @@ def _plots(report: dict, cmax: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
     out = {}
     kinds = list(cmax)
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(11, 2.3 * len(kinds)), squeeze=False)
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(11, 2.6 * len(kinds)), squeeze=False,
+                             gridspec_kw={"hspace": 0.45})
     for ax, kind in zip(axes[:, 0], kinds):
         grid = cmax[kind].numpy()
         pos = grid[grid > 0]
