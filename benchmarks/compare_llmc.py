@@ -1,7 +1,11 @@
 """fp8ptq vs llm-compressor on the same model, calibration tokens and evaluator.
 
-    .venv/bin/python benchmarks/compare_llmc.py --schemes fp8-kv8 fp8-dynamic \
-        [--num-samples 64 --seq-len 512 --eval-samples 32] [--work /tmp/fp8ptq-bench]
+    .venv/bin/python benchmarks/compare_llmc.py --schemes fp8-kv8 fp8-dynamic w4a16=w4a16-g64-gptq \
+        w8a8-int8 [--num-samples 64 --seq-len 512 --eval-samples 32] [--work /tmp/fp8ptq-bench] [--reuse]
+
+A scheme is `RECIPE` (same name on both sides) or `RECIPE=LLMC_SCHEME` (fp8ptq recipe or YAML file =
+llm-compressor scheme of benchmarks/llmc_quantize.py); `--only fp8ptq|llmc` runs one side, `--reuse`
+scores an existing output instead of re-running that tool (for long llm-compressor runs).
 
 Needs the llm-compressor venv (bash benchmarks/setup_llmc_venv.sh). Each tool runs in its own
 subprocess, one after the other; wall time is the tool's own calibration+quantization time, peak RSS
@@ -63,6 +67,8 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-bench"))
     ap.add_argument("--skip-floor", action="store_true")
     ap.add_argument("--skip-llmc", action="store_true")
+    ap.add_argument("--only", choices=["fp8ptq", "llmc"])
+    ap.add_argument("--reuse", action="store_true", help="score existing outputs in --work instead of re-running")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.data import load_samples
@@ -82,21 +88,35 @@ def main():
             rows.append(("plain forward (floor)", str(dt).split(".")[1], forward_floor(src.path, calib, dt), None, None))
     ref = load_simulated(src).model
     results = {}
-    for scheme in args.schemes:
-        out = args.work / f"fp8ptq-{scheme}"
-        wall, rss, stdout = child_run([sys.executable, "-m", "fp8ptq", "quantize", str(src.path), "--recipe", scheme,
-                                       "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
-                                       "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
-        manifest = json.loads(stdout)
-        q = compare(ref, load_simulated(open_hf_dir(out)).model, eval_ids)
-        results[("fp8ptq", scheme)] = dict(quantize_s=manifest["timings"]["quantize_s"], total_s=wall, rss=rss, **q)
-        if not args.skip_llmc:
-            lout = args.work / f"llmc-{scheme}"
-            wall, rss, stdout = child_run([str(LLMC_PY), str(HERE / "llmc_quantize.py"), "--model", str(src.path),
-                                           "--calib", str(calib_file), "--scheme", scheme, "--out", str(lout)])
-            info = json.loads(stdout.strip().splitlines()[-1])
+    for spec in args.schemes:
+        scheme, _, llmc_scheme = spec.partition("=")
+        llmc_scheme = llmc_scheme or scheme
+        tag = Path(scheme).stem
+        out = args.work / f"fp8ptq-{tag}"
+        if args.only != "llmc":
+            if args.reuse and (out / "fp8ptq_run.json").is_file():
+                meta = json.loads((out / "fp8ptq_run.json").read_text())
+            else:
+                wall, rss, stdout = child_run([sys.executable, "-m", "fp8ptq", "quantize", str(src.path), "--recipe", scheme,
+                                               "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
+                                               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
+                manifest = json.loads(stdout)
+                meta = dict(quantize_s=manifest["timings"]["quantize_s"], total_s=wall, rss=rss)
+                (out / "fp8ptq_run.json").write_text(json.dumps(meta))
+            q = compare(ref, load_simulated(open_hf_dir(out)).model, eval_ids)
+            results[("fp8ptq", tag)] = dict(**meta, **q)
+        if not args.skip_llmc and args.only != "fp8ptq":
+            lout = args.work / f"llmc-{llmc_scheme}"
+            if args.reuse and (lout / "llmc_bench.json").is_file():
+                meta = json.loads((lout / "llmc_bench.json").read_text())
+            else:
+                wall, rss, stdout = child_run([str(LLMC_PY), str(HERE / "llmc_quantize.py"), "--model", str(src.path),
+                                               "--calib", str(calib_file), "--scheme", llmc_scheme, "--out", str(lout)])
+                info = json.loads(stdout.strip().splitlines()[-1])
+                meta = dict(quantize_s=info["quantize_wall_s"], total_s=wall, rss=rss)
+                (lout / "llmc_bench.json").write_text(json.dumps(meta))
             q = compare(ref, load_simulated(open_hf_dir(lout)).model, eval_ids)
-            results[("llm-compressor", scheme)] = dict(quantize_s=info["quantize_wall_s"], total_s=wall, rss=rss, **q)
+            results[("llm-compressor", llmc_scheme)] = dict(**meta, **q)
     print(f"\ncalibration: {args.num_samples}x{args.seq_len} tokens (built-in split, seed 0); "
           f"eval: {args.eval_samples}x{args.seq_len} held-out tokens; threads={torch.get_num_threads()}\n")
     for name, dt, secs, _, _ in rows:

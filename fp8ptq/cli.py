@@ -141,6 +141,11 @@ def quantize(
     offload_activations: bool = typer.Option(False, help="keep calibration activations on disk (RAM: one chunk)"),
     int4_fraction: Optional[float] = typer.Option(None, help="mixed recipes: share of linear FLOPs at 4 bit"),
     tp: Optional[int] = typer.Option(None, help="flatten recipes: tensor-parallel size the MLP width must divide"),
+    draft: str = typer.Option("none", help="auto: also distil a draft from the quantized model, measure it and write "
+                                           "speculative_config.json + sglang_flags.txt beside it"),
+    draft_trim: Optional[int] = typer.Option(None, help="with --draft auto: also a VocabTrim draft keeping N tokens"),
+    draft_steps: int = typer.Option(400, help="with --draft auto: training steps at most"),
+    draft_time_budget: Optional[float] = typer.Option(900.0, help="with --draft auto: training seconds at most"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):
     """Calibrate, quantize and export a compressed-tensors checkpoint.
@@ -155,7 +160,8 @@ def quantize(
                          num_samples=num_samples, seq_len=seq_len, seed=seed, chat_template=chat_template,
                          overwrite=overwrite, eval_samples=eval_samples, gates=tuple(gate),
                          recipe_gates=not no_recipe_gates, resume=resume, device=device, chunk_tokens=chunk_tokens,
-                         offload_activations=offload_activations, int4_fraction=int4_fraction, tp=tp)
+                         offload_activations=offload_activations, int4_fraction=int4_fraction, tp=tp, draft=draft,
+                         draft_trim=draft_trim, draft_steps=draft_steps, draft_time_budget_s=draft_time_budget)
     with _user_errors(), _progress(not json_out and _is_rank0()) as progress:
         manifest = run(cfg, progress)
     if not manifest:  # a non-zero rank of a torchrun job: rank 0 reports
@@ -177,6 +183,12 @@ def quantize(
     table.add_row("size", f"{_human(sz['source'])} → {_human(sz['output'])} ({sz['output'] / sz['source']:.2f}×)")
     if manifest.get("quality"):
         _quality_rows(table, manifest["quality"])
+    if manifest.get("mixed"):
+        table.add_row("4-bit share of linear FLOPs", f"{manifest['mixed']['int4_flop_share'] * 100:.1f}%")
+    if manifest.get("speculative"):
+        r = manifest["speculative"]["recommendation"]
+        table.add_row("speculative decoding", f"draft in {output / 'draft'}: γ={r['gamma']}, τ={r['tau']:.2f}, "
+                                              f"c={r['c']:.3f}, predicted {r['speedup']:.2f}× (speculative_config.json)")
     t = manifest["timings"]
     table.add_row("time", ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in t.items()))
     table.add_row("report", str(output / "report.html"))

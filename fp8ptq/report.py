@@ -27,10 +27,13 @@ def serve_commands(path: str, manifest: dict) -> dict[str, str]:
     vllm = f"vllm serve {path}" + (" --kv-cache-dtype fp8" if kv else "")
     sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
     spec = manifest.get("speculative")
-    if spec and spec.get("vllm_speculative_config"):
-        vllm += f" --speculative-config '{json.dumps(spec['vllm_speculative_config'])}'"
+    if spec and spec.get("speculative_config"):  # written by `quantize --draft auto`; paths relative to the folder
+        cfg = dict(spec["speculative_config"])
+        cfg["model"] = os.path.join(path, cfg["model"])
+        vllm += f" --speculative-config '{json.dumps(cfg)}'"
     if spec and spec.get("sglang_flags"):
-        sglang += " " + spec["sglang_flags"]
+        flags = [f if not f.startswith("draft") else os.path.join(path, f) for f in spec["sglang_flags"]]
+        sglang += " " + " ".join(flags)
     python = f'from vllm import LLM\nllm = LLM(model="{path}"' + (', kv_cache_dtype="fp8"' if kv else "") + ")"
     return {"vllm": vllm, "sglang": sglang, "vllm_python": python}
 

@@ -153,7 +153,7 @@ def test_output_exists_needs_overwrite(tmp_path, tiny_dir):
 
 
 def test_failure_leaves_no_complete_output_and_resumes(tmp_path, tiny_dir, monkeypatch):
-    import fp8ptq.jobs as jobs
+    import fp8ptq.workflow as jobs
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash in the middle of writing")

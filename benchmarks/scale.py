@@ -1,0 +1,145 @@
+"""How fp8ptq's time and peak RSS grow with depth, width and calibration tokens, on synthetic Llama-shaped
+models generated on the fly (random weights with injected outlier channels, sharded safetensors), and
+how fast the data-free fp8-dynamic conversion runs next to the disk's own read+write speed.
+
+    .venv/bin/python benchmarks/scale.py [--work /tmp/fp8ptq-scale] [--png docs/scale.png] [--quick]
+
+Every point is one `fp8ptq quantize` subprocess (recipe fp8-kv8: static FP8 inputs, FP8 KV, GPTQ);
+peak RSS is that process's ru_maxrss. Prints markdown tables for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+
+
+def run(args: list[str]) -> dict:
+    """One fp8ptq run: wall seconds, peak RSS MiB (measured in a fresh parent), the manifest."""
+    probe = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
+             "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+             "sys.stderr.write(r.stderr[-2000:]); print(r.stdout); "
+             "print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
+             "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+    p = subprocess.run([sys.executable, "-c", probe, str(BIN / "fp8ptq"), *args], capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    meta = json.loads(lines[-1])
+    if meta["rc"] != 0:
+        raise SystemExit(f"fp8ptq {' '.join(args[:4])} failed:\n{p.stderr}")
+    meta["manifest"] = json.loads("\n".join(lines[:-1]))
+    return meta
+
+
+def quantize(model: Path, out: Path, recipe: str, samples: int, seq: int, *extra) -> dict:
+    return run(["quantize", str(model), "-r", recipe, "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
+                "--no-recipe-gates", "--num-samples", str(samples), "--seq-len", str(seq), *extra])
+
+
+def disk_copy_mb_s(src: Path, dst: Path) -> float:
+    """Read+write throughput of the disk on the same files: copy the shards and fsync them."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    files = sorted(src.glob("*.safetensors"))
+    t = time.perf_counter()
+    for f in files:
+        with open(f, "rb") as i, open(dst / f.name, "wb") as o:
+            shutil.copyfileobj(i, o, 16 << 20)
+            o.flush()
+            os.fsync(o.fileno())
+    secs = time.perf_counter() - t
+    shutil.rmtree(dst)
+    return sum(f.stat().st_size for f in files) / 2**20 / secs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-scale"))
+    ap.add_argument("--png", type=Path, default=Path("docs/scale.png"))
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller points")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from fp8ptq.models.loader import resolve_model
+    from fp8ptq.models.synthetic import SyntheticSpec, write_synthetic
+
+    tok = resolve_model("smollm2-135m").path
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    def model(layers, hidden, inter):
+        d = args.work / f"m-{layers}x{hidden}x{inter}"
+        if not (d / "config.json").is_file():
+            write_synthetic(d, tok, SyntheticSpec(layers=layers, hidden=hidden, intermediate=inter,
+                                                  heads=hidden // 64, kv_heads=max(1, hidden // 256)))
+        return d
+
+    rows = []
+
+    def point(kind, layers, hidden, inter, samples, seq, *extra):
+        m = model(layers, hidden, inter)
+        r = quantize(m, args.work / "out", "fp8-kv8", samples, seq, *extra)
+        rows.append(dict(kind=kind, layers=layers, hidden=hidden, intermediate=inter, tokens=samples * seq,
+                         offload="--offload-activations" in extra, wall=r["wall"], rss=r["rss"],
+                         quantize_s=r["manifest"]["timings"]["quantize_s"]))
+        print(json.dumps(rows[-1]), flush=True)
+
+    depths = [2, 4, 8] if args.quick else [2, 4, 8, 16]
+    for n in depths:
+        point("depth", n, 1024, 4096, 16, 256)
+    for h in ([512, 1024] if args.quick else [512, 1024, 2048]):
+        point("width", 4, h, 4 * h, 16, 256)
+    for s in ([8, 32] if args.quick else [8, 32, 128]):
+        point("tokens", 4, 1024, 4096, s, 256)
+        point("tokens", 4, 1024, 4096, s, 256, "--offload-activations")
+
+    big = model(8 if args.quick else 16, 2048, 8192)
+    in_mb = sum(f.stat().st_size for f in big.glob("*.safetensors")) / 2**20
+    r = run(["quantize", str(big), "-r", "fp8-dynamic", "-o", str(args.work / "dyn"), "--overwrite",
+             "--eval-samples", "0", "--json", "--no-recipe-gates"])
+    conv = in_mb / r["manifest"]["timings"]["quantize_s"]
+    disk = disk_copy_mb_s(big, args.work / "copy")
+
+    print("\n| sweep | layers | hidden / intermediate | calib tokens | activations | calib+quant s | process s | peak RSS MiB |")
+    print("|---|---:|---|---:|---|---:|---:|---:|")
+    for r_ in rows:
+        print(f"| {r_['kind']} | {r_['layers']} | {r_['hidden']} / {r_['intermediate']} | {r_['tokens']} | "
+              f"{'disk' if r_['offload'] else 'RAM'} | {r_['quantize_s']:.1f} | {r_['wall']:.1f} | {r_['rss']:.0f} |")
+    print(f"\ndata-free fp8-dynamic on {in_mb:.0f} MiB of bf16 shards: {conv:.0f} MiB/s of input "
+          f"(peak RSS {r['rss']:.0f} MiB); disk copy (read + write + fsync) of the same shards: {disk:.0f} MiB/s "
+          f"-> {conv / disk:.2f}x")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, kind, key, label in ((axes[0], "depth", "layers", "decoder layers (hidden 1024)"),
+                                 (axes[1], "width", "hidden", "hidden size (4 layers)"),
+                                 (axes[2], "tokens", "tokens", "calibration tokens (4 x 1024)")):
+        for off in (False, True):
+            pts = sorted((r_[key], r_["quantize_s"], r_["rss"]) for r_ in rows if r_["kind"] == kind and r_["offload"] == off)
+            if not pts:
+                continue
+            tag = " (activations on disk)" if off else ""
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=f"peak RSS MiB{tag}")
+            ax.plot([p[0] for p in pts], [p[1] * 10 for p in pts], marker="s", linestyle="--", label=f"calib+quant s x10{tag}")
+        ax.set_xlabel(label)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("fp8ptq quantize (fp8-kv8, GPTQ) on synthetic Llama-shaped models")
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.png, dpi=110, bbox_inches="tight")
+    print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
