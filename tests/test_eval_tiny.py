@@ -41,3 +41,26 @@ def test_unquantized_model_vs_itself_is_exact(tiny_dir):
     m = load_simulated(open_hf_dir(tiny_dir)).model
     r = compare(m, m, ids)
     assert r["kl"] == pytest.approx(0.0, abs=1e-7) and r["top1"] == 1.0
+
+
+def test_simulated_model_masks_cache_and_padding(tiny_dir):
+    """Several new tokens after a KV cache, and left-padded batches, need the real attention mask (a
+    plain causal mask would be wrong): fp8ptq's attention registers transformers' sdpa mask builder."""
+    import torch
+    from transformers import DynamicCache
+
+    from fp8ptq.eval.quality import load_simulated
+    from fp8ptq.models.loader import open_hf_dir
+
+    model = load_simulated(open_hf_dir(tiny_dir)).model
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 61, 8]])
+    with torch.inference_mode():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :5], past_key_values=cache, use_cache=True)
+        tail = model(ids[:, 5:], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(tail, full[:, 5:], rtol=1e-4, atol=1e-4)
+        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+        out = model(padded, attention_mask=mask).logits[:, 3:]
+        torch.testing.assert_close(out, full, rtol=1e-4, atol=1e-4)

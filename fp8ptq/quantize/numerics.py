@@ -31,6 +31,13 @@ def register_attention() -> str:
 
     if ATTN_IMPL not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_IMPL, fp8ptq_sdpa)
+    # The mask builder is looked up by the same name: without it transformers builds no mask and SDPA
+    # falls back to a plain causal mask, wrong for padded batches and for several new tokens after a KV
+    # cache (lm-eval's batched generation, speculative verification).
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if ATTN_IMPL not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
     return ATTN_IMPL
 
 

@@ -1,0 +1,118 @@
+"""Target and draft models for the speculative harness (HF transformers, CPU or CUDA, KV cache).
+
+The TARGET is loaded through `eval.quality.load_simulated`: for a compressed-tensors checkpoint that is
+an fp32 model computing what the engine computes (quantized weights, activation and KV quantization),
+so measured acceptance is the quantized target's, not its bf16 parent's. A DRAFT is a plain HF
+directory (written by draft-train) or a trimmed draft (draft-trim: full-vocab embedding, an lm_head of
+N kept rows, and the kept target ids), loaded in fp32 with safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8ptq.spec import SpecError
+
+TRIM_META = "fp8ptq_trim.json"
+DRAFT_META = "fp8ptq_draft.json"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    vocab_size: int  # input vocabulary (embedding rows) = the target's token space
+    kept_ids: torch.Tensor | None = None  # trimmed draft: target id of each lm_head row [N]
+    label: str = ""
+
+
+def load_target(spec: str | Path, device: str = "cpu") -> tuple[LoadedModel, object]:
+    """(target under simulated engine numerics, its ModelSource)."""
+    from fp8ptq.models.loader import resolve_model
+
+    src = resolve_model(str(spec))
+    return LoadedModel(_simulated_or_plain(src, device), int(src.config.vocab_size), None, src.label), src
+
+
+def _simulated_or_plain(src, device: str) -> torch.nn.Module:
+    """Quantized checkpoint: the simulated-numerics model. Plain one: the HF model in fp32 (nothing to
+    simulate; also keeps compressed-tensors out of the import path, e.g. on a bare GPU machine)."""
+    if getattr(src.config, "quantization_config", None) is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32, attn_implementation="sdpa",
+                                                     trust_remote_code=False, use_safetensors=True)
+        return model.to(device).eval()
+    from fp8ptq.eval.quality import load_simulated  # registers fp8ptq's attention and its mask builder
+
+    return load_simulated(src, simulate=True, device=device).model
+
+
+def load_draft(path: str | Path, device: str = "cpu") -> LoadedModel:
+    """A draft directory: plain HF (full vocabulary) or trimmed (has fp8ptq_trim.json)."""
+    from fp8ptq.models.loader import resolve_model
+
+    path = Path(path)
+    src = resolve_model(str(path))  # validates config + safetensors, refuses pickles
+    if (path / TRIM_META).is_file():
+        return _load_trimmed(src, device)
+    return LoadedModel(_simulated_or_plain(src, device), int(src.config.vocab_size), None, str(path))
+
+
+def _load_trimmed(src, device: str) -> LoadedModel:
+    from fp8ptq.models.skeleton import build_skeleton
+
+    meta = json.loads((src.path / TRIM_META).read_text())
+    model = build_skeleton(src.config)
+    hidden = model.config.hidden_size
+    kept = src.tensor("d2t").long() + torch.arange(meta["keep"])  # target id = draft id + d2t[draft id]
+    with torch.device("meta"):
+        model.lm_head = torch.nn.Linear(hidden, meta["keep"], bias=False)
+    state = {n: src.tensor(n).float() for n, _ in model.named_parameters()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return LoadedModel(model.to(device).eval(), int(src.config.vocab_size), kept.to(device), str(src.path))
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft must read and write the target's token ids."""
+    if draft.vocab_size != target.vocab_size:
+        raise SpecError(f"draft vocabulary size {draft.vocab_size} != target vocabulary size {target.vocab_size}",
+                        fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)")
+
+
+def crop(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers Cache (5.x: crop(-n) removes n)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.inference_mode()
+def step_logits(m: LoadedModel, ids: list[int], cache, device: str = "cpu") -> torch.Tensor:
+    """Feed `ids` after what the cache holds; logits [len(ids), V_out] in fp32 (V_out = N when trimmed)."""
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    return m.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0].float()
+
+
+def to_target_probs(m: LoadedModel, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A trimmed draft's distribution over its N rows, scattered into the target vocabulary (0 elsewhere:
+    still exact speculative sampling, the residual covers the tokens the draft cannot propose)."""
+    if m.kept_ids is None:
+        return probs
+    full = probs.new_zeros(*probs.shape[:-1], vocab)
+    full[..., m.kept_ids] = probs
+    return full
+
+
+def draft_meta(path: Path) -> dict:
+    f = Path(path) / DRAFT_META
+    return json.loads(f.read_text()) if f.is_file() else {}

@@ -1,0 +1,145 @@
+"""Library entry points for `fp8ptq spec measure` and `fp8ptq spec recommend` (one config, one call each).
+
+measure: held-out prompts (built-in evaluation split, or a file) in the chat template → the speculative
+loop for each γ (and dynamic-length thresholds) → acceptance per position and τ per γ, plus the HF
+costs (draft step, target over 1..γ_max+1 tokens). recommend: those numbers (measured now, or read
+from a measure JSON) → γ, speculative_config.json for vLLM, SGLang flags, recommendation.json, a PNG,
+and optionally the memory plan for a device size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fp8ptq.spec import SpecError
+from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, write_outputs
+
+MEASURE_FILE = "measure.json"
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    target: str
+    draft: str
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    temperatures: tuple[float, ...] = (0.0,)
+    prompts: str | None = None  # None: built-in evaluation split (held out from draft-train's prompts)
+    text_field: str = "text"
+    num_prompts: int = 8
+    max_tokens: int = 64
+    max_prompt_tokens: int = 256
+    thresholds: tuple[float, ...] = ()
+    seed: int = 0
+    cost_repeats: int = 7
+    device: str = "cpu"
+    prompt_ids: tuple[tuple[int, ...], ...] | None = None  # exact token ids (overrides prompts), e.g. to match a vLLM run
+
+
+def _check_gammas(gammas) -> None:
+    bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
+    if not gammas or bad:
+        raise SpecError(f"γ values {list(gammas)} must be in 1..{MAX_GAMMA}", fix="e.g. --gammas 1,2,3,4,5,6,7,8")
+
+
+def measure(cfg: MeasureConfig, progress=None) -> dict:
+    """Acceptance for each temperature and γ + HF costs. Returns a JSON-able dict (see MEASURE_FILE)."""
+    from fp8ptq.spec.measure import measure_acceptance, measure_costs
+    from fp8ptq.spec.models import check_pair, load_draft, load_target
+    from fp8ptq.spec.prompts import encode_prompts, load_prompts
+
+    _check_gammas(cfg.gammas)
+    if any(t < 0 for t in cfg.temperatures):
+        raise SpecError(f"temperatures {list(cfg.temperatures)} must be ≥ 0", fix="0 = greedy, 1 = plain sampling")
+    if any(not 0 < t < 1 for t in cfg.thresholds):
+        raise SpecError(f"thresholds {list(cfg.thresholds)} must be in (0, 1)", fix="e.g. --thresholds 0.3,0.5")
+    t0 = time.perf_counter()
+    target, src = load_target(cfg.target, cfg.device)
+    draft = load_draft(cfg.draft, cfg.device)
+    check_pair(target, draft)
+    if cfg.prompt_ids is not None:
+        prompts = [list(p) for p in cfg.prompt_ids]
+    else:
+        texts = load_prompts(cfg.prompts, "evaluation", cfg.num_prompts, cfg.seed, cfg.text_field)
+        prompts = encode_prompts(src.tokenizer(), texts, max_tokens=cfg.max_prompt_tokens)
+    load_s = time.perf_counter() - t0
+    result = {"target": str(cfg.target), "target_path": str(src.path), "draft": str(cfg.draft), "trimmed": draft.kept_ids is not None,
+              "config": {k: v for k, v in asdict(cfg).items() if k != "prompt_ids"},
+              "prompt_ids": prompts, "by_temperature": {}}
+    for temp in cfg.temperatures:
+        r = measure_acceptance(target, draft, prompts, gammas=list(cfg.gammas), max_tokens=cfg.max_tokens,
+                               temperature=temp, thresholds=list(cfg.thresholds), seed=cfg.seed, device=cfg.device,
+                               progress=progress)
+        r.pop("outputs")
+        result["by_temperature"][str(temp)] = r
+    context = prompts[0] + prompts[0][: cfg.max_tokens // 2]  # a typical decode position
+    costs = measure_costs(target, draft, context, max_k=max(cfg.gammas) + 1, repeats=cfg.cost_repeats,
+                          device=cfg.device, progress=progress)
+    result["costs"] = costs.as_dict()
+    result["timings"] = {"load_s": load_s, "total_s": time.perf_counter() - t0}
+    return result
+
+
+@dataclass(frozen=True)
+class RecommendConfig:
+    output: Path
+    measured: Path | None = None  # a measure JSON (fp8ptq spec measure --save); else measure now
+    measure: MeasureConfig | None = None
+    temperature: float = 0.0  # which measured temperature to recommend for
+    draft_for_engine: str | None = None  # path written into the configs (default: the measured draft)
+    token_map: str | None = None  # SGLang --speculative-token-map (a draft-trim output)
+    device_memory: str | None = None  # e.g. 24GiB: add the memory plan
+    context: int = 4096
+    batch: int = 1
+    kv_dtype: str = "auto"
+    overwrite: bool = False
+    costs: dict | None = None  # override the measured costs (e.g. from vLLM), Costs.as_dict() form
+
+
+def recommend(cfg: RecommendConfig, progress=None) -> dict:
+    """Choose γ and write the configs into cfg.output (atomically). Returns the summary dict."""
+    from fp8ptq.export.atomic import atomic_output_dir, check_output
+
+    check_output(Path(cfg.output), cfg.overwrite)
+    if cfg.device_memory:
+        from fp8ptq.spec.memory import KV_BYTES, parse_size
+
+        parse_size(cfg.device_memory)  # bad input fails before any measuring
+        if cfg.kv_dtype != "auto" and cfg.kv_dtype not in KV_BYTES:
+            raise SpecError(f"unknown KV cache dtype '{cfg.kv_dtype}'", fix=f"use auto or one of {', '.join(sorted(KV_BYTES))}")
+    if cfg.measured is not None:
+        try:
+            measured = json.loads(Path(cfg.measured).read_text())
+        except (OSError, ValueError) as err:
+            raise SpecError(f"cannot read measurements '{cfg.measured}' ({err})",
+                            fix="pass the file written by `fp8ptq spec measure --save FILE`") from None
+    elif cfg.measure is not None:
+        measured = measure(cfg.measure, progress)
+    else:
+        raise SpecError("nothing to recommend from", fix="pass TARGET and DRAFT, or --measured FILE")
+    key = str(float(cfg.temperature))
+    if key not in measured["by_temperature"]:
+        raise SpecError(f"temperature {cfg.temperature} was not measured (have {sorted(measured['by_temperature'])})",
+                        fix="measure it with --temperatures, or pick a measured one")
+    costs = Costs.from_dict(cfg.costs or measured["costs"])
+    rec = choose(measured["by_temperature"][key], costs)
+    draft = cfg.draft_for_engine or measured["draft"]
+    plan = None
+    if cfg.device_memory:
+        from fp8ptq.spec.memory import model_shape, parse_size, plan as memory_plan
+
+        plan = memory_plan(model_shape(Path(measured["target_path"]), cfg.kv_dtype),
+                           model_shape(Path(draft)), parse_size(cfg.device_memory), context=cfg.context,
+                           batch=cfg.batch, gamma=rec.gamma).as_dict()
+    extra = {"target": measured["target"], "draft": draft, "temperature": cfg.temperature, "memory_plan": plan,
+             "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
+             "note": None if rec.threshold is None else
+             "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ"}
+    with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
+        files = write_outputs(tmp, rec, draft=draft, token_map=cfg.token_map,
+                              title=f"{Path(str(measured['target'])).name} + {Path(draft).name}, T={cfg.temperature}",
+                              extra=extra)
+        (tmp / MEASURE_FILE).write_text(json.dumps(measured, indent=1) + "\n")
+    return {**rec.as_dict(), **extra, "files": {k: str(Path(cfg.output) / v.name) for k, v in files.items()}}
