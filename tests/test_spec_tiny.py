@@ -202,3 +202,19 @@ def test_cli_memory_and_measure_json(tiny_dir, drafted):
     r = _cli("spec", "measure", tiny_dir, drafted[0], "--gammas", "1,2", "--num-prompts", "1", "--max-tokens", "6", "--json")
     assert r.exit_code == 0, r.output
     assert [x["gamma"] for x in json.loads(r.stdout)["by_temperature"]["0.0"]["runs"]] == [1, 2]
+
+
+def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir):
+    """`quantize --draft auto`: quantized target + draft + measured config in one folder, in the report."""
+    from fp8ptq.jobs import QuantizeConfig, quantize
+
+    out = tmp_path / "q"
+    m = quantize(QuantizeConfig(model=str(tiny_dir), recipe="fp8-dynamic", output=out, eval_samples=0,
+                                draft="auto", draft_steps=3, draft_time_budget_s=30))
+    spec = m["speculative"]
+    assert spec["speculative_config"]["method"] == "draft_model" and spec["speculative_config"]["model"] == "draft"
+    assert json.loads((out / "speculative_config.json").read_text()) == spec["speculative_config"]
+    assert (out / "draft" / "config.json").is_file() and (out / "sglang_flags.txt").is_file()
+    assert 1 <= spec["recommendation"]["gamma"] <= 8
+    report = (out / "report.md").read_text()
+    assert f'"model": "{out}/draft"' in report and "--speculative-config" in report
