@@ -60,11 +60,50 @@ def disk_copy_mb_s(src: Path, dst: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20 / secs
 
 
+def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int) -> None:
+    """fp8-kv8 on the same synthetic model and the same calibration tokens: fp8ptq (default, and with
+    --offload-activations --chunk-tokens 1024) vs llm-compressor (benchmarks/setup_llmc_venv.sh)."""
+    from safetensors.torch import save_file
+
+    from fp8ptq.data import load_samples
+    from fp8ptq.models.loader import open_hf_dir
+
+    ids = load_samples("builtin", open_hf_dir(model_dir).tokenizer(), samples, seq, "calibration", 0)
+    calib = work / "calib-scale.safetensors"
+    save_file({"input_ids": ids.contiguous()}, str(calib))
+    rows = []
+    for extra in ((), ("--offload-activations", "--chunk-tokens", "1024")):
+        r = quantize(model_dir, work / "cmp-fp8ptq", "fp8-kv8", samples, seq, *extra)
+        rows.append((f"fp8ptq {' '.join(extra)}".strip(), r["manifest"]["timings"]["quantize_s"], r["wall"], r["rss"]))
+    probe = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
+             "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); sys.stderr.write(r.stderr[-2000:]); "
+             "print(r.stdout); print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
+             "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+    llmc = HERE / ".venv-llmc" / "bin" / "python"
+    p = subprocess.run([sys.executable, "-c", probe, str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model_dir),
+                        "--calib", str(calib), "--scheme", "fp8-kv8", "--out", str(work / "cmp-llmc")],
+                       capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    meta = json.loads(lines[-1])
+    if meta["rc"] == 0:
+        info = json.loads(lines[-2])
+        rows.append(("llm-compressor 0.14", info["quantize_wall_s"], meta["wall"], meta["rss"]))
+    else:
+        print(f"llm-compressor failed: {p.stderr[-1500:]}")
+    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
+    print(f"\nfp8-kv8 on {model_dir.name} ({size:.0f} MiB bf16), {samples}x{seq} calibration tokens\n")
+    print("| tool | calib+quant s | process s | peak RSS MiB |\n|---|---:|---:|---:|")
+    for name, q, w, rss in rows:
+        print(f"| {name} | {q:.1f} | {w:.1f} | {rss:.0f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-scale"))
     ap.add_argument("--png", type=Path, default=Path("docs/scale.png"))
     ap.add_argument("--quick", action="store_true", help="fewer, smaller points")
+    ap.add_argument("--llmc", action="store_true", help="also llm-compressor (fp8-kv8) on the deepest model, same tokens")
+    ap.add_argument("--only-llmc", action="store_true", help="skip the sweeps")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.models.loader import resolve_model
@@ -91,6 +130,10 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
 
     depths = [2, 4, 8] if args.quick else [2, 4, 8, 16]
+    if args.llmc or args.only_llmc:
+        compare_llmc(model(depths[-1], 1024, 4096), args.work, 16, 256)
+    if args.only_llmc:
+        return
     for n in depths:
         point("depth", n, 1024, 4096, 16, 256)
     for h in ([512, 1024] if args.quick else [512, 1024, 2048]):

@@ -137,12 +137,10 @@ class LayerCalibrator:
             lambda _m, _a, g=g: order[current["block"]].append(g)) for n, g in first_of.items()]
         attn = self.modules[self.attn_name]
         attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
+        x = self.state.store.read(0, 1)[:, :4].to(self.state.device)  # every rank owns samples (checked)
+        saved = self.state.position_embeddings
+        self.state.position_embeddings = tuple(t[:, :4] for t in saved)
         try:
-            x = self.state.store.read(0, 1)[:, :4].to(self.state.device) if self.state.store.shape[0] else None
-            if x is None:  # a rank without samples still needs the order: use zeros of the right shape
-                x = torch.zeros(1, 4, self.state.store.shape[2], device=self.state.device)
-            pos = tuple(t[:, :4] for t in self.state.position_embeddings)
-            saved, self.state.position_embeddings = self.state.position_embeddings, pos
             with torch.inference_mode():
                 for block in BLOCKS:
                     current["block"] = block
@@ -268,9 +266,6 @@ class LayerCalibrator:
             self._pass("attn")
         finally:
             attn.__dict__.pop("fp8ptq_kv_hook", None)
-        if not stats:  # a rank without chunks: shapes from the config, then join the collectives
-            width = attn.config.num_key_value_heads * attn.head_dim
-            stats = {key: self.state.new_stats(width, StatsSpec()) for key in ("k", "v")}
         # KV rows are not subsampled: minmax (clipping hurts FP8's flat relative error, see BENCHMARKS)
         kc, vc = (OBSERVERS["minmax"](stats[key].reduce(self.state.comm), FP8_GRID) for key in ("k", "v"))
         prefix = self.plan.prefix + self.attn_name
