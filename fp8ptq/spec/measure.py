@@ -88,6 +88,23 @@ def _draft_next(draft: LoadedModel, logits: torch.Tensor, temperature: float, V:
     return int(torch.multinomial(q.cpu(), 1, generator=g)), q
 
 
+def _propose(draft: LoadedModel, seq: list[int], dlen: int, dc, gamma: int, temperature: float,
+             threshold: float | None, V: int, g: torch.Generator | None, device: str):
+    """Up to γ draft tokens after seq (the draft cache holds dlen positions): (tokens, q rows, cache length)."""
+    drafted, q_rows = [], []
+    feed, dcache = seq[dlen:], dlen
+    for _ in range(gamma):
+        logits = step_logits(draft, feed, dc, device)[-1]
+        dcache += len(feed)
+        if threshold is not None and float(torch.softmax(logits, -1).max()) < threshold:
+            break
+        tok, q = _draft_next(draft, logits, temperature, V, g)
+        drafted.append(tok)
+        q_rows.append(q)
+        feed = [tok]
+    return drafted, q_rows, dcache
+
+
 def speculative_generate(target: LoadedModel, draft: LoadedModel, prompt: list[int], *, gamma: int, max_tokens: int,
                          temperature: float = 0.0, threshold: float | None = None, generator: torch.Generator | None = None,
                          stats: SpecStats | None = None, device: str = "cpu") -> list[int]:
@@ -102,17 +119,7 @@ def speculative_generate(target: LoadedModel, draft: LoadedModel, prompt: list[i
     dlen = 0  # positions of seq the draft cache holds
     while len(seq) - len(prompt) < max_tokens:
         base = len(seq)
-        drafted, q_rows = [], []
-        feed, dcache = seq[dlen:], dlen
-        for _ in range(gamma):
-            logits = step_logits(draft, feed, dc, device)[-1]
-            dcache += len(feed)
-            if threshold is not None and float(torch.softmax(logits, -1).max()) < threshold:
-                break
-            tok, q = _draft_next(draft, logits, temperature, V, g)
-            drafted.append(tok)
-            q_rows.append(q)
-            feed = [tok]
+        drafted, q_rows, dcache = _propose(draft, seq, dlen, dc, gamma, temperature, threshold, V, g, device)
         k = len(drafted)
         t_logits = step_logits(target, [seq[-1]] + drafted, tc, device)  # [k+1, V]: p_1..p_{k+1}
         d = torch.tensor(drafted, dtype=torch.long)
@@ -174,6 +181,30 @@ def measure_acceptance(target: LoadedModel, draft: LoadedModel, prompts: list[li
             thr_runs.append({**summary, "threshold": thr})
     return {"runs": runs, "threshold_runs": thr_runs, "outputs": outputs, "temperature": temperature,
             "max_tokens": max_tokens, "prompts": len(prompts), "seed": seed}
+
+
+@torch.inference_mode()
+def replay_greedy(draft: LoadedModel, prompt: list[int], stream: list[int], *, gamma: int, stats: SpecStats,
+                  max_tokens: int | None = None, device: str = "cpu") -> None:
+    """Greedy acceptance of `draft` against a fixed continuation `stream` of `prompt`: the steps and counting
+    of speculative_generate at temperature 0 with the target's argmax replaced by the stream. Given the
+    greedy output of an engine (vLLM), this is what the engine's own spec-decode counters must show, with
+    no difference between the engine's target numerics and fp8ptq's simulation entering the comparison
+    (a single flipped argmax changes the rest of a greedy continuation). Generation stops at max_tokens
+    (default len(stream)); a longer stream lets the last step verify past it, as a real target does."""
+    dc = new_cache(draft.model)
+    seq, dlen = list(prompt) + [stream[0]], 0
+    while len(seq) - len(prompt) < (max_tokens or len(stream)):
+        base = len(seq)
+        drafted, _, dcache = _propose(draft, seq, dlen, dc, gamma, 0.0, None, 0, None, device)
+        truth = stream[base - len(prompt):]  # what the target emits at the k + 1 verified positions
+        n = 0
+        while n < min(len(drafted), len(truth)) and drafted[n] == truth[n]:
+            n += 1
+        stats.add(len(drafted), n)
+        seq.extend(truth[:n + 1])
+        dlen = min(dcache, base + n)
+        crop(dc, dlen)
 
 
 def _median_time(fn, repeats: int) -> float:
