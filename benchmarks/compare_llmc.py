@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/compare_llmc.py --schemes fp8-kv8 fp8-dynamic w4a16=w4a16-g64-gptq \
         w8a8-int8 [--num-samples 64 --seq-len 512 --eval-samples 32] [--work /tmp/fp8ptq-bench] [--reuse]
+        [--fp8ptq-args '--offload-activations --chunk-tokens 1024']
 
 A scheme is `RECIPE` (same name on both sides) or `RECIPE=LLMC_SCHEME` (fp8ptq recipe or YAML file =
 llm-compressor scheme of benchmarks/llmc_quantize.py); `--only fp8ptq|llmc` runs one side, `--reuse`
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--skip-llmc", action="store_true")
     ap.add_argument("--only", choices=["fp8ptq", "llmc"])
     ap.add_argument("--reuse", action="store_true", help="score existing outputs in --work instead of re-running")
+    ap.add_argument("--fp8ptq-args", default="", help="extra fp8ptq quantize options, e.g. "
+                    "'--offload-activations --chunk-tokens 1024' (the output folder gets a suffix)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.data import load_samples
@@ -92,19 +95,20 @@ def main():
         scheme, _, llmc_scheme = spec.partition("=")
         llmc_scheme = llmc_scheme or scheme
         tag = Path(scheme).stem
-        out = args.work / f"fp8ptq-{tag}"
+        extra = args.fp8ptq_args.split()
+        out = args.work / "-".join([f"fp8ptq-{tag}", *(a.strip("-") for a in extra)])
         if args.only != "llmc":
             if args.reuse and (out / "fp8ptq_run.json").is_file():
                 meta = json.loads((out / "fp8ptq_run.json").read_text())
             else:
                 wall, rss, stdout = child_run([sys.executable, "-m", "fp8ptq", "quantize", str(src.path), "--recipe", scheme,
                                                "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
-                                               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
+                                               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), *extra])
                 manifest = json.loads(stdout)
                 meta = dict(quantize_s=manifest["timings"]["quantize_s"], total_s=wall, rss=rss)
                 (out / "fp8ptq_run.json").write_text(json.dumps(meta))
             q = compare(ref, load_simulated(open_hf_dir(out)).model, eval_ids)
-            results[("fp8ptq", tag)] = dict(**meta, **q)
+            results[("fp8ptq " + args.fp8ptq_args if extra else "fp8ptq", tag)] = dict(**meta, **q)
         if not args.skip_llmc and args.only != "fp8ptq":
             lout = args.work / f"llmc-{llmc_scheme}"
             if args.reuse and (lout / "llmc_bench.json").is_file():
@@ -126,7 +130,10 @@ def main():
     for (tool, scheme), r in results.items():
         print(f"| {tool} | {scheme} | {r['quantize_s']:.1f} | {r['total_s']:.1f} | {r['rss']:.0f} | {r['kl']:.5f} | "
               f"{r['top1'] * 100:.2f}% | {r['ppl']:.3f} ({r['ppl_reference']:.3f}) |")
-    (args.work / "results.json").write_text(json.dumps({f"{t}/{s}": r for (t, s), r in results.items()}, indent=2))
+    res_file = args.work / "results.json"  # merged across invocations (one row per tool/scheme)
+    merged = json.loads(res_file.read_text()) if res_file.is_file() else {}
+    merged.update({f"{t}/{s}": r for (t, s), r in results.items()})
+    res_file.write_text(json.dumps(merged, indent=2))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ models generated on the fly (random weights with injected outlier channels, shar
 how fast the data-free fp8-dynamic conversion runs next to the disk's own read+write speed.
 
     .venv/bin/python benchmarks/scale.py [--work /tmp/fp8ptq-scale] [--png docs/scale.png] [--quick]
+        [--llmc [--llmc-shape 8x2048x8192] | --only-llmc]
 
 Every point is one `fp8ptq quantize` subprocess (recipe fp8-kv8: static FP8 inputs, FP8 KV, GPTQ);
 peak RSS is that process's ru_maxrss. Prints markdown tables for BENCHMARKS.md.
@@ -104,6 +105,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer, smaller points")
     ap.add_argument("--llmc", action="store_true", help="also llm-compressor (fp8-kv8) on the deepest model, same tokens")
     ap.add_argument("--only-llmc", action="store_true", help="skip the sweeps")
+    ap.add_argument("--llmc-shape", default=None, help="LAYERSxHIDDENxINTERMEDIATE of the synthetic model for --llmc "
+                    "(default: the deepest sweep model, hidden 1024)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.models.loader import resolve_model
@@ -131,7 +134,8 @@ def main():
 
     depths = [2, 4, 8] if args.quick else [2, 4, 8, 16]
     if args.llmc or args.only_llmc:
-        compare_llmc(model(depths[-1], 1024, 4096), args.work, 16, 256)
+        shape = [int(v) for v in args.llmc_shape.split("x")] if args.llmc_shape else [depths[-1], 1024, 4096]
+        compare_llmc(model(*shape), args.work, 16, 256)
     if args.only_llmc:
         return
     for n in depths:
