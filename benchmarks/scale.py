@@ -24,19 +24,24 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 
 
-def run(args: list[str]) -> dict:
-    """One fp8ptq run: wall seconds, peak RSS MiB (measured in a fresh parent), the manifest."""
+def child(cmd: list[str]) -> tuple[dict, list[str], str]:
+    """Run cmd in a fresh parent: ({rc, wall s, peak RSS MiB of cmd alone}, cmd's stdout lines, stderr tail)."""
     probe = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
              "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
              "sys.stderr.write(r.stderr[-2000:]); print(r.stdout); "
              "print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
              "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
-    p = subprocess.run([sys.executable, "-c", probe, str(BIN / "fp8ptq"), *args], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True)
     lines = p.stdout.strip().splitlines()
-    meta = json.loads(lines[-1])
+    return json.loads(lines[-1]), lines[:-1], p.stderr
+
+
+def run(args: list[str]) -> dict:
+    """One fp8ptq run: wall seconds, peak RSS MiB (measured in a fresh parent), the manifest."""
+    meta, lines, err = child([str(BIN / "fp8ptq"), *args])
     if meta["rc"] != 0:
-        raise SystemExit(f"fp8ptq {' '.join(args[:4])} failed:\n{p.stderr}")
-    meta["manifest"] = json.loads("\n".join(lines[:-1]))
+        raise SystemExit(f"fp8ptq {' '.join(args[:4])} failed:\n{err}")
+    meta["manifest"] = json.loads("\n".join(lines))
     return meta
 
 
@@ -76,21 +81,14 @@ def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int) -> None:
     for extra in ((), ("--offload-activations", "--chunk-tokens", "1024")):
         r = quantize(model_dir, work / "cmp-fp8ptq", "fp8-kv8", samples, seq, *extra)
         rows.append((f"fp8ptq {' '.join(extra)}".strip(), r["manifest"]["timings"]["quantize_s"], r["wall"], r["rss"]))
-    probe = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
-             "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); sys.stderr.write(r.stderr[-2000:]); "
-             "print(r.stdout); print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
-             "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
     llmc = HERE / ".venv-llmc" / "bin" / "python"
-    p = subprocess.run([sys.executable, "-c", probe, str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model_dir),
-                        "--calib", str(calib), "--scheme", "fp8-kv8", "--out", str(work / "cmp-llmc")],
-                       capture_output=True, text=True)
-    lines = p.stdout.strip().splitlines()
-    meta = json.loads(lines[-1])
+    meta, lines, err = child([str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model_dir), "--calib", str(calib),
+                              "--scheme", "fp8-kv8", "--out", str(work / "cmp-llmc")])
     if meta["rc"] == 0:
-        info = json.loads(lines[-2])
+        info = json.loads(lines[-1])
         rows.append(("llm-compressor 0.14", info["quantize_wall_s"], meta["wall"], meta["rss"]))
     else:
-        print(f"llm-compressor failed: {p.stderr[-1500:]}")
+        print(f"llm-compressor failed: {err[-1500:]}")
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
     print(f"\nfp8-kv8 on {model_dir.name} ({size:.0f} MiB bf16), {samples}x{seq} calibration tokens\n")
     print("| tool | calib+quant s | process s | peak RSS MiB |\n|---|---:|---:|---:|")
