@@ -3,7 +3,7 @@ models generated on the fly (random weights with injected outlier channels, shar
 how fast the data-free fp8-dynamic conversion runs next to the disk's own read+write speed.
 
     .venv/bin/python benchmarks/scale.py [--work /tmp/fp8ptq-scale] [--png docs/scale.png] [--quick]
-        [--llmc [--llmc-shape 8x2048x8192] | --only-llmc]
+        [--llmc [--llmc-shape 8x2048x8192] | --only-llmc | --only-data-free]
 
 Every point is one `fp8ptq quantize` subprocess (recipe fp8-kv8: static FP8 inputs, FP8 KV, GPTQ);
 peak RSS is that process's ru_maxrss. Prints markdown tables for BENCHMARKS.md.
@@ -66,6 +66,43 @@ def disk_copy_mb_s(src: Path, dst: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20 / secs
 
 
+def drop_caches() -> bool:
+    """Empty the page cache (root only) so the next read comes from the disk, not from memory."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def data_free(big: Path, work: Path, repeats: int = 3) -> None:
+    """Data-free fp8-dynamic conversion (layers + non-layer tensors + index, i.e. quantize_s + assemble_s;
+    process start-up and metadata excluded) vs a plain copy of the same shards, both with a warm page
+    cache and, where the page cache can be dropped, cold. Median of `repeats`."""
+    import statistics
+
+    in_mb = sum(f.stat().st_size for f in big.glob("*.safetensors")) / 2**20
+    modes = ["warm"] + (["cold"] if drop_caches() else [])
+    for mode in modes:
+        conv, disk, rss = [], [], 0.0
+        for _ in range(repeats):
+            if mode == "cold":
+                drop_caches()
+            r = run(["quantize", str(big), "-r", "fp8-dynamic", "-o", str(work / "dyn"), "--overwrite",
+                     "--eval-samples", "0", "--json", "--no-recipe-gates"])
+            t = r["manifest"]["timings"]
+            conv.append(in_mb / (t["quantize_s"] + t["assemble_s"]))
+            rss = max(rss, r["rss"])
+            if mode == "cold":
+                drop_caches()
+            disk.append(disk_copy_mb_s(big, work / "copy"))
+        c, d = statistics.median(conv), statistics.median(disk)
+        print(f"data-free fp8-dynamic, {mode} page cache, {in_mb:.0f} MiB of bf16 shards: {c:.0f} MiB/s of input "
+              f"(runs {', '.join(f'{v:.0f}' for v in conv)}; peak RSS {rss:.0f} MiB); disk copy (read + write + fsync) "
+              f"of the same shards: {d:.0f} MiB/s (runs {', '.join(f'{v:.0f}' for v in disk)}) -> {c / d:.2f}x", flush=True)
+
+
 def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int) -> None:
     """fp8-kv8 on the same synthetic model and the same calibration tokens: fp8ptq (default, and with
     --offload-activations --chunk-tokens 1024) vs llm-compressor (benchmarks/setup_llmc_venv.sh)."""
@@ -103,6 +140,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer, smaller points")
     ap.add_argument("--llmc", action="store_true", help="also llm-compressor (fp8-kv8) on the deepest model, same tokens")
     ap.add_argument("--only-llmc", action="store_true", help="skip the sweeps")
+    ap.add_argument("--only-data-free", action="store_true", help="only the data-free conversion vs disk copy")
     ap.add_argument("--llmc-shape", default=None, help="LAYERSxHIDDENxINTERMEDIATE of the synthetic model for --llmc "
                     "(default: the deepest sweep model, hidden 1024)")
     args = ap.parse_args()
@@ -131,6 +169,8 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
 
     depths = [2, 4, 8] if args.quick else [2, 4, 8, 16]
+    if args.only_data_free:
+        return data_free(model(8 if args.quick else 16, 2048, 8192), args.work)
     if args.llmc or args.only_llmc:
         shape = [int(v) for v in args.llmc_shape.split("x")] if args.llmc_shape else [depths[-1], 1024, 4096]
         compare_llmc(model(*shape), args.work, 16, 256)
@@ -144,21 +184,13 @@ def main():
         point("tokens", 4, 1024, 4096, s, 256)
         point("tokens", 4, 1024, 4096, s, 256, "--offload-activations")
 
-    big = model(8 if args.quick else 16, 2048, 8192)
-    in_mb = sum(f.stat().st_size for f in big.glob("*.safetensors")) / 2**20
-    r = run(["quantize", str(big), "-r", "fp8-dynamic", "-o", str(args.work / "dyn"), "--overwrite",
-             "--eval-samples", "0", "--json", "--no-recipe-gates"])
-    conv = in_mb / r["manifest"]["timings"]["quantize_s"]
-    disk = disk_copy_mb_s(big, args.work / "copy")
+    data_free(model(8 if args.quick else 16, 2048, 8192), args.work)
 
     print("\n| sweep | layers | hidden / intermediate | calib tokens | activations | calib+quant s | process s | peak RSS MiB |")
     print("|---|---:|---|---:|---|---:|---:|---:|")
     for r_ in rows:
         print(f"| {r_['kind']} | {r_['layers']} | {r_['hidden']} / {r_['intermediate']} | {r_['tokens']} | "
               f"{'disk' if r_['offload'] else 'RAM'} | {r_['quantize_s']:.1f} | {r_['wall']:.1f} | {r_['rss']:.0f} |")
-    print(f"\ndata-free fp8-dynamic on {in_mb:.0f} MiB of bf16 shards: {conv:.0f} MiB/s of input "
-          f"(peak RSS {r['rss']:.0f} MiB); disk copy (read + write + fsync) of the same shards: {disk:.0f} MiB/s "
-          f"-> {conv / disk:.2f}x")
 
     import matplotlib
 

@@ -8,6 +8,7 @@ import platform
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.models.loader import ModelSource, open_hf_dir, resolve_model
 from fp8ptq.models.skeleton import build_skeleton, decoder_layers
 from fp8ptq.quantize.plan import plan_layer
-from fp8ptq.quantize.schemes import LinearScheme, quantize_group
+from fp8ptq.quantize.schemes import LinearScheme, pack_group_fp8, packs_directly, quantize_group
 from fp8ptq.recipe import Recipe, load_recipe, recipe_yaml
 from fp8ptq.report import write_report
 
@@ -78,22 +79,48 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _data_free(src: ModelSource, recipe: Recipe, writer: CheckpointWriter, start: int, on_done, progress) -> None:
-    """Weight-only work (RTN, no activation statistics): per layer, read its weights, quantize, write."""
+def _data_free(src: ModelSource, recipe: Recipe, writer: CheckpointWriter, start: int, on_done, progress,
+               direct: bool = True) -> None:
+    """Weight-only work (RTN, no activation statistics): per layer, read its weights, quantize, write.
+    FP8 per-channel / per-tensor weights are packed straight from the source tensors (`pack_group_fp8`);
+    direct=False forces the general fp32 fake-quant path (same bits; kept for the equality test)."""
     layers = decoder_layers(build_skeleton(src.config))
     scheme = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    direct = direct and packs_directly(recipe.scheme.weights, recipe.calibration)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # layer i is written (and fsynced) while i+1 is quantized
+        pending = None
+        for res in _data_free_layers(src, recipe, layers, scheme, start, direct):
+            write = pool.submit(writer.write_layer, *writer.layer_payload(res))
+            if pending is not None:
+                _finish_layer(pending, on_done, progress, len(layers))
+            pending = (res.index, write)
+        if pending is not None:
+            _finish_layer(pending, on_done, progress, len(layers))
+
+
+def _finish_layer(pending, on_done, progress, total: int) -> None:
+    i, write = pending
+    write.result()  # the layer is on disk (or its error is raised here)
+    on_done(i)
+    if progress:
+        progress("quantize", i + 1, total)
+
+
+def _data_free_layers(src, recipe, layers, scheme, start: int, direct: bool):
+    """Each decoder layer from `start` on, quantized (a LayerResult, not yet written)."""
     for i in range(start, len(layers)):
         prefix = f"model.layers.{i}."
         plan = plan_layer(layers[i], prefix, recipe.scheme.targets, recipe.scheme.ignore)
         res = LayerResult(index=i, prefix=prefix, report={"skipped": {prefix + n: why for n, why in plan.skipped}})
         for group in plan.groups:
             weights = {n: src.tensor(f"{prefix}{n}.weight") for n in group}
+            if direct:
+                for n, packed in pack_group_fp8(weights, recipe.scheme.weights).items():
+                    res.packed[prefix + n] = packed
+                continue
             for n, qw in quantize_group(weights, recipe.scheme.weights, recipe.calibration, None).items():
                 res.linears[prefix + n] = QuantizedLinear(qw.fake, qw.params, scheme, qw.report)
-        writer.layer(res)
-        on_done(i)
-        if progress:
-            progress("quantize", i + 1, len(layers))
+        yield res
 
 
 def _write_metadata(src: ModelSource, recipe: Recipe, tokenizer, out: Path, config_updates: dict | None = None,
@@ -199,8 +226,10 @@ def _quantize_into(cfg, recipe, src, tokenizer, ids, comm, run, info, device, ti
     layers = writer.reports()
     shards = state.get("shards")  # a resumed run that had already assembled its shards
     if not shards:
+        t2 = time.perf_counter()
         shards = writer.finish(layers_total)
         run.save_state(shards=shards)
+        timings["assemble_s"] = time.perf_counter() - t2  # non-layer tensors, shard names, index
     _write_metadata(src, recipe, tokenizer, path, _config_updates(layers), _export_groups(recipe, layers, run.state))
     manifest = {
         "model": src.label,

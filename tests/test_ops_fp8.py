@@ -58,3 +58,23 @@ def test_channel_scales_are_per_row():
     s = choose_fp8_scale(x, CHANNEL)
     assert s.shape == (8, 1)
     assert torch.allclose(s[:, 0], x.abs().amax(1) / 448)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pack_fp8_rows_matches_quantize_fp8(dtype):
+    """The streaming packer: chunk boundaries (rows not a multiple of the chunk), an all-zero row and a
+    per-tensor scale all give exactly quantize_fp8's codes and choose_fp8_scale's scales."""
+    from fp8ptq.ops.fp8 import pack_fp8_rows
+
+    w = (torch.randn(150, 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    w[7] = 0
+    codes, scale, err, norm = pack_fp8_rows(w, rows=64)
+    ref_scale = choose_fp8_scale(w, CHANNEL)
+    ref = quantize_fp8(w, ref_scale, CHANNEL)
+    assert torch.equal(scale, ref_scale) and torch.equal(codes.view(torch.uint8), ref.view(torch.uint8))
+    deq = dequantize(ref, ref_scale, CHANNEL)
+    assert err == pytest.approx(float(((deq - w.float()) ** 2).sum()), rel=1e-4)
+    assert norm == pytest.approx(float((w.float() ** 2).sum()), rel=1e-5)
+    t = choose_fp8_scale(w, TENSOR)
+    codes_t, scale_t, _, _ = pack_fp8_rows(w, t, rows=64)
+    assert torch.equal(scale_t, t) and torch.equal(codes_t.view(torch.uint8), quantize_fp8(w, t, TENSOR).view(torch.uint8))

@@ -165,3 +165,48 @@ def test_failure_leaves_no_complete_output_and_resumes(tmp_path, tiny_dir, monke
     _run(tiny_dir, tmp_path / "y", "fp8-dynamic", eval_samples=0)
     assert _shard_bytes(tmp_path / "x") == _shard_bytes(tmp_path / "y")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "y"]
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_direct_fp8_packing_equals_general_path(tmp_path, tiny_sharded_dir, monkeypatch, strategy):
+    """Data-free FP8 goes straight from source tensor to codes (pack_group_fp8); the general fp32
+    fake-quant + compressed-tensors path must give the same bytes, per channel and per tensor (fused
+    shards sharing one scale), and the same reports up to summation order."""
+    import yaml
+
+    import fp8ptq.workflow as wf
+    from fp8ptq.recipe import load_recipe
+
+    r = load_recipe("fp8-dynamic").model_dump(mode="json")
+    r["scheme"]["weights"]["strategy"] = strategy
+    r["gates"] = []
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(r))
+    direct = _run(tiny_sharded_dir, tmp_path / "direct", str(recipe), eval_samples=0)
+    monkeypatch.setattr(wf, "packs_directly", lambda *a: False)
+    general = _run(tiny_sharded_dir, tmp_path / "general", str(recipe), eval_samples=0)
+    assert _shard_bytes(tmp_path / "direct") == _shard_bytes(tmp_path / "general")
+    for a, b in zip(direct["layers"], general["layers"]):
+        assert a["quantized"].keys() == b["quantized"].keys()
+        for m in a["quantized"]:
+            assert a["quantized"][m]["weight_rel_err"] == pytest.approx(b["quantized"][m]["weight_rel_err"], rel=1e-4)
+    if strategy == "tensor":
+        t = read_tensors(tmp_path / "direct")
+        assert len({float(t[f"model.layers.0.self_attn.{m}.weight_scale"]) for m in ("q_proj", "k_proj", "v_proj")}) == 1
+
+
+def test_non_layer_tensors_split_across_files(tmp_path, tiny_dir, monkeypatch):
+    """Embeddings, final norm and head are written a bounded amount at a time (one file per budget),
+    and the index still names every tensor's file."""
+    import fp8ptq.export.writer as writer
+
+    monkeypatch.setattr(writer, "REST_FILE_BYTES", 1)  # every non-layer tensor in its own file
+    _run(tiny_dir, tmp_path / "q", "fp8-dynamic", eval_samples=0)
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
+    rest = {n: f for n, f in index.items() if not n.startswith("model.layers.")}
+    assert len(rest) >= 2 and len(set(rest.values())) == len(rest)
+    from safetensors import safe_open
+
+    for n, f in index.items():
+        with safe_open(str(tmp_path / "q" / f), framework="pt") as h:
+            assert n in h.keys()

@@ -61,6 +61,8 @@ class LayerResult:
     linears: dict[str, QuantizedLinear] = field(default_factory=dict)  # full module name -> result
     kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensor name -> scale
     float_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # changed by transforms, kept float
+    # module name -> (its checkpoint tensors, already in compressed-tensors form; report): data-free FP8
+    packed: dict[str, tuple[dict[str, torch.Tensor], dict]] = field(default_factory=dict)
     report: dict = field(default_factory=dict)
 
 

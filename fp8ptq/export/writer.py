@@ -23,6 +23,7 @@ from fp8ptq.export.compressed_tensors import compress_linear
 from fp8ptq.models.loader import ModelSource
 
 LAYERS = "layers"
+REST_FILE_BYTES = 1 << 30
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> int:
@@ -44,9 +45,11 @@ class CheckpointWriter:
         for module, q in res.linears.items():
             for k, t in compress_linear(q.weight, q.params, q.scheme).items():
                 out[f"{module}.{k}"] = t.clone()  # own storage: fused shards share scale tensors
+        for module, (tensors, _) in res.packed.items():
+            out.update({f"{module}.{k}": t for k, t in tensors.items()})
         for name, scale in res.kv_scales.items():
             out[name] = scale.float().reshape(1)  # shape [1], as compressed-tensors creates them
-        quantized = {f"{m}.weight" for m in res.linears}
+        quantized = {f"{m}.weight" for m in [*res.linears, *res.packed]}
         for name, t in res.float_tensors.items():
             if name not in quantized:
                 out[name] = t.to(self.src.tensor_dtype(name) if self.src.has(name) else torch.bfloat16)
@@ -57,26 +60,32 @@ class CheckpointWriter:
 
     def layer(self, res: LayerResult) -> None:
         """Write one finished layer (atomically) and its report."""
-        path = self.dir / LAYERS / f"layer-{res.index:05d}.safetensors"
-        nbytes = _save(self.layer_tensors(res), path)
-        report = {"index": res.index, "quantized": {m: q.report for m, q in res.linears.items()},
-                  "bytes": nbytes, **res.report}
-        write_json_atomic(path.with_suffix(".json"), report)
+        self.write_layer(*self.layer_payload(res))
+
+    def layer_payload(self, res: LayerResult) -> tuple[Path, dict[str, torch.Tensor], dict]:
+        """Everything `write_layer` needs, read from the source now (so the write can run in another thread)."""
+        tensors = self.layer_tensors(res)
         self.src.close()
+        quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
+        return self.dir / LAYERS / f"layer-{res.index:05d}.safetensors", tensors, {"index": res.index, "quantized": quantized, **res.report}
+
+    def write_layer(self, path: Path, tensors: dict[str, torch.Tensor], report: dict) -> None:
+        report = {**report, "bytes": _save(tensors, path)}
+        write_json_atomic(path.with_suffix(".json"), report)
 
     def reports(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted((self.dir / LAYERS).glob("layer-*.json"))]
 
     def finish(self, num_layers: int) -> list[str]:
         """Write the non-layer tensors, rename all files into HF shards, write the index."""
-        rest = {n: self.src.tensor(n) for n in self.src.weight_map if not n.startswith("model.layers.")}
         layer_files = [self.dir / LAYERS / f"layer-{i:05d}.safetensors" for i in range(num_layers)]
         missing = [p.name for p in layer_files if not p.is_file()]
         assert not missing, f"layers not written: {missing[:3]}"
-        files = layer_files + ([self.dir / LAYERS / "other.safetensors"] if rest else [])
-        if rest:
-            _save(rest, files[-1])
-        self.src.close()
+        files = list(layer_files)
+        for j, names in enumerate(self._rest_files()):  # embeddings, final norm, head: a few at a time
+            files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
+            _save({n: self.src.tensor(n) for n in names}, files[-1])
+            self.src.close()
         names, weight_map, total = [], {}, 0
         from safetensors import safe_open
 
@@ -91,6 +100,20 @@ class CheckpointWriter:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return names
+
+    def _rest_files(self) -> list[list[str]]:
+        """The non-layer tensors in files of at most REST_FILE_BYTES (a larger tensor gets its own), so
+        memory holds one file's worth, not a 70B model's embeddings and head together."""
+        files: list[list[str]] = []
+        size = REST_FILE_BYTES
+        for n in sorted(n for n in self.src.weight_map if not n.startswith("model.layers.")):
+            nbytes = self.src.tensor_bytes(n)
+            if size + nbytes > REST_FILE_BYTES:
+                files.append([])
+                size = 0
+            files[-1].append(n)
+            size += nbytes
+        return files
 
     def cleanup(self) -> None:
         """Remove the per-layer reports (they are in the manifest by now)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,20 +54,24 @@ class ModelSource:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         shard = self.weight_map[name]
         handle = self._handles.get(shard)
         if handle is None:
             handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
-        return handle.get_tensor(name)
+        return handle
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
 
     def tensor_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
-        shard = self.weight_map[name]
-        handle = self._handles.get(shard)
-        if handle is None:
-            handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
-        return _ST_DTYPES[handle.get_slice(name).get_dtype()]
+        return _ST_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+
+    def tensor_bytes(self, name: str) -> int:
+        """Stored size of a tensor, from the safetensors header."""
+        shape = self._handle(name).get_slice(name).get_shape()
+        return math.prod(shape) * self.tensor_dtype(name).itemsize
 
     def close(self) -> None:
         """Drop the open (memory-mapped) shards: pages read through a live mapping stay in the process's

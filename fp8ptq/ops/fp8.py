@@ -47,3 +47,33 @@ def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torc
 def fake_quant_fp8_dynamic(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """Dynamic quantization: the scale is taken from x itself (per token or per tensor)."""
     return fake_quant_fp8(x, choose_fp8_scale(x, g), g)
+
+
+def pack_fp8_rows(w: torch.Tensor, scale: torch.Tensor | None = None, rows: int = 64
+                  ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """FP8 codes of a weight [out, in] in one streaming pass of `rows`-row chunks (cache-sized fp32
+    temporaries instead of several full-size copies): the data-free conversion's inner loop.
+
+    scale None: per-channel min-max scales [out, 1]; else the given per-tensor scale [1]. The codes and
+    scales are bit-identical to `quantize_fp8(w, choose_fp8_scale(w, g), g)`. Also returns the summed
+    squared error of the dequantized weight and the summed squared weight (for a relative error).
+    """
+    out_f, in_f = w.shape
+    codes = torch.empty(w.shape, dtype=FP8_DTYPE)
+    per_row = scale is None
+    scales = torch.empty(out_f, 1) if per_row else scale.float().reshape(1, 1).expand(out_f, 1)
+    buf, deq = torch.empty(rows, in_f), torch.empty(rows, in_f)
+    err = norm = 0.0
+    for r in range(0, out_f, rows):
+        n = min(rows, out_f - r)
+        x, d, s = buf[:n], deq[:n], scales[r : r + n]
+        x.copy_(w[r : r + n])
+        if per_row:
+            torch.amax(torch.abs(x, out=d), dim=1, keepdim=True, out=s)
+            s.div_(FP8_MAX).clamp_(min=MIN_SCALE)
+        torch.div(x, s, out=d).clamp_(-FP8_MAX, FP8_MAX)
+        codes[r : r + n].copy_(d)
+        d.copy_(codes[r : r + n]).mul_(s).sub_(x)
+        err += float(torch.dot(d.view(-1), d.view(-1)))  # fp32 within a chunk, summed across chunks
+        norm += float(torch.dot(x.view(-1), x.view(-1)))
+    return codes, scales if per_row else scale.float().reshape(1), err, norm

@@ -12,7 +12,7 @@ import torch
 
 from fp8ptq.calibrate.observers import Grid
 from fp8ptq.ops import intq
-from fp8ptq.ops.fp8 import FP8_MAX, fake_quant_fp8, fake_quant_fp8_dynamic
+from fp8ptq.ops.fp8 import FP8_MAX, choose_fp8_scale, fake_quant_fp8, fake_quant_fp8_dynamic, pack_fp8_rows
 from fp8ptq.ops.gptq import WeightGrid, fp8_grid, gptq, int_grid
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, TOKEN, Granularity, group
 from fp8ptq.ops.intq import check_group_size
@@ -152,4 +152,25 @@ def quantize_group(weights: dict[str, torch.Tensor], args: QuantArgs, cal: Calib
             report["output_rel_err"] = float(((d @ H) * d).sum().clamp_min(0).sqrt()
                                              / ((w_i @ H) * w_i).sum().clamp_min(1e-12).sqrt())
         out[name] = QuantizedWeight(q_i.contiguous(), p_i, report)
+    return out
+
+
+def packs_directly(args: QuantArgs, cal: Calibration) -> bool:
+    """Whether RTN of this weight scheme can skip the fp32 fake-quant round trip: FP8 weights with
+    per-channel or per-tensor min-max scales go straight from source tensor to FP8 codes."""
+    return args.type == "float" and args.strategy in ("channel", "tensor") and cal.weight_method == "rtn"
+
+
+def pack_group_fp8(weights: dict[str, torch.Tensor], args: QuantArgs) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
+    """The compressed-tensors tensors (weight codes, weight_scale) and report of each weight of one fused
+    group, FP8 RTN, bit-identical to compress_linear(quantize_group(...)) but in one streaming pass per
+    weight (the data-free conversion's speed). Per-tensor scales are shared by the group's shards."""
+    shared = None
+    if granularity(args) == TENSOR:
+        shared = torch.stack([choose_fp8_scale(w, TENSOR) for w in weights.values()]).amax().reshape(1)
+    out = {}
+    for name, w in weights.items():
+        codes, scale, err, norm = pack_fp8_rows(w, shared)
+        report = {"weight_rel_err": err**0.5 / max(norm**0.5, 1e-12)}
+        out[name] = ({"weight": codes, "weight_scale": scale.clone()}, report)
     return out
