@@ -148,27 +148,34 @@ def _one_thread():
 
 def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, retrying with more damping if needed.
-    Damping relative to mean(diag H) makes the solve invariant to the scale of H (mean or sum)."""
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    Damping relative to mean(diag H) makes the solve invariant to the scale of H (mean or sum).
+    Memory: at most two [in, in] temporaries beside H (the intermediate-size Hessian of a 70B model is
+    3 GiB in fp32; an identity matrix and chained temporaries would triple the layer's peak)."""
     mean_diag = torch.diag(H).mean().clamp_min(1e-12)
     for attempt in range(6):
         d = damp * 10**attempt
+        A = H.clone()
+        A.diagonal().add_(d * mean_diag)  # = H + d * mean_diag * I, bit for bit
         try:
-            L = torch.linalg.cholesky(H + d * mean_diag * eye)
-            return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True), d
+            L = torch.linalg.cholesky(A)
         except torch.linalg.LinAlgError:
             continue
+        del A
+        inv = torch.cholesky_inverse(L)
+        del L
+        return torch.linalg.cholesky(inv, upper=True), d
     raise torch.linalg.LinAlgError("GPTQ: Hessian is not positive definite even with 1e5x damping")
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 copies of W and H with dead inputs (zero H diagonal) neutralised: their weights are 0 and
+    """fp32 W (a copy) and H (copied only when it must change) with dead inputs (zero H diagonal) neutralised: their weights are 0 and
     their diagonal is the mean live diagonal (keeps mean(diag H), hence damping, scale-invariant)."""
     W = W.detach().float().clone()
-    H = H.detach().float().clone()
-    diag = H.diagonal()
-    dead = diag == 0
+    H = H.detach().float()
+    dead = H.diagonal() == 0
     if dead.any():
+        H = H.clone()  # only then: H is read-only otherwise, and it can be GiBs
+        diag = H.diagonal()
         live = diag[~dead]
         diag[dead] = live.mean() if live.numel() else 1.0
         W[:, dead] = 0.0
@@ -185,7 +192,8 @@ def _solve(W, H, order, quant_col, block_size, damp, group_size=None, start_grou
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
-    Hinv, used = _inverse_hessian_cholesky(H[order][:, order], damp)
+    natural = bool((order == torch.arange(n, device=order.device)).all())
+    Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
     js = order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
     # rounding of the original implementation bit for bit, without a temporary per column
