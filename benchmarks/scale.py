@@ -103,7 +103,7 @@ def data_free(big: Path, work: Path, repeats: int = 3) -> None:
               f"of the same shards: {d:.0f} MiB/s (runs {', '.join(f'{v:.0f}' for v in disk)}) -> {c / d:.2f}x", flush=True)
 
 
-def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int) -> None:
+def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int, offload_only: bool = False) -> None:
     """fp8-kv8 on the same synthetic model and the same calibration tokens: fp8ptq (default, and with
     --offload-activations --chunk-tokens 1024) vs llm-compressor (benchmarks/setup_llmc_venv.sh)."""
     from safetensors.torch import save_file
@@ -115,14 +115,15 @@ def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int) -> None:
     calib = work / "calib-scale.safetensors"
     save_file({"input_ids": ids.contiguous()}, str(calib))
     rows = []
-    for extra in ((), ("--offload-activations", "--chunk-tokens", "1024")):
+    modes = [("--offload-activations", "--chunk-tokens", "1024")] if offload_only else [(), ("--offload-activations", "--chunk-tokens", "1024")]
+    for extra in modes:
         r = quantize(model_dir, work / "cmp-fp8ptq", "fp8-kv8", samples, seq, *extra)
         rows.append((f"fp8ptq {' '.join(extra)}".strip(), r["manifest"]["timings"]["quantize_s"], r["wall"], r["rss"]))
     llmc = HERE / ".venv-llmc" / "bin" / "python"
     meta, lines, err = child([str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model_dir), "--calib", str(calib),
                               "--scheme", "fp8-kv8", "--out", str(work / "cmp-llmc")])
     if meta["rc"] == 0:
-        info = json.loads(lines[-1])
+        info = json.loads([ln for ln in lines if ln.strip()][-1])
         rows.append(("llm-compressor 0.14", info["quantize_wall_s"], meta["wall"], meta["rss"]))
     else:
         print(f"llm-compressor failed: {err[-1500:]}")
@@ -140,6 +141,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer, smaller points")
     ap.add_argument("--llmc", action="store_true", help="also llm-compressor (fp8-kv8) on the deepest model, same tokens")
     ap.add_argument("--only-llmc", action="store_true", help="skip the sweeps")
+    ap.add_argument("--llmc-offload-only", action="store_true", help="with --llmc: fp8ptq only with --offload-activations")
     ap.add_argument("--only-data-free", action="store_true", help="only the data-free conversion vs disk copy")
     ap.add_argument("--llmc-shape", default=None, help="LAYERSxHIDDENxINTERMEDIATE of the synthetic model for --llmc "
                     "(default: the deepest sweep model, hidden 1024)")
@@ -173,7 +175,7 @@ def main():
         return data_free(model(8 if args.quick else 16, 2048, 8192), args.work)
     if args.llmc or args.only_llmc:
         shape = [int(v) for v in args.llmc_shape.split("x")] if args.llmc_shape else [depths[-1], 1024, 4096]
-        compare_llmc(model(*shape), args.work, 16, 256)
+        compare_llmc(model(*shape), args.work, 16, 256, args.llmc_offload_only)
     if args.only_llmc:
         return
     for n in depths:

@@ -168,8 +168,9 @@ def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tenso
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 W (a copy) and H (copied only when it must change) with dead inputs (zero H diagonal) neutralised: their weights are 0 and
-    their diagonal is the mean live diagonal (keeps mean(diag H), hence damping, scale-invariant)."""
+    """fp32 W (a copy) and H (copied only when it must change) with dead inputs (zero H diagonal)
+    neutralised: their weights are 0 and their diagonal is the mean live diagonal (keeps mean(diag H),
+    hence damping, scale-invariant)."""
     W = W.detach().float().clone()
     H = H.detach().float()
     dead = H.diagonal() == 0
