@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,24 +27,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from probe import child
+
 HERE = Path(__file__).resolve().parent
 LLMC_PY = HERE / ".venv-llmc" / "bin" / "python"
 
 
 def child_run(cmd: list[str], env=None) -> tuple[float, float, str]:
-    """Run cmd; return (wall s, child peak RSS MiB, stdout). Runs each child via a tiny wrapper so
-    ru_maxrss is that child's alone."""
-    wrapper = ("import resource,subprocess,sys,json,time;t=time.perf_counter();"
-               "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
-               "sys.stderr.write(p.stderr[-3000:]);print(p.stdout);"
-               "print(json.dumps({'rc':p.returncode,'wall':time.perf_counter()-t,"
-               "'rss':resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024}))")
-    p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, env=env)
-    lines = p.stdout.strip().splitlines()
-    meta = json.loads(lines[-1])
+    """Run cmd (probe.child); return (wall s, its peak RSS MiB, stdout); exit on failure."""
+    meta, lines, err = child(cmd, env)
     if meta["rc"] != 0:
-        raise SystemExit(f"{cmd[:3]} failed:\n{p.stderr}\n{p.stdout}")
-    return meta["wall"], meta["rss"], "\n".join(lines[:-1])
+        raise SystemExit(f"{cmd[:3]} failed:\n{err}\n" + "\n".join(lines))
+    return meta["wall"], meta["rss"], "\n".join(lines)
 
 
 def forward_floor(model_dir: Path, ids: torch.Tensor, dtype) -> float:

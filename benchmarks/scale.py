@@ -15,25 +15,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from probe import child
+
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-
-
-def child(cmd: list[str]) -> tuple[dict, list[str], str]:
-    """Run cmd in a fresh parent: ({rc, wall s, peak RSS MiB of cmd alone}, cmd's stdout lines, stderr tail)."""
-    probe = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
-             "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-             "sys.stderr.write(r.stderr[-2000:]); print(r.stdout); "
-             "print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
-             "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
-    p = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True)
-    lines = p.stdout.strip().splitlines()
-    return json.loads(lines[-1]), lines[:-1], p.stderr
 
 
 def run(args: list[str]) -> dict:
@@ -66,14 +55,13 @@ def disk_copy_mb_s(src: Path, dst: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20 / secs
 
 
-def drop_caches() -> bool:
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> None:
     """Empty the page cache (root only) so the next read comes from the disk, not from memory."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
+    os.sync()
+    DROP_CACHES.write_text("3\n")
 
 
 def data_free(big: Path, work: Path, repeats: int = 3) -> None:
@@ -83,7 +71,7 @@ def data_free(big: Path, work: Path, repeats: int = 3) -> None:
     import statistics
 
     in_mb = sum(f.stat().st_size for f in big.glob("*.safetensors")) / 2**20
-    modes = ["warm"] + (["cold"] if drop_caches() else [])
+    modes = ["warm"] + (["cold"] if os.access(DROP_CACHES, os.W_OK) else [])
     for mode in modes:
         conv, disk, rss = [], [], 0.0
         for _ in range(repeats):
@@ -115,15 +103,15 @@ def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int, offload_on
     calib = work / "calib-scale.safetensors"
     save_file({"input_ids": ids.contiguous()}, str(calib))
     rows = []
-    modes = [("--offload-activations", "--chunk-tokens", "1024")] if offload_only else [(), ("--offload-activations", "--chunk-tokens", "1024")]
-    for extra in modes:
+    offload = ("--offload-activations", "--chunk-tokens", "1024")
+    for extra in ([offload] if offload_only else [(), offload]):
         r = quantize(model_dir, work / "cmp-fp8ptq", "fp8-kv8", samples, seq, *extra)
         rows.append((f"fp8ptq {' '.join(extra)}".strip(), r["manifest"]["timings"]["quantize_s"], r["wall"], r["rss"]))
     llmc = HERE / ".venv-llmc" / "bin" / "python"
     meta, lines, err = child([str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model_dir), "--calib", str(calib),
                               "--scheme", "fp8-kv8", "--out", str(work / "cmp-llmc")])
     if meta["rc"] == 0:
-        info = json.loads([ln for ln in lines if ln.strip()][-1])
+        info = json.loads(lines[-1])
         rows.append(("llm-compressor 0.14", info["quantize_wall_s"], meta["wall"], meta["rss"]))
     else:
         print(f"llm-compressor failed: {err[-1500:]}")

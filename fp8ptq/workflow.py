@@ -79,14 +79,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _data_free(src: ModelSource, recipe: Recipe, writer: CheckpointWriter, start: int, on_done, progress,
-               direct: bool = True) -> None:
+def _data_free(src: ModelSource, recipe: Recipe, writer: CheckpointWriter, start: int, on_done, progress) -> None:
     """Weight-only work (RTN, no activation statistics): per layer, read its weights, quantize, write.
-    FP8 per-channel / per-tensor weights are packed straight from the source tensors (`pack_group_fp8`);
-    direct=False forces the general fp32 fake-quant path (same bits; kept for the equality test)."""
+    FP8 per-channel / per-tensor weights are packed straight from the source tensors (`pack_group_fp8`,
+    the same bytes as the general fp32 fake-quant path, which other schemes take)."""
     layers = decoder_layers(build_skeleton(src.config))
     scheme = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
-    direct = direct and packs_directly(recipe.scheme.weights, recipe.calibration)
+    direct = packs_directly(recipe.scheme.weights, recipe.calibration)
     with ThreadPoolExecutor(max_workers=1) as pool:  # layer i is written (and fsynced) while i+1 is quantized
         pending = None
         for res in _data_free_layers(src, recipe, layers, scheme, start, direct):

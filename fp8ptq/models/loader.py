@@ -70,8 +70,8 @@ class ModelSource:
 
     def tensor_bytes(self, name: str) -> int:
         """Stored size of a tensor, from the safetensors header."""
-        shape = self._handle(name).get_slice(name).get_shape()
-        return math.prod(shape) * self.tensor_dtype(name).itemsize
+        sl = self._handle(name).get_slice(name)
+        return math.prod(sl.get_shape()) * _ST_DTYPES[sl.get_dtype()].itemsize
 
     def close(self) -> None:
         """Drop the open (memory-mapped) shards: pages read through a live mapping stay in the process's
