@@ -209,6 +209,9 @@ def register(app: typer.Typer) -> None:
         context: int = typer.Option(4096, help="memory plan: tokens per sequence"),
         batch: int = typer.Option(1, help="memory plan: concurrent sequences"),
         kv_dtype: str = typer.Option("auto", help="memory plan: KV dtype (auto: fp8 if the checkpoint has a KV scheme)"),
+        engine_check: bool = typer.Option(False, "--engine-check", help="run the chosen config in vLLM vs plain decoding "
+                                          "on the same prompts: measured tokens/s and vLLM's acceptance counters"),
+        vllm_python: Optional[str] = typer.Option(None, help="--engine-check: python of a venv with vLLM (default .venv-vllm)"),
         seed: int = typer.Option(0),
         device: str = typer.Option("cpu"),
         overwrite: bool = typer.Option(False),
@@ -225,7 +228,8 @@ def register(app: typer.Typer) -> None:
                                                      max_tokens, thresholds, seed, device)
         cfg = RecommendConfig(output=output, measured=measured, measure=mcfg, temperature=temperature,
                               draft_for_engine=draft_path, token_map=token_map, device_memory=device_memory,
-                              context=context, batch=batch, kv_dtype=kv_dtype, overwrite=overwrite)
+                              context=context, batch=batch, kv_dtype=kv_dtype, overwrite=overwrite,
+                              engine_check=engine_check, vllm_python=vllm_python)
         with _user_errors(), _progress(not json_out) as progress:
             rec = recommend(cfg, progress)
         if json_out:
@@ -242,6 +246,8 @@ def register(app: typer.Typer) -> None:
         if rec["threshold"] is not None:
             console.print(f"dynamic draft length t={rec['threshold']} measured {rec['threshold_speedup']:.2f}× "
                           "(not expressible in vLLM 0.32's draft_model config)", highlight=False)
+        if rec["engine_check"]:
+            _engine_line(rec["engine_check"])
         if rec["memory_plan"]:
             _memory_table(rec["memory_plan"])
         for k, p in rec["files"].items():
@@ -277,6 +283,21 @@ def register(app: typer.Typer) -> None:
         _memory_table(p)
 
     app.add_typer(spec_app, name="spec")
+
+
+def _engine_line(e: dict) -> None:
+    if not e["ok"]:
+        console.print(f"[yellow]engine check: vLLM failed in the {e['run']} run ({e['stage']}): {e['error']}[/yellow]",
+                      highlight=False)
+        return
+    v = e["vllm"]
+    line = (f"vLLM measured ({e['prompts']} prompts × {e['max_tokens']} tokens): plain {e['plain_tokens_per_s']:.1f} tok/s, "
+            f"speculative {e['speculative_tokens_per_s']:.1f} tok/s = {e['speedup']:.2f}×; vLLM accepted "
+            f"{v['accepted']}/{v['drafted']} = {v['acceptance']:.3f}")
+    if e.get("fp8ptq_replay"):
+        r = e["fp8ptq_replay"]
+        line += f", fp8ptq's accounting on vLLM's output {r['accepted']}/{r['drafted']} = {r['acceptance']:.3f}"
+    console.print(line, style=None if e["speedup"] > 1 else "yellow", highlight=False)
 
 
 def _memory_table(p: dict) -> None:

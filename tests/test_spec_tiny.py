@@ -4,6 +4,7 @@ measure, recommend, the bundle, and the CLI's errors."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from fp8ptq.spec import SpecError
 from fp8ptq.spec.draft_train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
 from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
 from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
-from fp8ptq.spec.models import load_draft, load_target
+from fp8ptq.spec.models import TRIM_META, load_draft, load_target
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
 
 SMALL = dict(num_prompts=6, gen_tokens=12, gen_batch_size=3, batch_size=3, checkpoint_every=2)
@@ -199,6 +200,16 @@ def test_cli_errors(tmp_path, tiny_dir, drafted, other_vocab):
     assert r.exit_code == 2 and "1000" in r.output and "49152" in r.output
     r = _cli("spec", "recommend", "-o", tmp_path / "r")
     assert r.exit_code == 2 and "needs TARGET and DRAFT" in r.output
+    # --engine-check refuses before minutes of measuring: no vLLM venv there, or a trimmed draft
+    r = _cli("spec", "recommend", tiny_dir, drafted[0], "-o", tmp_path / "r", "--engine-check",
+             "--vllm-python", tmp_path / "no-venv" / "python")
+    assert r.exit_code == 2 and "--engine-check needs vLLM" in r.output and "no-venv" in r.output, r.output
+    assert not (tmp_path / "r").exists()
+    trimmed = tmp_path / "trimmed"
+    shutil.copytree(drafted[0], trimmed)
+    (trimmed / TRIM_META).write_text("{}")
+    r = _cli("spec", "recommend", tiny_dir, trimmed, "-o", tmp_path / "r", "--engine-check")
+    assert r.exit_code == 2 and "vocabulary-trimmed draft" in r.output, r.output
 
 
 def test_cli_memory_and_measure_json(tiny_dir, drafted):

@@ -4,7 +4,10 @@ measure: held-out prompts (built-in evaluation split, or a file) in the chat tem
 loop for each γ (and dynamic-length thresholds) → acceptance per position and τ per γ, plus the HF
 costs (draft step, target over 1..γ_max+1 tokens). recommend: those numbers (measured now, or read
 from a measure JSON) → γ, speculative_config.json for vLLM, SGLang flags, recommendation.json, a PNG,
-and optionally the memory plan for a device size.
+and optionally the memory plan for a device size. engine_check (recommend --engine-check): the chosen
+config run in the real engine (vLLM, its own venv) against plain decoding on the same prompts — tokens/s
+both ways and vLLM's own acceptance counters, beside fp8ptq's accounting replayed on vLLM's output —
+because a speedup predicted from HF timings is not the engine's (batching, kernels, scheduling).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, write_outputs
+from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, vllm_config, write_outputs
 
 MEASURE_FILE = "measure.json"
 
@@ -96,6 +99,62 @@ class RecommendConfig:
     kv_dtype: str = "auto"
     overwrite: bool = False
     costs: dict | None = None  # override the measured costs (e.g. from vLLM), Costs.as_dict() form
+    engine_check: bool = False  # run the chosen config in vLLM vs plain decoding (needs the vLLM venv)
+    vllm_python: str | None = None  # that venv's python (default: $FP8PTQ_VLLM_PYTHON or .venv-vllm)
+
+
+def check_engine_ready(draft: str, python: str | None = None) -> None:
+    """Raise SpecError unless `draft` can run as vLLM's draft_model and a vLLM venv exists."""
+    from fp8ptq.export.verify import EngineError, vllm_python
+    from fp8ptq.spec.models import TRIM_META
+
+    if (Path(draft) / TRIM_META).is_file():
+        raise SpecError(f"'{draft}' is a vocabulary-trimmed draft: vLLM's draft_model needs the full vocabulary",
+                        fix="check the full draft (draft-train output); the trimmed one is for SGLang / EAGLE-3 heads")
+    try:
+        vllm_python(python)
+    except EngineError as err:
+        raise SpecError(f"--engine-check needs vLLM: {err.message}", fix=err.fix) from None
+
+
+def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[int]], max_tokens: int, *,
+                 temperature: float = 0.0, seed: int = 0, python: str | None = None) -> dict:
+    """Run `spec_config` in vLLM and plain decoding without it, same prompts (token ids), max_tokens, EOS
+    ignored. Returns measured tokens/s both ways, speedup, vLLM's spec-decode counters and (greedy) the
+    same counters from fp8ptq's accounting replayed on vLLM's output (`measure.replay_greedy`). Engine
+    failures are results (ok False, error) — a recommendation is still written; bad input raises."""
+    from fp8ptq.export.verify import run_vllm
+    from fp8ptq.spec.measure import SpecStats, replay_greedy
+    from fp8ptq.spec.models import load_draft
+
+    check_engine_ready(draft, python)
+    runs = {}
+    for name, cfg in (("plain", None), ("speculative", spec_config)):
+        runs[name] = run_vllm(Path(target), prompts, max_tokens, temperature=temperature, seed=seed,
+                              speculative_config=cfg, python=python)
+        if not runs[name].ok:
+            return {"ok": False, "engine": "vllm", "run": name, "error": runs[name].error, "stage": runs[name].stage}
+    plain, spec = runs["plain"], runs["speculative"]
+    tokens = sum(len(t) for t in spec.token_ids)
+    m = spec.metrics
+    drafted, accepted = m.get("vllm:spec_decode_num_draft_tokens", 0), m.get("vllm:spec_decode_num_accepted_tokens", 0)
+    out = {"ok": True, "engine": "vllm", "prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
+           "tokens": tokens, "plain_generate_s": plain.generate_s, "speculative_generate_s": spec.generate_s,
+           "plain_tokens_per_s": sum(len(t) for t in plain.token_ids) / plain.generate_s,
+           "speculative_tokens_per_s": tokens / spec.generate_s, "speedup": plain.generate_s / spec.generate_s,
+           "vllm": {"drafts": m.get("vllm:spec_decode_num_drafts", 0), "drafted": drafted, "accepted": accepted,
+                    "per_pos_accepted": m.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
+                    "acceptance": accepted / drafted if drafted else 0.0}}
+    if temperature == 0 and spec_config.get("method") == "draft_model":
+        stats = SpecStats(int(spec_config["num_speculative_tokens"]))
+        model = load_draft(draft)
+        for prompt, stream in zip(prompts, spec.token_ids):
+            replay_greedy(model, prompt, stream, gamma=stats.gamma, stats=stats)
+        s = stats.summary()
+        out["fp8ptq_replay"] = {k: s[k] for k in ("drafts", "drafted", "accepted")} | {
+            "per_pos_accepted": s["per_pos_accepted"], "acceptance": s["alpha"]}
+        out["acceptance_gap"] = (out["vllm"]["acceptance"] - s["alpha"]) / s["alpha"] if s["alpha"] else None
+    return out
 
 
 def recommend(cfg: RecommendConfig, progress=None) -> dict:
@@ -109,6 +168,8 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
         parse_size(cfg.device_memory)  # bad input fails before any measuring
         if cfg.kv_dtype != "auto" and cfg.kv_dtype not in KV_BYTES:
             raise SpecError(f"unknown KV cache dtype '{cfg.kv_dtype}'", fix=f"use auto or one of {', '.join(sorted(KV_BYTES))}")
+    if cfg.engine_check and cfg.measure is not None:
+        check_engine_ready(cfg.measure.draft, cfg.vllm_python)  # before minutes of measuring
     if cfg.measured is not None:
         try:
             measured = json.loads(Path(cfg.measured).read_text())
@@ -126,6 +187,12 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
     costs = Costs.from_dict(cfg.costs or measured["costs"])
     rec = choose(measured["by_temperature"][key], costs)
     draft = cfg.draft_for_engine or measured["draft"]
+    engine = None
+    if cfg.engine_check:  # the measured draft's real path: draft_for_engine may be relative to a bundle
+        engine = engine_check(measured["target_path"], measured["draft"], vllm_config(measured["draft"], rec.gamma),
+                              measured["prompt_ids"], int(measured["by_temperature"][key]["max_tokens"]),
+                              temperature=cfg.temperature, seed=int(measured["config"].get("seed", 0)),
+                              python=cfg.vllm_python)
     plan = None
     if cfg.device_memory:
         from fp8ptq.spec.memory import model_shape, parse_size, plan as memory_plan
@@ -135,6 +202,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
                            batch=cfg.batch, gamma=rec.gamma).as_dict()
     extra = {"target": measured["target"], "draft": draft, "temperature": cfg.temperature, "memory_plan": plan,
              "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
+             "engine_check": engine,
              "note": None if rec.threshold is None else
              "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ"}
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
