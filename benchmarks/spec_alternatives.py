@@ -38,22 +38,18 @@ def _bf16_target():
 
 @torch.inference_mode()
 def subsets() -> None:
-    import copy
-
     from fp8ptq.data import load_samples
 
     m, src = _bf16_target()
     ids = load_samples("builtin", src.tokenizer(), 4, 256, "evaluation", 0)
     ref = F.log_softmax(m(ids).logits, -1)
-    n = m.config.num_hidden_layers
+    layers, n = m.model.layers, m.config.num_hidden_layers
     for sub in ([0, 1], [0, 1, 2, 3], [0, n - 1], [0, 1, n - 2, n - 1], [0, 1, 2, 3, n - 4, n - 3, n - 2, n - 1],
                 list(range(8)), list(range(0, n, 4)), list(range(0, n, 3)), list(range(0, n, 2))):
-        d = copy.copy(m)
-        d.model = copy.copy(m.model)
-        d.model.layers = torch.nn.ModuleList([m.model.layers[i] for i in sub])
-        d.config = copy.copy(m.config)
-        d.config.num_hidden_layers = len(sub)
-        lq = F.log_softmax(d(ids).logits, -1)
+        m.model.layers = torch.nn.ModuleList([layers[i] for i in sub])  # the target itself, some layers only
+        m.config.num_hidden_layers = len(sub)
+        lq = F.log_softmax(m(ids, use_cache=False).logits, -1)
+        m.model.layers, m.config.num_hidden_layers = layers, n
         kl = float((ref.exp() * (ref - lq)).sum(-1).mean())
         top1 = float((ref.argmax(-1) == lq.argmax(-1)).float().mean())
         print(f"layers {sub}: KL {kl:.2f}, top-1 {top1:.3f}", flush=True)
