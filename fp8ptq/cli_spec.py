@@ -166,7 +166,8 @@ def register(app: typer.Typer) -> None:
     @spec_app.command("measure")
     def measure_cmd(
         target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
-        draft: str = typer.Argument(..., help="draft dir (draft-train or draft-trim output)"),
+        draft: str = typer.Argument(..., help="draft dir (draft-train or draft-trim output), or ngram[:MIN-MAX] "
+                                    "for vLLM's prompt lookup (no draft model; default sizes 2-4)"),
         gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
         temperatures: str = typer.Option("0", help="0 = greedy; e.g. 0,1"),
         prompts: Optional[str] = typer.Option(None, help="prompt file; default: built-in held-out prompts"),
@@ -195,7 +196,7 @@ def register(app: typer.Typer) -> None:
     @spec_app.command("recommend")
     def recommend_cmd(
         target: Optional[str] = typer.Argument(None, help="target (omit with --measured)"),
-        draft: Optional[str] = typer.Argument(None, help="draft (omit with --measured)"),
+        draft: Optional[str] = typer.Argument(None, help="draft dir or ngram[:MIN-MAX] (omit with --measured)"),
         output: Path = typer.Option(..., "--output", "-o", help="folder for speculative_config.json, sglang_flags.txt, plot"),
         measured: Optional[Path] = typer.Option(None, "--measured", help="a `spec measure --save` file instead of measuring"),
         temperature: float = typer.Option(0.0, help="recommend for this sampling temperature"),

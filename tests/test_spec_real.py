@@ -93,7 +93,7 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     e = rec["engine_check"]
     assert e == written and e["ok"], e
     assert e["tokens"] == PROMPTS * MAX_TOKENS and e["plain_tokens_per_s"] > 0 and e["speculative_tokens_per_s"] > 0
-    assert e["speedup"] == pytest.approx(e["plain_generate_s"] / e["speculative_generate_s"])
+    assert e["speedup"] == pytest.approx(e["speculative_tokens_per_s"] / e["plain_tokens_per_s"])
     # vLLM's own counters vs fp8ptq's accounting replayed on vLLM's greedy output. A comparison with
     # `measured` would mix in the target's numerics (the draft memorised the simulated target's
     # continuations; one flipped argmax in vLLM's INT8 kernels changes the rest of a continuation: CI saw
@@ -108,3 +108,21 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     assert replay["accepted"] > 0, report  # the draft learned these continuations: a zero means a broken replay
     assert abs(v["acceptance"] - replay["acceptance"]) <= 0.10 * replay["acceptance"], report
     assert abs(v["drafts"] - replay["drafts"]) <= 0.10 * replay["drafts"], report
+
+
+def test_vllm_ngram_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_file):
+    """`ngram` (vLLM's prompt lookup): fp8ptq's proposer is vLLM's rule, so on vLLM's own output the
+    replayed counts must equal vLLM's counters exactly (a deterministic proposer: no tolerance)."""
+    rec = recommend(RecommendConfig(output=tmp_path / "ngram", engine_check=True, measure=MeasureConfig(
+        target=str(target_dir), draft="ngram:2-4", gammas=(2, 4), prompts=str(prompt_file), num_prompts=PROMPTS,
+        max_tokens=MAX_TOKENS, cost_repeats=3)))
+    cfg = json.loads((tmp_path / "ngram" / "speculative_config.json").read_text())
+    assert cfg == {"method": "ngram", "num_speculative_tokens": rec["gamma"], "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    e = rec["engine_check"]
+    assert e["ok"], e
+    v, replay = e["vllm"], e["fp8ptq_replay"]
+    print(f"ngram γ={rec['gamma']}: vLLM {v}, replay {replay}; tokens/s plain {e['plain_tokens_per_s']:.1f}, "
+          f"speculative {e['speculative_tokens_per_s']:.1f} ({e['speedup']:.2f}×)")
+    assert v["drafted"] > 0 and e["tokens"] == PROMPTS * MAX_TOKENS
+    assert (v["drafts"], v["drafted"], v["accepted"], v["per_pos_accepted"]) == (
+        replay["drafts"], replay["drafted"], replay["accepted"], replay["per_pos_accepted"])

@@ -16,7 +16,7 @@ from fp8ptq.spec import SpecError
 from fp8ptq.spec.draft_train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
 from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
 from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
-from fp8ptq.spec.models import TRIM_META, load_draft, load_target
+from fp8ptq.spec.models import TRIM_META, NgramDraft, load_draft, load_target, parse_ngram
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
 
 SMALL = dict(num_prompts=6, gen_tokens=12, gen_batch_size=3, batch_size=3, checkpoint_every=2)
@@ -129,6 +129,52 @@ def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
     assert self_stats.summary()["alpha"] == 1.0
     r = measure_acceptance(target, draft, [prompt], gammas=[2], max_tokens=10, temperature=1.0, thresholds=[0.99])
     assert r["threshold_runs"][0]["drafted"] <= r["runs"][0]["drafted"]
+
+
+def test_ngram_proposer_follows_vllms_rule():
+    """vLLM's prompt lookup (its counters matched this rule exactly on real runs, BENCHMARKS.md)."""
+    assert NgramDraft(1, 3).propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # longest suffix match [1, 2, 3]
+    assert NgramDraft(1, 3).propose([1, 2, 3, 7, 3, 5, 2, 3], 1) == [7]  # length 2 beats the later length 1
+    assert NgramDraft(1, 1).propose([5, 7, 5, 8, 5], 1) == [7]  # same length: the earliest occurrence
+    assert NgramDraft(1, 2).propose([4, 4], 3) == [4]  # the match is near the end: fewer than k
+    assert NgramDraft(2, 3).propose([1, 2, 3, 4], 2) == []  # nothing matches
+    assert NgramDraft(2, 3).propose([1, 2, 3, 4, 1], 2) == []  # a 1-gram would match, but min is 2
+    assert NgramDraft(1, 3).propose([1, 2, 3, 4, 1], 2) == [2, 3]
+    assert NgramDraft(1, 1).propose([3], 2) == []  # the suffix itself is not an earlier occurrence
+    assert parse_ngram("ngram") == NgramDraft(2, 4) and parse_ngram("ngram:1-5") == NgramDraft(1, 5)
+    assert parse_ngram("out/draft") is None and parse_ngram("ngrams") is None
+    with pytest.raises(SpecError, match="ngram:3-1"):
+        parse_ngram("ngram:3-1")
+
+
+def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
+    target, _ = load_target(tiny_dir)
+    ngram = load_draft("ngram:1-3")
+    prompt = list(range(200, 230)) + list(range(200, 210))
+    stats = SpecStats(3)
+    out = speculative_generate(target, ngram, prompt, gamma=3, max_tokens=24, stats=stats)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(28):
+            ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+    assert out == ids[0, len(prompt):len(prompt) + 24].tolist()  # greedy output == the target's
+    replay = SpecStats(3)
+    replay_greedy(ngram, prompt, ids[0, len(prompt):].tolist(), gamma=3, stats=replay, max_tokens=24)
+    assert replay.summary() == stats.summary() and stats.drafts > 0
+    assert "0" in stats.summary()["k_hist"] or stats.drafts == stats.target_forwards  # steps may draft nothing
+    sampled = SpecStats(3)  # T = 1: one-hot q, exact sampling still produces max_tokens tokens
+    assert len(speculative_generate(target, ngram, prompt, gamma=3, max_tokens=12, stats=sampled,
+                                    temperature=1.0)) == 12
+    with pytest.raises(SpecError, match="thresholds"):
+        measure_acceptance(target, ngram, [prompt], gammas=[2], max_tokens=4, thresholds=[0.5])
+    rec = recommend(RecommendConfig(output=tmp_path / "rec", device_memory="1GiB", measure=MeasureConfig(
+        target=str(tiny_dir), draft="ngram:1-3", gammas=(1, 2), num_prompts=2, max_tokens=8, cost_repeats=2)))
+    cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
+    assert cfg == {"method": "ngram", "num_speculative_tokens": rec["gamma"], "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 3}
+    flags = (tmp_path / "rec" / "sglang_flags.txt").read_text()
+    assert "--speculative-algorithm NGRAM" in flags and "--speculative-ngram-max-match-window-size 3" in flags
+    assert rec["costs"]["c"] < 0.05 and rec["memory_plan"]["draft_weight_bytes"] == 0
 
 
 def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):

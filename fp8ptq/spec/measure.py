@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8ptq.spec.models import LoadedModel, check_pair, crop, new_cache, step_logits, to_target_probs
+from fp8ptq.spec import SpecError
+from fp8ptq.spec.models import (LoadedModel, NgramDraft, check_pair, crop, draft_cache, new_cache, step_logits,
+                                 to_target_probs)
 from fp8ptq.spec.recommend import Costs
 from fp8ptq.spec.sampling import probs as to_probs
 from fp8ptq.spec.sampling import verify, verify_greedy
@@ -90,7 +92,13 @@ def _draft_next(draft: LoadedModel, logits: torch.Tensor, temperature: float, V:
 
 def _propose(draft: LoadedModel, seq: list[int], dlen: int, dc, gamma: int, temperature: float,
              threshold: float | None, V: int, g: torch.Generator | None, device: str):
-    """Up to γ draft tokens after seq (the draft cache holds dlen positions): (tokens, q rows, cache length)."""
+    """Up to γ draft tokens after seq (the draft cache holds dlen positions): (tokens, q rows, cache length).
+    The n-gram proposer drafts 0..γ tokens from seq itself; its q rows are one-hot (None when greedy)."""
+    if isinstance(draft, NgramDraft):
+        drafted = draft.propose(seq, gamma)
+        q_rows = [None if temperature == 0 else torch.nn.functional.one_hot(torch.tensor(t), V).double()
+                  for t in drafted]
+        return drafted, q_rows, len(seq)
     drafted, q_rows = [], []
     feed, dcache = seq[dlen:], dlen
     for _ in range(gamma):
@@ -113,7 +121,7 @@ def speculative_generate(target: LoadedModel, draft: LoadedModel, prompt: list[i
     threshold: dynamic draft length — stop drafting when the draft's max probability (at T = 1) < t."""
     g = generator or torch.Generator().manual_seed(0)
     V = target.vocab_size
-    tc, dc = new_cache(target.model), new_cache(draft.model)
+    tc, dc = new_cache(target.model), draft_cache(draft)
     first, _ = _pick(step_logits(target, prompt, tc, device)[-1], temperature, g)
     seq = list(prompt) + [first]  # the target cache holds len(seq) - 1 positions at each step start
     dlen = 0  # positions of seq the draft cache holds
@@ -159,6 +167,9 @@ def measure_acceptance(target: LoadedModel, draft: LoadedModel, prompts: list[li
     threshold_gamma, default max γ). Returns {'runs': [summary per γ], 'threshold_runs': [...],
     'outputs': {γ: token ids per prompt}, ...}. progress(stage, done, total) is called per prompt."""
     check_pair(target, draft)
+    if thresholds and isinstance(draft, NgramDraft):
+        raise SpecError("dynamic draft length (--thresholds) needs a draft model's probabilities",
+                        fix="drop --thresholds for an n-gram proposer")
     jobs = [(g, None) for g in gammas] + [(threshold_gamma or max(gammas), t) for t in thresholds]
     total = len(jobs) * len(prompts)
     runs, thr_runs, outputs = [], [], {}
@@ -192,7 +203,7 @@ def replay_greedy(draft: LoadedModel, prompt: list[int], stream: list[int], *, g
     no difference between the engine's target numerics and fp8ptq's simulation entering the comparison
     (a single flipped argmax changes the rest of a greedy continuation). Generation stops at max_tokens
     (default len(stream)); a longer stream lets the last step verify past it, as a real target does."""
-    dc = new_cache(draft.model)
+    dc = draft_cache(draft)
     seq, dlen = list(prompt) + [stream[0]], 0
     while len(seq) - len(prompt) < (max_tokens or len(stream)):
         base = len(seq)
@@ -223,9 +234,10 @@ def measure_costs(target: LoadedModel, draft: LoadedModel, context: list[int], *
     """Median wall time of: one draft step (1 token), a target forward over k = 1..max_k tokens, each
     after a KV cache of len(context) tokens (rolled back after every timed call)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    tc, dc = new_cache(target.model), new_cache(draft.model)
+    tc, dc = new_cache(target.model), draft_cache(draft)
     step_logits(target, context, tc, device)
-    step_logits(draft, context, dc, device)
+    if dc is not None:
+        step_logits(draft, context, dc, device)
     n = len(context)
     probe = context[-max_k:] if len(context) >= max_k else (context * max_k)[:max_k]
 
@@ -236,7 +248,10 @@ def measure_costs(target: LoadedModel, draft: LoadedModel, context: list[int], *
             crop(cache, n)
         return f
 
-    t_draft = _median_time(run(draft, dc, probe[:1]), repeats)
+    if isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step
+        t_draft = _median_time(lambda: draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
+    else:
+        t_draft = _median_time(run(draft, dc, probe[:1]), repeats)
     t_verify = {}
     for k in range(1, max_k + 1):
         t_verify[k] = _median_time(run(target, tc, probe[:k]), repeats)

@@ -4,12 +4,14 @@ The TARGET is loaded through `eval.quality.load_simulated`: for a compressed-ten
 an fp32 model computing what the engine computes (quantized weights, activation and KV quantization),
 so measured acceptance is the quantized target's, not its bf16 parent's. A DRAFT is a plain HF
 directory (written by draft-train) or a trimmed draft (draft-trim: full-vocab embedding, an lm_head of
-N kept rows, and the kept target ids), loaded in fp32 with safetensors only.
+N kept rows, and the kept target ids), loaded in fp32 with safetensors only — or `ngram[:MIN-MAX]`, vLLM's
+prompt-lookup proposer (no model: the next tokens after the longest earlier match of the context's suffix).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,49 @@ class LoadedModel:
     vocab_size: int  # input vocabulary (embedding rows) = the target's token space
     kept_ids: torch.Tensor | None = None  # trimmed draft: target id of each lm_head row [N]
     label: str = ""
+
+
+NGRAM_DEFAULT = (2, 4)
+_NGRAM = re.compile(r"ngram(?::(\d+)-(\d+))?")
+
+
+@dataclass(frozen=True)
+class NgramDraft:
+    """vLLM's `method: ngram` proposer (prompt lookup, vllm/v1/spec_decode/ngram_proposer.py): find the
+    longest n-gram, nmin ≤ n ≤ nmax, that ends the context and occurred earlier in it (the earliest
+    occurrence when several match at that length), and propose up to k of the tokens that followed it
+    (fewer when the match is near the end; none when nothing matches). A deterministic proposer: at T > 0
+    its q is one-hot, so exact speculative sampling accepts x with probability p(x)."""
+
+    nmin: int = NGRAM_DEFAULT[0]
+    nmax: int = NGRAM_DEFAULT[1]
+    kept_ids = None  # the draft-model interface the measuring loop reads
+
+    @property
+    def label(self) -> str:
+        return f"ngram:{self.nmin}-{self.nmax}"
+
+    def propose(self, ctx: list[int], k: int) -> list[int]:
+        size = len(ctx)
+        for n in range(min(self.nmax, size - 1), self.nmin - 1, -1):
+            suffix = ctx[size - n:]
+            for j in range(size - n):
+                if ctx[j:j + n] == suffix:
+                    return list(ctx[j + n:j + n + k])
+        return []
+
+
+def parse_ngram(spec: str | Path) -> NgramDraft | None:
+    """`ngram` / `ngram:MIN-MAX` → NgramDraft; anything else (a draft directory) → None."""
+    m = _NGRAM.fullmatch(str(spec))
+    if m is None:
+        return None
+    if m.group(1) is None:
+        return NgramDraft()
+    nmin, nmax = int(m.group(1)), int(m.group(2))
+    if not 1 <= nmin <= nmax:
+        raise SpecError(f"n-gram sizes '{spec}' must satisfy 1 ≤ MIN ≤ MAX", fix="e.g. ngram:2-4")
+    return NgramDraft(nmin, nmax)
 
 
 def load_target(spec: str | Path, device: str = "cpu") -> tuple[LoadedModel, object]:
@@ -52,9 +97,12 @@ def _simulated_or_plain(src, device: str) -> torch.nn.Module:
 
 
 def load_draft(path: str | Path, device: str = "cpu") -> LoadedModel:
-    """A draft directory: plain HF (full vocabulary) or trimmed (has fp8ptq_trim.json)."""
+    """A draft directory: plain HF (full vocabulary) or trimmed (has fp8ptq_trim.json); or `ngram[:MIN-MAX]`."""
     from fp8ptq.models.loader import resolve_model
 
+    ngram = parse_ngram(path)
+    if ngram is not None:
+        return ngram
     path = Path(path)
     src = resolve_model(str(path))  # validates config + safetensors, refuses pickles
     if (path / TRIM_META).is_file():
@@ -77,14 +125,18 @@ def _load_trimmed(src, device: str) -> LoadedModel:
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
-    """The draft must read and write the target's token ids."""
+    """The draft must read and write the target's token ids (an n-gram proposer copies them)."""
+    if isinstance(draft, NgramDraft):
+        return
     if draft.vocab_size != target.vocab_size:
         raise SpecError(f"draft vocabulary size {draft.vocab_size} != target vocabulary size {target.vocab_size}",
                         fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)")
 
 
 def crop(cache, length: int) -> None:
-    """Keep the first `length` positions of a transformers Cache (5.x: crop(-n) removes n)."""
+    """Keep the first `length` positions of a transformers Cache (5.x: crop(-n) removes n); None: no-op."""
+    if cache is None:
+        return
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
@@ -94,6 +146,11 @@ def new_cache(model):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+def draft_cache(draft):
+    """A KV cache for a draft model; None for the n-gram proposer (it has no model)."""
+    return None if isinstance(draft, NgramDraft) else new_cache(draft.model)
 
 
 @torch.inference_mode()

@@ -127,14 +127,31 @@ def choose(measured: dict, costs: Costs, gamma_range: tuple[int, int] | None = N
 
 
 def vllm_config(draft: str, gamma: int) -> dict:
-    """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) (vLLM 0.32 SpeculativeConfig)."""
+    """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) (vLLM 0.32 SpeculativeConfig):
+    a draft model, or `ngram[:MIN-MAX]` → method ngram with both prompt-lookup sizes explicit."""
+    from fp8ptq.spec.models import parse_ngram
+
     if not 1 <= gamma <= MAX_GAMMA:
         raise SpecError(f"γ={gamma} is out of range", fix=f"use 1..{MAX_GAMMA}")
+    ngram = parse_ngram(draft)
+    if ngram is not None:
+        return {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_min": ngram.nmin,
+                "prompt_lookup_max": ngram.nmax}
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma}
 
 
 def sglang_flags(draft: str, gamma: int, token_map: str | None = None) -> list[str]:
-    """SGLang server flags for a standalone (small LLM) draft, sequence drafting (topk 1)."""
+    """SGLang server flags for a standalone (small LLM) draft, sequence drafting (topk 1). For `ngram`:
+    SGLang's NGRAM algorithm (CUDA only) with the same match window and one branch (BFS breadth 1) — its
+    matcher is a cache of earlier n-grams, not vLLM's suffix search, so the measured τ is vLLM's."""
+    from fp8ptq.spec.models import parse_ngram
+
+    ngram = parse_ngram(draft)
+    if ngram is not None:
+        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(gamma + 1),
+                "--speculative-ngram-min-match-window-size", str(ngram.nmin),
+                "--speculative-ngram-max-match-window-size", str(ngram.nmax),
+                "--speculative-ngram-min-bfs-breadth", "1", "--speculative-ngram-max-bfs-breadth", "1"]
     flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
              "--speculative-num-steps", str(gamma), "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", str(gamma + 1)]

@@ -104,7 +104,7 @@ class RecommendConfig:
 
 
 def check_engine_ready(draft: str, python: str | None = None) -> None:
-    """Raise SpecError unless `draft` can run as vLLM's draft_model and a vLLM venv exists."""
+    """Raise SpecError unless `draft` can run in vLLM (a full-vocabulary draft_model, or ngram) and a vLLM venv exists."""
     from fp8ptq.export.verify import EngineError, vllm_python
     from fp8ptq.spec.models import TRIM_META
 
@@ -119,41 +119,49 @@ def check_engine_ready(draft: str, python: str | None = None) -> None:
 
 def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[int]], max_tokens: int, *,
                  temperature: float = 0.0, seed: int = 0, python: str | None = None) -> dict:
-    """Run `spec_config` in vLLM and plain decoding without it, same prompts (token ids), max_tokens, EOS
-    ignored. Returns measured tokens/s both ways, speedup, vLLM's spec-decode counters and (greedy) the
-    same counters from fp8ptq's accounting replayed on vLLM's output (`measure.replay_greedy`). Engine
-    failures are results (ok False, error) — a recommendation is still written; bad input raises."""
+    """Run `spec_config` in vLLM and plain decoding without it, same prompts (token ids), EOS ignored.
+    Returns measured tokens/s both ways and their ratio, vLLM's spec-decode counters and (greedy) the same
+    counters from fp8ptq's accounting replayed on vLLM's output (`measure.replay_greedy`). Greedy plain
+    decoding runs γ + 1 tokens past max_tokens: the speculative run's last step verifies drafts beyond
+    max_tokens, and the replay needs the target's tokens there (taken from the plain run where the two
+    runs agree on the first max_tokens). Engine failures are results (ok False, error) — a recommendation
+    is still written; bad input raises."""
     from fp8ptq.export.verify import run_vllm
     from fp8ptq.spec.measure import SpecStats, replay_greedy
     from fp8ptq.spec.models import load_draft
 
     check_engine_ready(draft, python)
+    gamma = int(spec_config["num_speculative_tokens"])
+    extra = gamma + 1 if temperature == 0 else 0
     runs = {}
-    for name, cfg in (("plain", None), ("speculative", spec_config)):
-        runs[name] = run_vllm(Path(target), prompts, max_tokens, temperature=temperature, seed=seed,
+    for name, cfg, n in (("plain", None, max_tokens + extra), ("speculative", spec_config, max_tokens)):
+        runs[name] = run_vllm(Path(target), prompts, n, temperature=temperature, seed=seed,
                               speculative_config=cfg, python=python)
         if not runs[name].ok:
             return {"ok": False, "engine": "vllm", "run": name, "error": runs[name].error, "stage": runs[name].stage}
     plain, spec = runs["plain"], runs["speculative"]
     tokens = sum(len(t) for t in spec.token_ids)
+    plain_tps = sum(len(t) for t in plain.token_ids) / plain.generate_s
     m = spec.metrics
     drafted, accepted = m.get("vllm:spec_decode_num_draft_tokens", 0), m.get("vllm:spec_decode_num_accepted_tokens", 0)
     out = {"ok": True, "engine": "vllm", "prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
            "tokens": tokens, "plain_generate_s": plain.generate_s, "speculative_generate_s": spec.generate_s,
-           "plain_tokens_per_s": sum(len(t) for t in plain.token_ids) / plain.generate_s,
-           "speculative_tokens_per_s": tokens / spec.generate_s, "speedup": plain.generate_s / spec.generate_s,
+           "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": tokens / spec.generate_s,
+           "speedup": tokens / spec.generate_s / plain_tps,
            "vllm": {"drafts": m.get("vllm:spec_decode_num_drafts", 0), "drafted": drafted, "accepted": accepted,
                     "per_pos_accepted": m.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
                     "acceptance": accepted / drafted if drafted else 0.0}}
-    if temperature == 0 and spec_config.get("method") == "draft_model":
-        stats = SpecStats(int(spec_config["num_speculative_tokens"]))
-        model = load_draft(draft)
-        for prompt, stream in zip(prompts, spec.token_ids):
-            replay_greedy(model, prompt, stream, gamma=stats.gamma, stats=stats)
+    if temperature == 0:
+        stats, model, same = SpecStats(gamma), load_draft(draft), 0
+        for prompt, stream, longer in zip(prompts, spec.token_ids, plain.token_ids):
+            if longer[:len(stream)] == stream:
+                stream, same = longer, same + 1
+            replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens)
         s = stats.summary()
         out["fp8ptq_replay"] = {k: s[k] for k in ("drafts", "drafted", "accepted")} | {
             "per_pos_accepted": s["per_pos_accepted"], "acceptance": s["alpha"]}
         out["acceptance_gap"] = (out["vllm"]["acceptance"] - s["alpha"]) / s["alpha"] if s["alpha"] else None
+        out["outputs_equal_plain"] = same  # prompts whose speculative output == plain greedy output
     return out
 
 
@@ -197,8 +205,11 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
     if cfg.device_memory:
         from fp8ptq.spec.memory import model_shape, parse_size, plan as memory_plan
 
+        from fp8ptq.spec.models import parse_ngram
+
         plan = memory_plan(model_shape(Path(measured["target_path"]), cfg.kv_dtype),
-                           model_shape(Path(draft)), parse_size(cfg.device_memory), context=cfg.context,
+                           None if parse_ngram(draft) else model_shape(Path(draft)),
+                           parse_size(cfg.device_memory), context=cfg.context,
                            batch=cfg.batch, gamma=rec.gamma).as_dict()
     extra = {"target": measured["target"], "draft": draft, "temperature": cfg.temperature, "memory_plan": plan,
              "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
