@@ -91,40 +91,16 @@ def lens(data_file: Path) -> None:
         print(f"exit after layer {k}: tuned-lens top-1 {tuned:.3f}, logit-lens top-1 {logit:.3f}", flush=True)
 
 
-def ngram_propose(ctx: list[int], k: int, nmin: int, nmax: int) -> list[int]:
-    """vLLM's prompt lookup: the longest suffix n-gram (nmin..nmax) seen earlier (earliest on ties), then
-    up to k of the tokens that followed it."""
-    L = len(ctx)
-    for n in range(min(nmax, L - 1), nmin - 1, -1):
-        suffix = ctx[L - n :]
-        for j in range(L - n):
-            if ctx[j : j + n] == suffix:
-                return ctx[j + n : j + n + k]
-    return []
-
-
 def ngram_replay(prompts, streams, gamma, nmin, nmax, max_tokens) -> dict:
-    """Greedy speculative steps with the n-gram proposer against fixed target continuations."""
-    steps = drafts = drafted = accepted = emitted = 0
-    per_pos = [0] * gamma
+    """Greedy speculative steps of fp8ptq's n-gram proposer (vLLM's rule) against fixed target continuations."""
+    from fp8ptq.spec.measure import SpecStats, replay_greedy
+    from fp8ptq.spec.models import NgramDraft
+
+    stats = SpecStats(gamma)
     for p, out in zip(prompts, streams):
-        seq = list(p) + [out[0]]
-        while len(seq) - len(p) < max_tokens:
-            prop = ngram_propose(seq, gamma, nmin, nmax)
-            truth = out[len(seq) - len(p) :]
-            n = 0
-            while n < min(len(prop), len(truth)) and prop[n] == truth[n]:
-                n += 1
-            steps += 1
-            drafts += bool(prop)
-            drafted += len(prop)
-            accepted += n
-            emitted += n + 1
-            for i in range(n):
-                per_pos[i] += 1
-            seq += truth[: n + 1]
-    return {"tau": emitted / steps, "alpha": accepted / max(1, drafted), "drafted_per_step": drafted / steps,
-            "drafts": drafts, "drafted": drafted, "accepted": accepted, "per_pos": per_pos}
+        replay_greedy(NgramDraft(nmin, nmax), p, out, gamma=gamma, stats=stats, max_tokens=max_tokens)
+    s = stats.summary()
+    return {**s, "drafted_per_step": s["drafted"] / s["target_forwards"]}
 
 
 def ngram(target: str, num_prompts: int, max_tokens: int, vllm_prompts: int) -> None:
@@ -156,11 +132,11 @@ def ngram(target: str, num_prompts: int, max_tokens: int, vllm_prompts: int) -> 
             print(f"vLLM {cfg}: failed ({run.stage}): {run.error}")
             continue
         m = run.metrics
-        mine = ngram_replay(ps, [s + [-1] * 9 for s in run.token_ids], g, nmin, nmax, max_tokens)
+        mine = ngram_replay(ps, [s + [-1] * 9 for s in run.token_ids], g, nmin, nmax, max_tokens)  # -1: past the end
         print(f"vLLM n-gram {nmin}-{nmax} γ={g}: {run.generate_s:.1f} s = {plain.generate_s / run.generate_s:.2f}×; "
               f"counters drafts {m['vllm:spec_decode_num_drafts']} drafted {m['vllm:spec_decode_num_draft_tokens']} "
               f"accepted {m['vllm:spec_decode_num_accepted_tokens']} per pos {m['vllm:spec_decode_num_accepted_tokens_per_pos']}"
-              f" | replay on vLLM's output: {mine['drafts']} / {mine['drafted']} / {mine['accepted']} {mine['per_pos']}"
+              f" | replay on vLLM's output: {mine['drafts']} / {mine['drafted']} / {mine['accepted']} {mine['per_pos_accepted']}"
               f" | output == plain: {run.token_ids == plain.token_ids}", flush=True)
 
 

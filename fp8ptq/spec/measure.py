@@ -90,7 +90,7 @@ def _draft_next(draft: LoadedModel, logits: torch.Tensor, temperature: float, V:
     return int(torch.multinomial(q.cpu(), 1, generator=g)), q
 
 
-def _propose(draft: LoadedModel, seq: list[int], dlen: int, dc, gamma: int, temperature: float,
+def _propose(draft: LoadedModel | NgramDraft, seq: list[int], dlen: int, dc, gamma: int, temperature: float,
              threshold: float | None, V: int, g: torch.Generator | None, device: str):
     """Up to γ draft tokens after seq (the draft cache holds dlen positions): (tokens, q rows, cache length).
     The n-gram proposer drafts 0..γ tokens from seq itself; its q rows are one-hot (None when greedy)."""
@@ -113,7 +113,7 @@ def _propose(draft: LoadedModel, seq: list[int], dlen: int, dc, gamma: int, temp
     return drafted, q_rows, dcache
 
 
-def speculative_generate(target: LoadedModel, draft: LoadedModel, prompt: list[int], *, gamma: int, max_tokens: int,
+def speculative_generate(target: LoadedModel, draft: LoadedModel | NgramDraft, prompt: list[int], *, gamma: int, max_tokens: int,
                          temperature: float = 0.0, threshold: float | None = None, generator: torch.Generator | None = None,
                          stats: SpecStats | None = None, device: str = "cpu") -> list[int]:
     """Generate max_tokens tokens after `prompt` by speculative decoding; updates `stats` per step.
@@ -160,7 +160,7 @@ def plain_generate(target: LoadedModel, prompt: list[int], *, max_tokens: int, t
     return out
 
 
-def measure_acceptance(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], *, gammas: list[int],
+def measure_acceptance(target: LoadedModel, draft: LoadedModel | NgramDraft, prompts: list[list[int]], *, gammas: list[int],
                        max_tokens: int, temperature: float = 0.0, thresholds: list[float] = (),
                        threshold_gamma: int | None = None, seed: int = 0, device: str = "cpu", progress=None) -> dict:
     """Run the speculative loop on every prompt for each γ (and each dynamic-length threshold at
@@ -195,7 +195,7 @@ def measure_acceptance(target: LoadedModel, draft: LoadedModel, prompts: list[li
 
 
 @torch.inference_mode()
-def replay_greedy(draft: LoadedModel, prompt: list[int], stream: list[int], *, gamma: int, stats: SpecStats,
+def replay_greedy(draft: LoadedModel | NgramDraft, prompt: list[int], stream: list[int], *, gamma: int, stats: SpecStats,
                   max_tokens: int | None = None, device: str = "cpu") -> None:
     """Greedy acceptance of `draft` against a fixed continuation `stream` of `prompt`: the steps and counting
     of speculative_generate at temperature 0 with the target's argmax replaced by the stream. Given the
@@ -229,7 +229,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target: LoadedModel, draft: LoadedModel, context: list[int], *, max_k: int, repeats: int = 7,
+def measure_costs(target: LoadedModel, draft: LoadedModel | NgramDraft, context: list[int], *, max_k: int, repeats: int = 7,
                   device: str = "cpu", progress=None) -> Costs:
     """Median wall time of: one draft step (1 token), a target forward over k = 1..max_k tokens, each
     after a KV cache of len(context) tokens (rolled back after every timed call)."""
