@@ -120,24 +120,20 @@ def ngram(target: str, num_prompts: int, max_tokens: int, vllm_prompts: int) -> 
                   f"drafted/step {r['drafted_per_step']:.2f}", flush=True)
     if not vllm_prompts:
         return
-    from fp8ptq.export.verify import run_vllm
+    from fp8ptq.spec.recommend import vllm_config
+    from fp8ptq.spec.run import engine_check
 
-    ps = prompts[:vllm_prompts]
-    plain = run_vllm(Path(target), ps, max_tokens)
-    print(f"vLLM plain: {plain.generate_s:.1f} s, {vllm_prompts * max_tokens / plain.generate_s:.1f} tok/s")
-    for g, nmin, nmax in ((2, 2, 4), (4, 2, 4), (4, 3, 5)):
-        cfg = {"method": "ngram", "num_speculative_tokens": g, "prompt_lookup_min": nmin, "prompt_lookup_max": nmax}
-        run = run_vllm(Path(target), ps, max_tokens, speculative_config=cfg)
-        if not run.ok:
-            print(f"vLLM {cfg}: failed ({run.stage}): {run.error}")
+    for g, nmin, nmax in ((2, 2, 4), (4, 2, 4), (4, 3, 5)):  # vLLM plain vs ngram + fp8ptq's replay on its output
+        spec = f"ngram:{nmin}-{nmax}"
+        e = engine_check(target, spec, vllm_config(spec, g), prompts[:vllm_prompts], max_tokens)
+        if not e["ok"]:
+            print(f"vLLM {spec} γ={g}: failed in the {e['run']} run ({e['stage']}): {e['error']}")
             continue
-        m = run.metrics
-        mine = ngram_replay(ps, [s + [-1] * 9 for s in run.token_ids], g, nmin, nmax, max_tokens)  # -1: past the end
-        print(f"vLLM n-gram {nmin}-{nmax} γ={g}: {run.generate_s:.1f} s = {plain.generate_s / run.generate_s:.2f}×; "
-              f"counters drafts {m['vllm:spec_decode_num_drafts']} drafted {m['vllm:spec_decode_num_draft_tokens']} "
-              f"accepted {m['vllm:spec_decode_num_accepted_tokens']} per pos {m['vllm:spec_decode_num_accepted_tokens_per_pos']}"
-              f" | replay on vLLM's output: {mine['drafts']} / {mine['drafted']} / {mine['accepted']} {mine['per_pos_accepted']}"
-              f" | output == plain: {run.token_ids == plain.token_ids}", flush=True)
+        v, r = e["vllm"], e["fp8ptq_replay"]
+        print(f"vLLM {spec} γ={g}: plain {e['plain_tokens_per_s']:.1f} → {e['speculative_tokens_per_s']:.1f} tok/s = "
+              f"{e['speedup']:.2f}×; counters {v['drafts']} / {v['drafted']} / {v['accepted']} {v['per_pos_accepted']} | "
+              f"replay on vLLM's output {r['drafts']} / {r['drafted']} / {r['accepted']} {r['per_pos_accepted']} | "
+              f"outputs == plain: {e['outputs_equal_plain']}/{vllm_prompts}", flush=True)
 
 
 def main() -> None:

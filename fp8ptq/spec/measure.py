@@ -234,10 +234,8 @@ def measure_costs(target: LoadedModel, draft: LoadedModel | NgramDraft, context:
     """Median wall time of: one draft step (1 token), a target forward over k = 1..max_k tokens, each
     after a KV cache of len(context) tokens (rolled back after every timed call)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    tc, dc = new_cache(target.model), draft_cache(draft)
+    tc = new_cache(target.model)
     step_logits(target, context, tc, device)
-    if dc is not None:
-        step_logits(draft, context, dc, device)
     n = len(context)
     probe = context[-max_k:] if len(context) >= max_k else (context * max_k)[:max_k]
 
@@ -251,6 +249,8 @@ def measure_costs(target: LoadedModel, draft: LoadedModel | NgramDraft, context:
     if isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step
         t_draft = _median_time(lambda: draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
     else:
+        dc = new_cache(draft.model)
+        step_logits(draft, context, dc, device)
         t_draft = _median_time(run(draft, dc, probe[:1]), repeats)
     t_verify = {}
     for k in range(1, max_k + 1):

@@ -31,7 +31,6 @@ class LoadedModel:
     label: str = ""
 
 
-NGRAM_DEFAULT = (2, 4)
 _NGRAM = re.compile(r"ngram(?::(\d+)-(\d+))?")
 
 
@@ -43,13 +42,9 @@ class NgramDraft:
     (fewer when the match is near the end; none when nothing matches). A deterministic proposer: at T > 0
     its q is one-hot, so exact speculative sampling accepts x with probability p(x)."""
 
-    nmin: int = NGRAM_DEFAULT[0]
-    nmax: int = NGRAM_DEFAULT[1]
+    nmin: int = 2  # `ngram` alone means 2-4
+    nmax: int = 4
     kept_ids = None  # the draft-model interface the measuring loop reads
-
-    @property
-    def label(self) -> str:
-        return f"ngram:{self.nmin}-{self.nmax}"
 
     def propose(self, ctx: list[int], k: int) -> list[int]:
         size = len(ctx)
