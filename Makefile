@@ -9,7 +9,7 @@ CT017  := $(VENV)/ct017
 VLLM_VENV := .venv-vllm
 VLLM_PIP  := $(VLLM_VENV)/bin/python -m pip
 
-.PHONY: install demo test clean browser vllm
+.PHONY: install demo test test-fast lint clean browser vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,8 +51,18 @@ browser:
 	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; }
 
-test: $(STAMP) $(CT017)/.ok browser vllm
+# ruff: lint + format check (configured in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fp8ptq tests benchmarks
+	$(VENV)/bin/ruff format --check fp8ptq tests benchmarks
+
+# Everything: unit, tiny in-process models, the real model and real vLLM (CI runs this).
+test: lint $(CT017)/.ok browser vllm
 	$(PY) -m pytest -q
+
+# Unit and tiny-model tiers only (no real model, no vLLM): a few minutes on 2 cores.
+test-fast: lint $(CT017)/.ok browser
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache

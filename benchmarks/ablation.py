@@ -24,9 +24,9 @@ def main():
     ap.add_argument("--eval-samples", type=int, default=32)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from fp8ptq.api import QuantizeConfig, quantize
     from fp8ptq.data import load_samples
     from fp8ptq.eval.quality import compare, load_simulated
-    from fp8ptq.jobs import QuantizeConfig, quantize
     from fp8ptq.models.loader import open_hf_dir, resolve_model
     from fp8ptq.recipe import load_recipe
 
@@ -38,13 +38,24 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for observer in ("minmax", "mse"):
             for method in ("rtn", "gptq"):
-                r = {**base, "name": f"fp8-kv8-{observer}-{method}",
-                     "calibration": {**base["calibration"], "observer": observer, "weight_method": method}}
+                r = {
+                    **base,
+                    "name": f"fp8-kv8-{observer}-{method}",
+                    "calibration": {**base["calibration"], "observer": observer, "weight_method": method},
+                }
                 f = Path(tmp) / f"{r['name']}.yaml"
                 f.write_text(yaml.safe_dump(r))
                 t = time.perf_counter()
-                quantize(QuantizeConfig(model="smollm2-135m", recipe=str(f), output=Path(tmp) / r["name"],
-                                        num_samples=args.num_samples, seq_len=args.seq_len, eval_samples=0))
+                quantize(
+                    QuantizeConfig(
+                        model="smollm2-135m",
+                        recipe=str(f),
+                        output=Path(tmp) / r["name"],
+                        num_samples=args.num_samples,
+                        seq_len=args.seq_len,
+                        eval_samples=0,
+                    )
+                )
                 secs = time.perf_counter() - t
                 q = compare(ref, load_simulated(open_hf_dir(Path(tmp) / r["name"])).model, eval_ids)
                 rows.append((observer, method, secs, q))

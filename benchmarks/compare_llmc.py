@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from probe import child
+from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 LLMC_PY = HERE / ".venv-llmc" / "bin" / "python"
@@ -63,8 +62,12 @@ def main():
     ap.add_argument("--skip-llmc", action="store_true")
     ap.add_argument("--only", choices=["fp8ptq", "llmc"])
     ap.add_argument("--reuse", action="store_true", help="score existing outputs in --work instead of re-running")
-    ap.add_argument("--fp8ptq-args", default="", help="extra fp8ptq quantize options, e.g. "
-                    "'--offload-activations --chunk-tokens 1024' (the output folder gets a suffix)")
+    ap.add_argument(
+        "--fp8ptq-args",
+        default="",
+        help="extra fp8ptq quantize options, e.g. "
+        "'--offload-activations --chunk-tokens 1024' (the output folder gets a suffix)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.data import load_samples
@@ -81,7 +84,9 @@ def main():
     rows = []
     if not args.skip_floor:
         for dt in (torch.float32, torch.bfloat16):
-            rows.append(("plain forward (floor)", str(dt).split(".")[1], forward_floor(src.path, calib, dt), None, None))
+            rows.append(
+                ("plain forward (floor)", str(dt).split(".")[1], forward_floor(src.path, calib, dt), None, None)
+            )
     ref = load_simulated(src).model
     results = {}
     for spec in args.schemes:
@@ -94,9 +99,28 @@ def main():
             if args.reuse and (out / "fp8ptq_run.json").is_file():
                 meta = json.loads((out / "fp8ptq_run.json").read_text())
             else:
-                wall, rss, stdout = child_run([sys.executable, "-m", "fp8ptq", "quantize", str(src.path), "--recipe", scheme,
-                                               "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
-                                               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), *extra])
+                wall, rss, stdout = child_run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "fp8ptq",
+                        "quantize",
+                        str(src.path),
+                        "--recipe",
+                        scheme,
+                        "-o",
+                        str(out),
+                        "--overwrite",
+                        "--eval-samples",
+                        "0",
+                        "--json",
+                        "--num-samples",
+                        str(args.num_samples),
+                        "--seq-len",
+                        str(args.seq_len),
+                        *extra,
+                    ]
+                )
                 manifest = json.loads(stdout)
                 meta = dict(quantize_s=manifest["timings"]["quantize_s"], total_s=wall, rss=rss)
                 (out / "fp8ptq_run.json").write_text(json.dumps(meta))
@@ -107,22 +131,38 @@ def main():
             if args.reuse and (lout / "llmc_bench.json").is_file():
                 meta = json.loads((lout / "llmc_bench.json").read_text())
             else:
-                wall, rss, stdout = child_run([str(LLMC_PY), str(HERE / "llmc_quantize.py"), "--model", str(src.path),
-                                               "--calib", str(calib_file), "--scheme", llmc_scheme, "--out", str(lout)])
+                wall, rss, stdout = child_run(
+                    [
+                        str(LLMC_PY),
+                        str(HERE / "llmc_quantize.py"),
+                        "--model",
+                        str(src.path),
+                        "--calib",
+                        str(calib_file),
+                        "--scheme",
+                        llmc_scheme,
+                        "--out",
+                        str(lout),
+                    ]
+                )
                 info = json.loads(stdout.strip().splitlines()[-1])
                 meta = dict(quantize_s=info["quantize_wall_s"], total_s=wall, rss=rss)
                 (lout / "llmc_bench.json").write_text(json.dumps(meta))
             q = compare(ref, load_simulated(open_hf_dir(lout)).model, eval_ids)
             results[("llm-compressor", llmc_scheme)] = dict(**meta, **q)
-    print(f"\ncalibration: {args.num_samples}x{args.seq_len} tokens (built-in split, seed 0); "
-          f"eval: {args.eval_samples}x{args.seq_len} held-out tokens; threads={torch.get_num_threads()}\n")
+    print(
+        f"\ncalibration: {args.num_samples}x{args.seq_len} tokens (built-in split, seed 0); "
+        f"eval: {args.eval_samples}x{args.seq_len} held-out tokens; threads={torch.get_num_threads()}\n"
+    )
     for name, dt, secs, _, _ in rows:
         print(f"- {name} {dt}: {secs:.1f} s")
     print("\n| tool | scheme | calib+quant s | process s | peak RSS MiB | KL | top-1 | PPL (ref) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for (tool, scheme), r in results.items():
-        print(f"| {tool} | {scheme} | {r['quantize_s']:.1f} | {r['total_s']:.1f} | {r['rss']:.0f} | {r['kl']:.5f} | "
-              f"{r['top1'] * 100:.2f}% | {r['ppl']:.3f} ({r['ppl_reference']:.3f}) |")
+        print(
+            f"| {tool} | {scheme} | {r['quantize_s']:.1f} | {r['total_s']:.1f} | {r['rss']:.0f} | {r['kl']:.5f} | "
+            f"{r['top1'] * 100:.2f}% | {r['ppl']:.3f} ({r['ppl_reference']:.3f}) |"
+        )
     res_file = args.work / "results.json"  # merged across invocations (one row per tool/scheme)
     merged = json.loads(res_file.read_text()) if res_file.is_file() else {}
     merged.update({f"{t}/{s}": r for (t, s), r in results.items()})

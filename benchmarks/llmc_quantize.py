@@ -65,16 +65,10 @@ def build_recipe(scheme):
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
     if scheme == "fp8-kv8":
-        kv = QuantizationArgs(
-            num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True
-        )
-        return QuantizationModifier(
-            targets="Linear", scheme="FP8", ignore=["lm_head"], kv_cache_scheme=kv
-        )
+        kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+        return QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"], kv_cache_scheme=kv)
     if scheme == "fp8-dynamic":
-        return QuantizationModifier(
-            targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]
-        )
+        return QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
     if scheme == "w4a16-g64-gptq":
         w4 = QuantizationScheme(
             targets=["Linear"],
@@ -110,9 +104,9 @@ def load_calibration(path):
     if ids.dtype != torch.int64 or ids.dim() != 2:
         raise ValueError(f"{path}: input_ids must be int64 [N, L], got {ids.dtype} {tuple(ids.shape)}")
     n, seq_len = ids.shape
-    ds = Dataset.from_dict(
-        {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}
-    ).with_format("torch")
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}).with_format(
+        "torch"
+    )
 
     def collate(rows):
         return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "attention_mask")}
@@ -126,8 +120,8 @@ def load_calibration(path):
 def main(argv=None):
     args = parse_args(argv)
 
-    import torch
     import llmcompressor
+    import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

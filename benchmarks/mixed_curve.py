@@ -31,9 +31,9 @@ def main():
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import fp8ptq.calibrate.mixed as mixed
+    from fp8ptq.api import QuantizeConfig, quantize
     from fp8ptq.data import load_samples
     from fp8ptq.eval.quality import compare, load_simulated
-    from fp8ptq.jobs import QuantizeConfig, quantize
     from fp8ptq.models.loader import open_hf_dir, resolve_model
     from fp8ptq.recipe import load_recipe
 
@@ -67,13 +67,29 @@ def main():
 
                     mixed.choose_low = shuffled
                 t = time.perf_counter()
-                m = quantize(QuantizeConfig(model="smollm2-135m", recipe=str(f), output=Path(tmp) / f.stem,
-                                            num_samples=args.num_samples, seq_len=args.seq_len, eval_samples=0))
+                m = quantize(
+                    QuantizeConfig(
+                        model="smollm2-135m",
+                        recipe=str(f),
+                        output=Path(tmp) / f.stem,
+                        num_samples=args.num_samples,
+                        seq_len=args.seq_len,
+                        eval_samples=0,
+                    )
+                )
                 secs = time.perf_counter() - t
                 mixed.choose_low = real_choose
                 q = compare(ref, load_simulated(open_hf_dir(Path(tmp) / f.stem)).model, eval_ids)
-                rows.append(dict(sensitivity=sens, target=frac, share=m["mixed"]["int4_flop_share"], secs=secs,
-                                 size=m["size_bytes"]["output"] / m["size_bytes"]["source"], **q))
+                rows.append(
+                    dict(
+                        sensitivity=sens,
+                        target=frac,
+                        share=m.mixed["int4_flop_share"],
+                        secs=secs,
+                        size=m.size_bytes.ratio,
+                        **q,
+                    )
+                )
                 if frac in (0.0, 1.0):
                     endpoints[frac] = rows[-1]
                 print(json.dumps(rows[-1]), flush=True)
@@ -81,8 +97,10 @@ def main():
     print("| sensitivity | int4 FLOP share (target) | KL / token | top-1 | PPL | size ratio | quantize s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['sensitivity']} | {r['share']:.3f} ({r['target']:.2f}) | {r['kl']:.5f} | {r['top1'] * 100:.2f}% | "
-              f"{r['ppl']:.3f} | {r['size']:.3f} | {r['secs']:.0f} |")
+        print(
+            f"| {r['sensitivity']} | {r['share']:.3f} ({r['target']:.2f}) | {r['kl']:.5f} | {r['top1'] * 100:.2f}% | "
+            f"{r['ppl']:.3f} | {r['size']:.3f} | {r['secs']:.0f} |"
+        )
     import matplotlib
 
     matplotlib.use("Agg")

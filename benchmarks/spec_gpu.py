@@ -27,8 +27,8 @@ from fp8ptq.spec.recommend import speedup_from_steps
 def load(path: str, device: str, embed_from=None) -> LoadedModel:
     """An HF dir in bf16. embed_from: take the (tied) embedding from this model when the draft dir was
     shipped without it (it is the target's own embedding)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
     files = sorted(Path(path).glob("*.safetensors"))
@@ -76,40 +76,86 @@ def main() -> None:
     target = load(args.target, dev)
     draft = load(args.draft, dev, embed_from=target)
     prompts = json.loads(Path(args.prompts).read_text())[: args.num_prompts]
-    result = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "by_temperature": {}}
+    result = {
+        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "by_temperature": {},
+    }
     import transformers
 
     result["transformers"] = transformers.__version__
     # warm-up (cuBLAS handles, sdpa kernels)
     plain_generate(target, prompts[0], max_tokens=8, device=dev)
     speculative_generate(target, draft, prompts[0], gamma=4, max_tokens=8, device=dev)
-    costs = measure_costs(target, draft, prompts[0] + prompts[0][:32], max_k=max(args.gammas) + 1, repeats=11, device=dev)
+    costs = measure_costs(
+        target, draft, prompts[0] + prompts[0][:32], max_k=max(args.gammas) + 1, repeats=11, device=dev
+    )
     result["costs"] = costs.as_dict()
-    print(f"costs: target {costs.t_target * 1e3:.2f} ms, draft {costs.t_draft * 1e3:.2f} ms, c = {costs.c:.3f}", flush=True)
+    print(
+        f"costs: target {costs.t_target * 1e3:.2f} ms, draft {costs.t_draft * 1e3:.2f} ms, c = {costs.c:.3f}",
+        flush=True,
+    )
     for temp in args.temperatures:
         rows = []
-        base_out, base_s = timed(lambda: [plain_generate(target, p, max_tokens=args.max_tokens, temperature=temp,
-                                                          generator=torch.Generator().manual_seed(i), device=dev)
-                                           for i, p in enumerate(prompts)])
+        base_out, base_s = timed(
+            lambda: [
+                plain_generate(
+                    target,
+                    p,
+                    max_tokens=args.max_tokens,
+                    temperature=temp,
+                    generator=torch.Generator().manual_seed(i),
+                    device=dev,
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
         n = sum(len(o) for o in base_out)
         rows.append({"gamma": 0, "tokens_per_s": n / base_s, "seconds": base_s})
         result["by_temperature"][str(temp)] = rows
         print(f"T={temp} plain: {n / base_s:.1f} tokens/s", flush=True)
         for g in args.gammas:
             stats = SpecStats(g)
-            outs, s = timed(lambda: [speculative_generate(target, draft, p, gamma=g, max_tokens=args.max_tokens,
-                                                          temperature=temp, generator=torch.Generator().manual_seed(i),
-                                                          stats=stats, device=dev) for i, p in enumerate(prompts)])
+            outs, s = timed(
+                lambda: [
+                    speculative_generate(
+                        target,
+                        draft,
+                        p,
+                        gamma=g,
+                        max_tokens=args.max_tokens,
+                        temperature=temp,
+                        generator=torch.Generator().manual_seed(i),
+                        stats=stats,
+                        device=dev,
+                    )
+                    for i, p in enumerate(prompts)
+                ]
+            )
             summ = stats.summary()
             same = sum(a == b for a, b in zip(outs, base_out)) if temp == 0 else None
-            rows.append({"gamma": g, "tokens_per_s": n / s, "seconds": s, "speedup_measured": base_s / s,
-                         "speedup_predicted": speedup_from_steps({int(k): v for k, v in summ["k_hist"].items()},
-                                                                 summ["emitted"], costs),
-                         "tau": summ["tau"], "alpha": summ["alpha"], "alpha_per_pos": summ["alpha_per_pos"],
-                         "outputs_equal_plain": same})
+            rows.append(
+                {
+                    "gamma": g,
+                    "tokens_per_s": n / s,
+                    "seconds": s,
+                    "speedup_measured": base_s / s,
+                    "speedup_predicted": speedup_from_steps(
+                        {int(k): v for k, v in summ["k_hist"].items()}, summ["emitted"], costs
+                    ),
+                    "tau": summ["tau"],
+                    "alpha": summ["alpha"],
+                    "alpha_per_pos": summ["alpha_per_pos"],
+                    "outputs_equal_plain": same,
+                }
+            )
             args.out.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "alpha_per_pos"}, flush=True)
+            print(
+                {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "alpha_per_pos"},
+                flush=True,
+            )
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["costs"], indent=1))
 

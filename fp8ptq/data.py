@@ -31,7 +31,9 @@ def builtin_texts(split: Split) -> list[str]:
 
 def _column(rows, field: str, source: str) -> list[str]:
     if field not in rows.column_names:
-        raise DataError(f"'{source}' has no field '{field}' (fields: {', '.join(rows.column_names)})", fix="pass --text-field NAME")
+        raise DataError(
+            f"'{source}' has no field '{field}' (fields: {', '.join(rows.column_names)})", fix="pass --text-field NAME"
+        )
     return [t for t in rows[field] if isinstance(t, str)]
 
 
@@ -41,7 +43,10 @@ def load_texts(source: str, split: Split = "calibration", text_field: str = "tex
         return builtin_texts(split)
     path = Path(source).expanduser()
     if not path.exists():
-        raise DataError(f"data source '{source}' not found", fix="pass 'builtin' or an existing .txt/.jsonl/.parquet file or dataset folder")
+        raise DataError(
+            f"data source '{source}' not found",
+            fix="pass 'builtin' or an existing .txt/.jsonl/.parquet file or dataset folder",
+        )
     if path.is_dir():
         import datasets
 
@@ -82,6 +87,7 @@ def pack_tokens(
     num_samples: int,
     seq_len: int,
     seed: int = 0,
+    *,
     chat_template: bool = False,
     source: str = "data",
 ) -> torch.Tensor:
@@ -119,9 +125,10 @@ def load_samples(
     seq_len: int,
     split: Split = "calibration",
     seed: int = 0,
+    *,
     text_field: str = "text",
     chat_template: bool = False,
 ) -> torch.Tensor:
     texts = load_texts(source, split, text_field)
     label = f"built-in {split} text" if source == BUILTIN else f"'{source}'"
-    return pack_tokens(texts, tokenizer, num_samples, seq_len, seed, chat_template, source=label)
+    return pack_tokens(texts, tokenizer, num_samples, seq_len, seed, chat_template=chat_template, source=label)

@@ -57,19 +57,28 @@ class GateResult:
         return f"{self.gate}: {verdict}, {self.gate.metric} = {self.value:.6g} (margin {self.margin:+.4g})"
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GateResult":
+    def from_dict(cls, d: dict) -> GateResult:
         return cls(Gate(d["metric"], d["op"], d["threshold"]), d["value"], d["passed"])
 
     def as_dict(self) -> dict:
-        return {"gate": str(self.gate), "metric": self.gate.metric, "op": self.gate.op,
-                "threshold": self.gate.threshold, "value": self.value, "passed": self.passed, "margin": self.margin}
+        return {
+            "gate": str(self.gate),
+            "metric": self.gate.metric,
+            "op": self.gate.op,
+            "threshold": self.gate.threshold,
+            "value": self.value,
+            "passed": self.passed,
+            "margin": self.margin,
+        }
 
 
 def parse_gate(text: str) -> Gate:
     m = _GATE.match(text)
     if not m:
-        raise RecipeError(f"gate '{text}' is not METRIC OP NUMBER",
-                          fix="write e.g. 'kl<=0.05', 'top1>=0.9' or 'mmlu_pro_delta>=-1.0' (ops: <=, >=, <, >)")
+        raise RecipeError(
+            f"gate '{text}' is not METRIC OP NUMBER",
+            fix="write e.g. 'kl<=0.05', 'top1>=0.9' or 'mmlu_pro_delta>=-1.0' (ops: <=, >=, <, >)",
+        )
     return Gate(m.group(1), m.group(2), float(m.group(3)))
 
 
@@ -89,27 +98,15 @@ def check(gates: list[Gate], metrics: dict[str, float]) -> list[GateResult]:
     return results
 
 
-def quantize_metrics(manifest: dict) -> dict[str, float]:
-    """The gateable numbers of a quantize run (its manifest)."""
-    out: dict[str, float] = {}
-    sizes = manifest.get("size_bytes") or {}
-    if sizes.get("source"):
-        out["size_ratio"] = sizes["output"] / sizes["source"]
-    if "summary" in manifest:
-        out["worst_linear_rel_err"] = manifest["summary"]["worst_linear_rel_err"]
-    q = manifest.get("quality")
-    if q:
-        out.update(kl=q["kl"], top1=q["top1"], ppl=q["ppl"], ppl_ratio=q["ppl"] / q["ppl_reference"])
-    return out
-
-
 QUALITY_METRICS = ("kl", "top1", "ppl", "ppl_ratio")  # need the quality check
-QUANTIZE_METRICS = QUALITY_METRICS + ("size_ratio", "worst_linear_rel_err")  # what quantize_metrics() can produce
+QUANTIZE_METRICS = QUALITY_METRICS + ("size_ratio", "worst_linear_rel_err")  # what Manifest.metrics() can produce
 
 
 def check_task_gates(gates: list[Gate], tasks) -> None:
     """Refuse, before a (long) lm-eval run, a gate that run cannot produce."""
     for g in gates:
         if not any(g.metric == t or g.metric.startswith(t + "_") for t in tasks):
-            raise RecipeError(f"gate '{g}': this evaluation produces no '{g.metric}'",
-                              fix=f"gate on {', '.join(f'{t}, {t}_delta' for t in tasks)} (or a {tasks[0]}_<subtask>)")
+            raise RecipeError(
+                f"gate '{g}': this evaluation produces no '{g.metric}'",
+                fix=f"gate on {', '.join(f'{t}, {t}_delta' for t in tasks)} (or a {tasks[0]}_<subtask>)",
+            )

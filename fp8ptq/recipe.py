@@ -6,9 +6,19 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from fp8ptq.errors import RecipeError
+from fp8ptq.quantize.schemes import handler
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 
@@ -17,25 +27,59 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class QuantArgs(_Frozen):
-    """One tensor's quantization, in compressed-tensors' vocabulary (see its QuantizationArgs)."""
+# The QuantizationArgs keys a recipe may set, in the order recipes are written back (recipe.yaml).
+ARG_KEYS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")
+OPTIONAL_ARG_KEYS = ("block_structure",)  # written only when set
 
-    num_bits: Literal[4, 8] = 8
-    type: Literal["float", "int"] = "float"
-    strategy: Literal["tensor", "channel", "group", "token"] = "tensor"
-    group_size: int | None = None
-    symmetric: bool = True
-    dynamic: bool = False
+
+class QuantArgs(QuantizationArgs):
+    """One tensor's quantization: compressed-tensors' own QuantizationArgs (so scheme handlers, export
+    and the evaluator see one type), restricted to the keys fp8ptq reads, with fp8ptq's defaults (FP8,
+    per tensor), and frozen once validated. What a combination means is the scheme handlers' to check
+    (quantize/schemes/), called by `Scheme`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: QuantizationType = QuantizationType.FLOAT
+    strategy: QuantizationStrategy | None = QuantizationStrategy.TENSOR
+    _sealed: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data):
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(ARG_KEYS) - set(OPTIONAL_ARG_KEYS))
+            if unknown:
+                raise ValueError(
+                    f"unknown key '{unknown[0]}' (valid keys there: {', '.join(ARG_KEYS + OPTIONAL_ARG_KEYS)})"
+                )
+            kind, bits = str(data.get("type", "float")).lower(), data.get("num_bits", 8)
+            valid = {"float": (4, 8), "int": tuple(range(2, 9))}.get(kind)
+            if valid is None:
+                raise ValueError(f"type '{data.get('type')}' is not a quantization type (use float or int)")
+            if not isinstance(bits, int) or bits not in valid:
+                raise ValueError(f"num_bits {bits!r} is not a {kind} width fp8ptq knows ({', '.join(map(str, valid))})")
+        return data
 
     @model_validator(mode="after")
-    def _check(self):
-        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
-            raise ValueError("type float means FP8 E4M3: num_bits 8, symmetric true")
-        if (self.strategy == "group") != (self.group_size is not None):
-            raise ValueError("group_size is required with strategy group and not allowed otherwise")
-        if self.group_size is not None and self.group_size < 1:
-            raise ValueError(f"group_size must be positive, got {self.group_size}")
+    def _seal(self):
+        self._sealed = True
         return self
+
+    def __setattr__(self, name, value):
+        if self.__pydantic_private__ and self.__pydantic_private__.get("_sealed"):
+            raise TypeError(f"recipe arguments are frozen: cannot set '{name}'")
+        super().__setattr__(name, value)
+
+    @model_serializer(mode="plain")
+    def _dump(self) -> dict:
+        out = {k: getattr(self, k) for k in ARG_KEYS}
+        out.update({k: getattr(self, k) for k in OPTIONAL_ARG_KEYS if getattr(self, k) is not None})
+        return out
+
+    def ct(self) -> QuantizationArgs:
+        """A plain compressed-tensors copy, for compressed-tensors' own objects (which re-validate and
+        so would write into this frozen one)."""
+        return QuantizationArgs.model_validate(self._dump())
 
     def describe(self) -> str:
         kind = ("FP" if self.type == "float" else "INT") + str(self.num_bits)
@@ -54,32 +98,19 @@ class Scheme(_Frozen):
 
     @model_validator(mode="after")
     def _check(self):
-        _check_weights(self.weights, "weights")
-        a = self.input_activations
+        w, a, kv = self.weights, self.input_activations, self.kv_cache
+        handler(w).check_weights(w, "weights")
         if a is not None:
-            if not ((a.strategy == "tensor" and not a.dynamic) or (a.strategy == "token" and a.dynamic)):
-                raise ValueError("input_activations: use {strategy: tensor, dynamic: false} (static) "
-                                 "or {strategy: token, dynamic: true} (dynamic per token)")
-            if a.num_bits != 8 or not a.symmetric:
-                raise ValueError("input_activations: only 8-bit symmetric (FP8 or INT8) activations are exported")
-            if self.weights.num_bits == 4:
+            handler(a).check_inputs(a, "input_activations")
+            if w.num_bits == 4:
                 raise ValueError("4-bit weights are exported weight-only (W4A16): set input_activations to null")
-            if a.type != self.weights.type:
-                raise ValueError(f"weights are {self.weights.type} but input_activations {a.type}: "
-                                 "vLLM runs W8A8 as FP8xFP8 or INT8xINT8 GEMMs")
-        kv = self.kv_cache
-        if kv is not None and (kv.type != "float" or kv.strategy != "tensor" or kv.dynamic):
-            raise ValueError("kv_cache: only FP8 {type: float, strategy: tensor, dynamic: false} (per-layer k/v scales) is supported")
+            if a.type != w.type:
+                raise ValueError(
+                    f"weights are {w.type} but input_activations {a.type}: vLLM runs W8A8 as FP8xFP8 or INT8xINT8 GEMMs"
+                )
+        if kv is not None:
+            handler(kv).check_kv(kv, "kv_cache")
         return self
-
-
-def _check_weights(w: QuantArgs, where: str) -> None:
-    if w.dynamic or w.strategy == "token":
-        raise ValueError(f"{where}: strategy must be tensor, channel or group, and dynamic false")
-    if w.type == "float" and w.strategy == "group":
-        raise ValueError(f"{where}: FP8 weights use strategy tensor or channel")
-    if w.num_bits == 4 and w.strategy not in ("group", "channel"):
-        raise ValueError(f"{where}: 4-bit weights use strategy group (with group_size) or channel")
 
 
 class Smooth(_Frozen):
@@ -120,7 +151,7 @@ class Mixed(_Frozen):
 
     @model_validator(mode="after")
     def _check(self):
-        _check_weights(self.weights, "mixed.weights")
+        handler(self.weights).check_weights(self.weights, "mixed.weights")
         if not 0.0 <= self.int4_fraction <= 1.0:
             raise ValueError(f"mixed.int4_fraction must be in [0, 1], got {self.int4_fraction}")
         if self.input_activations is not None:
@@ -192,8 +223,14 @@ class Recipe(_Frozen):
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
         static_acts = a is not None and not a.dynamic
-        return (static_acts or self.scheme.kv_cache is not None or self.calibration.weight_method == "gptq"
-                or self.smooth is not None or self.flatten is not None or self.mixed is not None)
+        return (
+            static_acts
+            or self.scheme.kv_cache is not None
+            or self.calibration.weight_method == "gptq"
+            or self.smooth is not None
+            or self.flatten is not None
+            or self.mixed is not None
+        )
 
 
 def builtin_names() -> list[str]:
@@ -206,6 +243,8 @@ def _format_validation(source: str, err: ValidationError) -> str:
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             parts.append(f"unknown key '{loc}'")
+        elif e["type"] == "value_error":  # our own message, without pydantic's "Value error, " prefix
+            parts.append(f"{loc}: {e['ctx']['error']}")
         else:
             parts.append(f"{loc}: {e['msg']}")
     return f"recipe {source}: " + "; ".join(parts)
@@ -213,15 +252,22 @@ def _format_validation(source: str, err: ValidationError) -> str:
 
 def _valid_keys_hint(err: ValidationError) -> str:
     """For unknown keys, list the valid keys of the model where the unknown key sits."""
-    models = {(): Recipe, ("scheme",): Scheme, ("calibration",): Calibration, ("smooth",): Smooth,
-              ("flatten",): Flatten, ("mixed",): Mixed, ("mixed", "weights"): QuantArgs}
+    models = {
+        (): Recipe,
+        ("scheme",): Scheme,
+        ("calibration",): Calibration,
+        ("smooth",): Smooth,
+        ("flatten",): Flatten,
+        ("mixed",): Mixed,
+        ("mixed", "weights"): QuantArgs,
+    }
     for sub in ("weights", "input_activations", "kv_cache"):
         models[("scheme", sub)] = QuantArgs
     for e in err.errors():
         if e["type"] == "extra_forbidden":
             model = models.get(tuple(str(x) for x in e["loc"][:-1]))
             if model is not None:
-                return "valid keys there: " + ", ".join(model.model_fields)
+                return "valid keys there: " + ", ".join(ARG_KEYS if model is QuantArgs else model.model_fields)
     return "see `fp8ptq recipes show fp8-kv8` for a valid recipe"
 
 

@@ -8,25 +8,31 @@ import base64
 import io
 import json
 import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import jinja2
 
-MANIFEST = "fp8ptq_manifest.json"
+from fp8ptq.io import write_bytes_atomic, write_json_atomic
+from fp8ptq.manifest import MANIFEST, Manifest
+
 EVALS_DIR = "fp8ptq_evals"
 PLOTS_DIR = "report_files"
 
 # Linear name -> the row it gets in the per-layer plots (fused siblings share their input).
-_INPUT_ROWS = {"q_proj": "attn in (q/k/v)", "o_proj": "o_proj in", "gate_proj": "mlp in (gate/up)", "down_proj": "down_proj in"}
+_INPUT_ROWS = {
+    "q_proj": "attn in (q/k/v)",
+    "o_proj": "o_proj in",
+    "gate_proj": "mlp in (gate/up)",
+    "down_proj": "down_proj in",
+}
 
 
-def serve_commands(path: str, manifest: dict) -> dict[str, str]:
-    kv = bool(manifest["recipe"]["scheme"].get("kv_cache"))
+def serve_commands(path: str, manifest: Manifest) -> dict[str, str]:
+    kv = bool(manifest.recipe["scheme"].get("kv_cache"))
     vllm = f"vllm serve {path}" + (" --kv-cache-dtype fp8" if kv else "")
     sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
-    spec = manifest.get("speculative")
+    spec = manifest.speculative
     if spec and spec.get("speculative_config"):  # written by `quantize --draft auto`; paths relative to the folder
         cfg = dict(spec["speculative_config"])
         cfg["model"] = os.path.join(path, cfg["model"])
@@ -38,11 +44,11 @@ def serve_commands(path: str, manifest: dict) -> dict[str, str]:
     return {"vllm": vllm, "sglang": sglang, "vllm_python": python}
 
 
-def _per_layer(manifest: dict) -> tuple[dict[str, list], dict[str, list]]:
+def _per_layer(manifest: Manifest) -> tuple[dict[str, list], dict[str, list]]:
     """(input abs-max rows, output-error rows), each row a list over decoder layers."""
     amax: dict[str, list] = defaultdict(list)
     err: dict[str, list] = defaultdict(list)
-    for layer in manifest.get("layers", []):
+    for layer in manifest.layers:
         seen = {}
         for name, r in layer["quantized"].items():
             short = name.rsplit(".", 1)[-1]
@@ -65,7 +71,7 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def plots(manifest: dict) -> dict[str, tuple[str, bytes]]:
+def plots(manifest: Manifest) -> dict[str, tuple[str, bytes]]:
     """name -> (caption, PNG bytes)."""
     import matplotlib
 
@@ -80,12 +86,17 @@ def plots(manifest: dict) -> dict[str, tuple[str, bytes]]:
         rows = list(amax)
         grid = np.array([[np.nan if x is None else x for x in amax[r]] for r in rows], dtype=float)
         fig, ax = plt.subplots(figsize=(max(6, grid.shape[1] * 0.28), 0.45 * len(rows) + 1.4))
-        im = ax.imshow(grid, aspect="auto", cmap="magma", norm=LogNorm(vmin=np.nanmin(grid[grid > 0]), vmax=np.nanmax(grid)))
+        im = ax.imshow(
+            grid, aspect="auto", cmap="magma", norm=LogNorm(vmin=np.nanmin(grid[grid > 0]), vmax=np.nanmax(grid))
+        )
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xlabel("decoder layer")
         ax.set_title("calibration abs-max of each quantized input (log scale)")
         fig.colorbar(im, ax=ax, pad=0.01)
-        out["input_amax"] = ("Activation ranges per layer: large values are outliers that stretch a per-tensor scale.", _png(fig))
+        out["input_amax"] = (
+            "Activation ranges per layer: large values are outliers that stretch a per-tensor scale.",
+            _png(fig),
+        )
         plt.close(fig)
     if err:
         fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -108,9 +119,9 @@ def load_evals(out_dir: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))}
 
 
-def _context(out_dir: Path, manifest: dict, serve_path: str) -> dict:
-    sizes = manifest.get("size_bytes", {})
-    scheme = manifest["recipe"]["scheme"]
+def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
+    sizes = manifest.size_bytes.model_dump()
+    scheme = manifest.recipe["scheme"]
 
     def describe(args, activations=False):
         if not args:
@@ -122,11 +133,15 @@ def _context(out_dir: Path, manifest: dict, serve_path: str) -> dict:
 
     return {
         "m": manifest,
-        "scheme_rows": [("weights", describe(scheme.get("weights"))), ("input activations", describe(scheme.get("input_activations"), activations=True)),
-                        ("KV cache", describe(scheme.get("kv_cache"))), ("targets", ", ".join(scheme["targets"])),
-                        ("ignored", ", ".join(scheme["ignore"]) or "none")],
+        "scheme_rows": [
+            ("weights", describe(scheme.get("weights"))),
+            ("input activations", describe(scheme.get("input_activations"), activations=True)),
+            ("KV cache", describe(scheme.get("kv_cache"))),
+            ("targets", ", ".join(scheme["targets"])),
+            ("ignored", ", ".join(scheme["ignore"]) or "none"),
+        ],
         "mib": {k: v / 2**20 for k, v in sizes.items()},
-        "ratio": sizes["output"] / sizes["source"] if sizes.get("source") else None,
+        "ratio": manifest.size_bytes.ratio,
         "serve": serve_commands(serve_path, manifest),
         "evals": load_evals(out_dir),
         "name": out_dir.name,
@@ -139,38 +154,38 @@ def fmt_num(x, spec: str = ".1f") -> str:
 
 
 def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("fp8ptq", "report_templates"),
-                             autoescape=jinja2.select_autoescape(["html", "html.j2"]),
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("fp8ptq", "report_templates"),
+        autoescape=jinja2.select_autoescape(["html", "html.j2"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["num"] = fmt_num
     return env
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def write_report(out_dir: Path, manifest: dict | None = None, serve_path: str | None = None) -> list[Path]:
+def write_report(out_dir: Path, manifest: Manifest | None = None, serve_path: str | None = None) -> list[Path]:
     """Write report.md, report.html and report_files/*.png into out_dir. Returns the paths written."""
     out_dir = Path(out_dir)
-    manifest = manifest if manifest is not None else json.loads((out_dir / MANIFEST).read_text())
+    manifest = manifest if manifest is not None else Manifest.load(out_dir)
     ctx = _context(out_dir, manifest, serve_path or str(out_dir))
     figs = plots(manifest)
     (out_dir / PLOTS_DIR).mkdir(exist_ok=True)
     written = []
     for name, (_, png) in figs.items():
         p = out_dir / PLOTS_DIR / f"{name}.png"
-        _write_atomic(p, png)
+        write_bytes_atomic(p, png)
         written.append(p)
     env = _env()
-    md = env.get_template("report.md.j2").render(**ctx, plots={n: (c, f"{PLOTS_DIR}/{n}.png") for n, (c, _) in figs.items()})
+    md = env.get_template("report.md.j2").render(
+        **ctx, plots={n: (c, f"{PLOTS_DIR}/{n}.png") for n, (c, _) in figs.items()}
+    )
     html = env.get_template("report.html.j2").render(
-        **ctx, plots={n: (c, "data:image/png;base64," + base64.b64encode(png).decode()) for n, (c, png) in figs.items()})
+        **ctx, plots={n: (c, "data:image/png;base64," + base64.b64encode(png).decode()) for n, (c, png) in figs.items()}
+    )
     for fname, text in (("report.md", md), ("report.html", html)):
-        _write_atomic(out_dir / fname, text.encode())
+        write_bytes_atomic(out_dir / fname, text.encode())
         written.append(out_dir / fname)
     return written
 
@@ -181,6 +196,6 @@ def save_eval(out_dir: Path, name: str, result: dict) -> Path | None:
     if not (out_dir / MANIFEST).is_file() or not os.access(out_dir, os.W_OK):
         return None
     (out_dir / EVALS_DIR).mkdir(exist_ok=True)
-    _write_atomic(out_dir / EVALS_DIR / f"{name}.json", (json.dumps(result, indent=2) + "\n").encode())
+    write_json_atomic(out_dir / EVALS_DIR / f"{name}.json", result, trailing_newline=True)
     write_report(out_dir)
     return out_dir / "report.html"

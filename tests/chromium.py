@@ -7,8 +7,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 
 
 def chromium() -> str:
@@ -19,8 +28,9 @@ def chromium() -> str:
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([chromium(), *FLAGS, f"--user-data-dir={profile}", *args],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [chromium(), *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120
+        )
 
 
 def dump_dom(page: Path) -> str:

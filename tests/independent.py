@@ -61,6 +61,8 @@ def kl_top1_ppl(ref, cand, ids: torch.Tensor) -> dict:
     lc = F.log_softmax(cand(ids).logits.float()[:, :-1], -1)
     t = ids[:, 1:].unsqueeze(-1)
     n = t.numel()
-    return {"kl": float((lr.exp() * (lr - lc)).sum()) / n,
-            "top1": float((lr.argmax(-1) == lc.argmax(-1)).float().mean()),
-            "ppl": math.exp(-float(lc.gather(-1, t).sum()) / n)}
+    return {
+        "kl": float((lr.exp() * (lr - lc)).sum()) / n,
+        "top1": float((lr.argmax(-1) == lc.argmax(-1)).float().mean()),
+        "ppl": math.exp(-float(lc.gather(-1, t).sum()) / n),
+    }

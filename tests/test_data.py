@@ -6,12 +6,14 @@ import torch
 from fp8ptq.data import builtin_texts, load_samples, load_texts, pack_tokens
 from fp8ptq.errors import DataError
 
+pytestmark = pytest.mark.tiny
+
 
 @pytest.fixture(scope="module")
-def tok(smol_dir):
+def tok(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smol_dir))
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def test_builtin_split_is_disjoint_and_stable():

@@ -1,5 +1,6 @@
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from fp8ptq.errors import RecipeError
 from fp8ptq.recipe import builtin_names, load_recipe, parse_recipe, recipe_yaml
@@ -40,5 +41,7 @@ def test_invalid_combination_rejected():
 
 def test_recipe_is_frozen():
     r = load_recipe("fp8-kv8")
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         r.name = "other"
+    with pytest.raises(TypeError, match="frozen"):
+        r.scheme.weights.num_bits = 4

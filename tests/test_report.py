@@ -10,8 +10,12 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from fp8ptq.cli import app
+from fp8ptq.cli.common import GATE_FAILED_EXIT
+
 from chromium import dump_dom, screenshot
-from fp8ptq.cli import GATE_FAILED_EXIT, app
+
+pytestmark = pytest.mark.tiny
 
 runner = CliRunner()
 ARGS = ["--num-samples", "4", "--seq-len", "64", "--eval-samples", "2", "--no-recipe-gates"]
@@ -20,7 +24,9 @@ ARGS = ["--num-samples", "4", "--seq-len", "64", "--eval-samples", "2", "--no-re
 @pytest.fixture(scope="module")
 def tiny_q(tmp_path_factory, tiny_dir):
     out = tmp_path_factory.mktemp("report") / "tiny-kv8"
-    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), *ARGS, "--gate", "kl<=1000", "--gate", "size_ratio<=1"])
+    r = runner.invoke(
+        app, ["quantize", str(tiny_dir), "-o", str(out), *ARGS, "--gate", "kl<=1000", "--gate", "size_ratio<=1"]
+    )
     assert r.exit_code == 0, r.output
     return out, json.loads((out / "fp8ptq_manifest.json").read_text())
 
@@ -78,7 +84,9 @@ def test_gate_errors_before_work(tiny_dir, tmp_path):
 
 def test_recipe_gates_skipped_without_quality_check(tiny_dir, tmp_path):
     out = tmp_path / "q"
-    r = runner.invoke(app, ["quantize", str(tiny_dir), "-o", str(out), "--recipe", "fp8-dynamic", "--eval-samples", "0"])
+    r = runner.invoke(
+        app, ["quantize", str(tiny_dir), "-o", str(out), "--recipe", "fp8-dynamic", "--eval-samples", "0"]
+    )
     # The recipe's size gate is for the demo model; on this embedding-dominated tiny model it fails.
     assert r.exit_code == GATE_FAILED_EXIT and "size_ratio<=0.65: FAILED" in r.output, r.output
     m = json.loads((out / "fp8ptq_manifest.json").read_text())
@@ -97,7 +105,10 @@ def test_report_command(tiny_q, tmp_path):
 
 def test_eval_quality_is_recorded_in_the_report(tiny_q, tiny_dir):
     out, _ = tiny_q
-    r = runner.invoke(app, ["eval", "quality", str(out), "--reference", str(tiny_dir), "--num-samples", "1", "--seq-len", "64", "--json"])
+    r = runner.invoke(
+        app,
+        ["eval", "quality", str(out), "--reference", str(tiny_dir), "--num-samples", "1", "--seq-len", "64", "--json"],
+    )
     assert r.exit_code == 0, r.output
     kl = json.loads(r.stdout)["kl"]
     assert (out / "fp8ptq_evals" / "quality.json").is_file()

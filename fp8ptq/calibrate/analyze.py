@@ -5,36 +5,50 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.calibrate.pipeline import CalibrationSetup, Progress, observe_layer, prepare
+from fp8ptq.calibrate.state import CalibrationSetup, Progress, observe_layer, prepare
+from fp8ptq.models.arch import Arch
 from fp8ptq.models.loader import ModelSource
-from fp8ptq.models.skeleton import decoder_layers, materialize, release
+from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.outliers.stats import StatsSpec
 
 ANALYSIS_SPEC = StatsSpec(rows=4096, moments=True, sample_top=8)
-# Linear inputs: fused shards read one input, reported once under the first shard's name.
-INPUT_KINDS = {"self_attn.q_proj": "qkv_in", "self_attn.o_proj": "o_in", "mlp.gate_proj": "gate_up_in",
-               "mlp.down_proj": "down_in"}
 
 
-def analyze_model(src: ModelSource, ids: torch.Tensor, setup: CalibrationSetup | None = None, comm=None,
-                  progress: Progress | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+def input_kind(arch: Arch, name: str) -> str:
+    """The label of a Linear input (fused shards read one input, reported once under the first shard):
+    the fused module's name ('qkv_proj' -> 'qkv_in') or the Linear's own ('o_proj' -> 'o_in')."""
+    leaf = name.rpartition(".")[2]
+    fused = next((f for f, shards in arch.fused.items() if leaf in shards), leaf)
+    return fused.removesuffix("_proj") + "_in"
+
+
+def analyze_model(
+    src: ModelSource,
+    ids: torch.Tensor,
+    setup: CalibrationSetup | None = None,
+    comm=None,
+    progress: Progress | None = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(report, channel_amax) where channel_amax[kind] is [layers, channels] of per-channel abs-max."""
     setup = setup or CalibrationSetup(None)
     model, state = prepare(src, ids, setup, comm)
-    layers = decoder_layers(model)
-    rows, cmax = [], {}
+    arch = state.arch
+    layers = arch.decoder_layers(model)
+    rows, cmax, order = [], {}, []
     try:
         for i, layer in enumerate(layers):
-            prefix = f"model.layers.{i}."
+            prefix = arch.layer_prefix(i)
             materialize(layer, prefix, src, torch.float32, state.device)
             src.close()
-            stats = observe_layer(layer, prefix, state, ANALYSIS_SPEC, kv=True, massive=True, write=True)
+            if not order:  # execution order of the inputs: the layer's module order
+                order = [input_kind(arch, n) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+            stats = observe_layer(layer, i, state, ANALYSIS_SPEC, kv=True, massive=True, write=True)
             entry = {"index": i, "inputs": {}, "kv": {}, "massive": stats.pop("massive", [])}
             for name, st in stats.items():
                 if name in ("k", "v"):
                     entry["kv"][name] = st.summary()
                     continue
-                kind = INPUT_KINDS.get(name, name)
+                kind = input_kind(arch, name)
                 entry["inputs"][kind] = st.summary()
                 cmax.setdefault(kind, []).append(st.channel_amax.float().cpu())
             rows.append(entry)
@@ -43,18 +57,29 @@ def analyze_model(src: ModelSource, ids: torch.Tensor, setup: CalibrationSetup |
                 progress("analyze", i + 1, len(layers))
     finally:
         state.store.close()
-    order = list(INPUT_KINDS.values())
     cmax = {k: cmax[k] for k in sorted(cmax, key=lambda k: order.index(k) if k in order else len(order))}
-    report = {"model": src.label, "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "layers": rows,
-              "worst": worst_inputs(rows)}
+    report = {
+        "model": src.label,
+        "samples": int(ids.shape[0]),
+        "seq_len": int(ids.shape[1]),
+        "layers": rows,
+        "worst": worst_inputs(rows),
+    }
     return report, {k: torch.stack(v) for k, v in cmax.items()}
 
 
 def worst_inputs(layers: list[dict], top: int = 10) -> list[dict]:
     """Linear inputs ranked by how far their max sits above the 99th percentile (the range a per-tensor
     scale wastes on outliers)."""
-    flat = [{"layer": l["index"], "input": kind, **{k: s.get(k) for k in ("amax", "max_over_p99", "kurtosis",
-                                                                         "outlier_channels", "stability_mean")},
-             "p99": s.get("percentiles", {}).get("p99"), "top_channels": [c["channel"] for c in s["top_channels"][:4]]}
-            for l in layers for kind, s in l["inputs"].items()]
+    flat = [
+        {
+            "layer": l["index"],
+            "input": kind,
+            **{k: s.get(k) for k in ("amax", "max_over_p99", "kurtosis", "outlier_channels", "stability_mean")},
+            "p99": s.get("percentiles", {}).get("p99"),
+            "top_channels": [c["channel"] for c in s["top_channels"][:4]],
+        }
+        for l in layers
+        for kind, s in l["inputs"].items()
+    ]
     return sorted(flat, key=lambda r: -(r["max_over_p99"] or 0))[:top]

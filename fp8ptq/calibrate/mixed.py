@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8ptq.calibrate.pipeline import BLOCKS, CalibrationSetup, Progress, hessian_partial, prepare, run_block
+from fp8ptq.calibrate.state import CalibrationSetup, Progress, prepare
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.loader import ModelSource
-from fp8ptq.models.skeleton import decoder_layers, materialize, release
+from fp8ptq.models.skeleton import load_float, materialize, release
+from fp8ptq.ops.gptq import hessian_partial
 from fp8ptq.quantize.plan import plan_layer
-from fp8ptq.quantize.schemes import LinearScheme, fake_quant_weight
-from fp8ptq.recipe import Recipe
+from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantize.weights import fake_quant_weight
 
 
 @dataclass(frozen=True)
@@ -45,30 +46,34 @@ def _group_error(weights: list[torch.Tensor], H: torch.Tensor, args, cal) -> flo
     return total
 
 
-def output_sensitivity(src: ModelSource, recipe: Recipe, ids: torch.Tensor, setup: CalibrationSetup, comm=None,
-                       progress: Progress | None = None) -> list[dict]:
+def output_sensitivity(
+    src: ModelSource, recipe, ids: torch.Tensor, setup: CalibrationSetup, comm=None, progress: Progress | None = None
+) -> list[dict]:
     """One float pass over all layers; per fused group: FLOPs/token and the output-error increase at 4 bit."""
     model, state = prepare(src, ids, setup, comm)
-    layers = decoder_layers(model)
+    arch = state.arch
+    layers = arch.decoder_layers(model)
     out = []
     try:
         for i, layer in enumerate(layers):
-            prefix = f"model.layers.{i}."
+            prefix = arch.layer_prefix(i)
             materialize(layer, prefix, src, torch.float32, state.device)
             src.close()
-            plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore)
+            plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
             modules = dict(layer.named_modules())
             trees = {g: TreeSum() for g in plan.groups}
             current = {}
-            handles = [modules[g[0]].register_forward_pre_hook(
-                lambda _m, a, g=g: trees[g].add(current["c"], hessian_partial(a[0]))) for g in plan.groups]
+            handles = [
+                modules[g[0]].register_forward_pre_hook(
+                    lambda _m, a, g=g, trees=trees, current=current: trees[g].add(current["c"], hessian_partial(a[0]))
+                )
+                for g in plan.groups
+            ]
             try:
                 with torch.inference_mode():
                     for c, first, x in state.each_chunk():
                         current["c"] = c
-                        for block in BLOCKS:
-                            x = run_block(layer, block, x, state)
-                        state.write(first, x)
+                        state.write(first, state.run_layer(layer, i, x))
             finally:
                 for h in handles:
                     h.remove()
@@ -77,8 +82,13 @@ def output_sensitivity(src: ModelSource, recipe: Recipe, ids: torch.Tensor, setu
                 ws = [modules[n].weight.data for n in g]
                 e_low = _group_error(ws, H, recipe.mixed.weights, recipe.calibration)
                 e_high = _group_error(ws, H, recipe.scheme.weights, recipe.calibration)
-                out.append({"modules": [prefix + n for n in g], "flops": sum(w.numel() for w in ws),
-                            "sensitivity": max(e_low - e_high, 0.0)})
+                out.append(
+                    {
+                        "modules": [prefix + n for n in g],
+                        "flops": sum(w.numel() for w in ws),
+                        "sensitivity": max(e_low - e_high, 0.0),
+                    }
+                )
             release(layer)
             if progress:
                 progress("sensitivity", i + 1, len(layers))
@@ -87,21 +97,22 @@ def output_sensitivity(src: ModelSource, recipe: Recipe, ids: torch.Tensor, setu
     return out
 
 
-def kl_sensitivity(src: ModelSource, recipe: Recipe, ids: torch.Tensor, groups: list[dict],
-                   progress: Progress | None = None) -> None:
+def kl_sensitivity(
+    src: ModelSource, recipe, ids: torch.Tensor, groups: list[dict], progress: Progress | None = None
+) -> None:
     """Replace each group's sensitivity with the measured KL of the float model with only it at 4 bit."""
     import torch.nn.functional as F
 
-    from fp8ptq.eval.quality import load_simulated
-
-    model = load_simulated(src, simulate=False).model
+    model = load_float(src)
     modules = dict(model.named_modules())
     with torch.inference_mode():
         ref = F.log_softmax(model(ids).logits.float(), -1)
         for k, g in enumerate(groups):
             saved = [modules[n].weight.data for n in g["modules"]]
             for n in g["modules"]:
-                modules[n].weight.data = fake_quant_weight(modules[n].weight.data, recipe.mixed.weights, recipe.calibration)
+                modules[n].weight.data = fake_quant_weight(
+                    modules[n].weight.data, recipe.mixed.weights, recipe.calibration
+                )
             lq = F.log_softmax(model(ids).logits.float(), -1)
             g["sensitivity"] = float((ref.exp() * (ref - lq)).sum(-1).mean())
             for n, w in zip(g["modules"], saved):
@@ -122,15 +133,24 @@ def choose_low(groups: list[dict], fraction: float) -> tuple[set[str], float]:
     return low, used / total if total else 0.0
 
 
-def plan_mixed(src: ModelSource, recipe: Recipe, ids: torch.Tensor, setup: CalibrationSetup, comm=None,
-               progress: Progress | None = None) -> MixedPlan:
+def plan_mixed(
+    src: ModelSource, recipe, ids: torch.Tensor, setup: CalibrationSetup, comm=None, progress: Progress | None = None
+) -> MixedPlan:
     m = recipe.mixed
     groups = output_sensitivity(src, recipe, ids, setup, comm, progress)
     if m.sensitivity == "kl":
         kl_ids = ids[: min(4, ids.shape[0]), : min(256, ids.shape[1])]
         kl_sensitivity(src, recipe, kl_ids, groups, progress)
     low, share = choose_low(groups, m.int4_fraction)
-    report = {"sensitivity": m.sensitivity, "int4_fraction_target": m.int4_fraction, "int4_flop_share": share,
-              "groups": [{**g, "bits": 4 if g["modules"][0] in low else 8} for g in groups]}
-    return MixedPlan(frozenset(low), LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations),
-                     LinearScheme(m.weights, m.input_activations), report)
+    report = {
+        "sensitivity": m.sensitivity,
+        "int4_fraction_target": m.int4_fraction,
+        "int4_flop_share": share,
+        "groups": [{**g, "bits": 4 if g["modules"][0] in low else 8} for g in groups],
+    }
+    return MixedPlan(
+        frozenset(low),
+        LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations),
+        LinearScheme(m.weights, m.input_activations),
+        report,
+    )

@@ -15,21 +15,8 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.ops.fp8 import MIN_SCALE
+from fp8ptq.ops.grid import Grid
 from fp8ptq.outliers.stats import ActStats, StatsSpec
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A per-tensor symmetric quantization grid: largest code and fake-quant(x, scale)."""
-
-    name: str
-    qmax: float
-    fake_quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-    def scale(self, amax: float | torch.Tensor) -> torch.Tensor:
-        a = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
-        return (a / self.qmax).clamp_min(MIN_SCALE)
 
 
 @dataclass(frozen=True)

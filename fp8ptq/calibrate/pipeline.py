@@ -1,8 +1,9 @@
 """Sequential, chunked, staged calibration: one decoder layer at a time, inputs from the quantized past.
 
-A Llama-family decoder layer is two residual blocks: h + attn(norm1(h)) and h + mlp(norm2(h)). For
-each block, the targeted Linears form fused groups in execution order (q/k/v, o; gate/up, down), and
-the KV cache sits between q/k/v and o. Each group is one *stage*:
+A decoder layer is a sequence of residual blocks, x + post(module(norm(x))), as its architecture
+adapter describes (models/arch/). For each block, the targeted Linears form fused groups in execution
+order (q/k/v, o; gate/up, down for a Llama layer), and the KV cache sits between the attention's input
+projections and its output projection. Each group is one *stage*:
 
   1. stats pass: run the block over every calibration chunk with everything upstream already
      quantized, stop at the group's input, and collect its statistics (abs-max, optional row
@@ -20,156 +21,97 @@ FlattenQuant channel splitting) run first, from an observe pass over the float l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
-from fp8ptq.calibrate.store import ActivationStore
-from fp8ptq.dist import ChunkPlan, LocalComm, TreeSum
+from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, prepare
+from fp8ptq.dist import TreeSum
+from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
-from fp8ptq.models.skeleton import build_skeleton, decoder_layers, materialize, release
-from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
-from fp8ptq.quantize.numerics import register_attention
+from fp8ptq.models.skeleton import materialize, release
+from fp8ptq.ops.gptq import hessian_partial
+from fp8ptq.outliers.stats import ActStats, StatsSpec
+from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
-from fp8ptq.quantize.schemes import FP8_GRID, LinearScheme, act_grid, input_quantizer, quantize_group
-from fp8ptq.recipe import Recipe
-
-Progress = Callable[[str, int, int], None]
-BLOCKS = ("attn", "mlp")
+from fp8ptq.quantize.results import LayerResult, QuantizedLinear
+from fp8ptq.quantize.schemes import LinearScheme, handler
+from fp8ptq.quantize.weights import quantize_group
 
 
 class _Stop(Exception):
     """Raised by a stats hook once the stage's input was seen: the rest of the block is not needed."""
 
 
-@dataclass
-class QuantizedLinear:
-    """One Linear's result: fake-quant weight (fp32, on its grid), export params and scheme."""
-
-    weight: torch.Tensor
-    params: dict[str, torch.Tensor]  # weight_scale [, weight_zero_point] [, input_scale]
-    scheme: LinearScheme
-    report: dict
-
-
-@dataclass
-class LayerResult:
-    index: int
-    prefix: str
-    linears: dict[str, QuantizedLinear] = field(default_factory=dict)  # full module name -> result
-    kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensor name -> scale
-    float_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # changed by transforms, kept float
-    # module name -> (its checkpoint tensors, already in compressed-tensors form; report): data-free FP8
-    packed: dict[str, tuple[dict[str, torch.Tensor], dict]] = field(default_factory=dict)
-    report: dict = field(default_factory=dict)
-
-
-@dataclass
-class RunState:
-    """What every layer of one calibration run shares."""
-
-    store: ActivationStore
-    chunks: ChunkPlan
-    comm: object
-    device: torch.device
-    seq_len: int
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    cache_bytes: int = 0  # budget for keeping a block's final Linear input between passes (0: recompute)
-
-    @property
-    def total_rows(self) -> int:
-        return self.chunks.samples * self.seq_len
-
-    def each_chunk(self):
-        """(global chunk index, first global sample, x on device) for this rank's chunks."""
-        base = self.chunks.local_samples().start
-        for c in self.chunks.owned():
-            r = self.chunks.sample_range(c)
-            yield c, r.start, self.store.read(r.start - base, r.stop - base).to(self.device)
-
-    def write(self, first_sample: int, x: torch.Tensor) -> None:
-        self.store.write(first_sample - self.chunks.local_samples().start, x)
-
-    def new_stats(self, channels: int, spec: StatsSpec) -> ActStats:
-        return ActStats(spec, channels, self.total_rows, self.seq_len)
-
-
-def hessian_partial(x: torch.Tensor) -> torch.Tensor:
-    """2 X^T X (fp32) of one chunk's rows x [..., in]; summed over chunks in a fixed tree."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    return 2.0 * (rows.T @ rows)
-
-
-def run_block(layer: torch.nn.Module, block: str, x: torch.Tensor, state: RunState) -> torch.Tensor:
-    """x + block(norm(x)) for the Llama-family decoder layer (see module doc)."""
-    if block == "attn":
-        out = layer.self_attn(hidden_states=layer.input_layernorm(x), position_embeddings=state.position_embeddings,
-                              attention_mask=None)[0]
-    else:
-        out = layer.mlp(layer.post_attention_layernorm(x))
-    return x + out
-
-
-def check_layer_structure(layer: torch.nn.Module) -> None:
-    missing = [n for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp") if not hasattr(layer, n)]
-    assert not missing, f"decoder layer {type(layer).__name__} lacks {missing}: not a Llama-family layer"
-
-
 class LayerCalibrator:
     """Calibrates and quantizes one decoder layer in stages (see module doc)."""
 
-    def __init__(self, layer: torch.nn.Module, plan: LayerPlan, recipe: Recipe, schemes: dict[tuple, LinearScheme],
-                 state: RunState, result: LayerResult):
-        self.layer, self.plan, self.recipe, self.schemes, self.state, self.result = layer, plan, recipe, schemes, state, result
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        index: int,
+        plan: LayerPlan,
+        *,
+        recipe,
+        schemes: dict[tuple, LinearScheme],
+        state: RunState,
+        result: LayerResult,
+    ):
+        self.layer, self.index, self.plan, self.recipe = layer, index, plan, recipe
+        self.schemes, self.state, self.result = schemes, state, result
+        self.arch = state.arch
+        self.pos = state.positions(index)
         self.modules = dict(layer.named_modules())
-        self.attn_name = next(n for n, m in layer.named_modules() if n.endswith("self_attn"))
+        self.attn_name = self.arch.attention
         self.handles: list = []
         self._last: tuple | None = None  # (input, quantized input): fused shards see the same tensor
         self._caching, self._cached = None, {}
 
+    def _run_block(self, block: Block, x: torch.Tensor, pos=None) -> torch.Tensor:
+        return self.arch.run_block(self.layer, block, x, self.pos if pos is None else pos)
+
     # -- stage order ---------------------------------------------------------------------------------
-    def stage_order(self) -> dict[str, list]:
+    def stage_order(self) -> list[list]:
         """Groups (and 'kv') per block in execution order, traced on a 4-token slice of one sample."""
-        order: dict[str, list] = {b: [] for b in BLOCKS}
-        current = {"block": None}
+        order: list[list] = [[] for _ in self.arch.blocks]
+        current = {"block": 0}
         first_of = {g[0]: g for g in self.plan.groups}
-        handles = [self.modules[n].register_forward_pre_hook(
-            lambda _m, _a, g=g: order[current["block"]].append(g)) for n, g in first_of.items()]
+        handles = [
+            self.modules[n].register_forward_pre_hook(lambda _m, _a, g=g: order[current["block"]].append(g))
+            for n, g in first_of.items()
+        ]
         attn = self.modules[self.attn_name]
         attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
         x = self.state.store.read(0, 1)[:, :4].to(self.state.device)  # every rank owns samples (checked)
-        saved = self.state.position_embeddings
-        self.state.position_embeddings = tuple(t[:, :4] for t in saved)
+        pos = tuple(t[:, :4] for t in self.pos)
         try:
             with torch.inference_mode():
-                for block in BLOCKS:
-                    current["block"] = block
-                    run_block(self.layer, block, x, self.state)
+                for b, block in enumerate(self.arch.blocks):
+                    current["block"] = b
+                    self._run_block(block, x, pos)
         finally:
-            self.state.position_embeddings = saved
             for h in handles:
                 h.remove()
             attn.__dict__.pop("fp8ptq_kv_hook", None)
         if self.recipe.scheme.kv_cache is None:
-            order["attn"] = [g for g in order["attn"] if g != "kv"]
+            order = [[g for g in stages if g != "kv"] for stages in order]
         return order
 
     # -- passes --------------------------------------------------------------------------------------
-    def _pass(self, block: str, write: bool = False) -> None:
+    def _pass(self, block: Block, write: bool = False) -> None:
         """Run `block` over every local chunk; a _Stop from a hook ends that chunk early."""
         with torch.inference_mode():
             for c, first, x in self.state.each_chunk():
                 self.chunk = (c, first)
                 try:
-                    y = run_block(self.layer, block, x, self.state)
+                    y = self._run_block(block, x)
                 except _Stop:
                     continue
                 if write:
                     self.state.write(first, y)
 
-    def _stage_stats(self, block: str, group, spec: StatsSpec, h_fn: Callable | None):
+    def _stage_stats(self, block: Block, group, spec: StatsSpec, h_fn: Callable | None):
         """Statistics of `group`'s input over all chunks, and the Hessian partials of h_fn(input) when
         h_fn is given (identity, or the engine's input quantizer when it needs no global statistic)."""
         stats = self.state.new_stats(self.modules[group[0]].in_features, spec)
@@ -189,7 +131,7 @@ class LayerCalibrator:
         self._run_hooked(block, group[0], hook)
         return stats.reduce(self.state.comm), (None if tree is None else tree.total(self.state.comm))
 
-    def _hessian_pass(self, block: str, group, quant: Callable) -> torch.Tensor:
+    def _hessian_pass(self, block: Block, group, quant: Callable) -> torch.Tensor:
         tree = TreeSum()
 
         def hook(_m, args):
@@ -199,7 +141,7 @@ class LayerCalibrator:
         self._run_hooked(block, group[0], hook)
         return tree.total(self.state.comm)
 
-    def _run_hooked(self, block: str, module: str, hook) -> None:
+    def _run_hooked(self, block: Block, module: str, hook) -> None:
         h = self.modules[module].register_forward_pre_hook(hook)
         try:
             self._pass(block)
@@ -207,7 +149,7 @@ class LayerCalibrator:
             h.remove()
 
     # -- stages --------------------------------------------------------------------------------------
-    def quantize_stage(self, block: str, group) -> None:
+    def quantize_stage(self, block: Block, group) -> None:
         scheme = self.schemes[group]
         cal = self.recipe.calibration
         acts = scheme.input_activations
@@ -223,7 +165,7 @@ class LayerCalibrator:
         stats, H = self._stage_stats(block, group, spec, h_fn)
         choice = None
         if static:
-            choice = OBSERVERS[cal.observer](stats, act_grid(acts))
+            choice = OBSERVERS[cal.observer](stats, handler(acts).act_grid(acts))
             quant = input_quantizer(acts, choice.scale)
             if cal.weight_method == "gptq" and quant_h:
                 H = self._hessian_pass(block, group, quant)
@@ -231,8 +173,7 @@ class LayerCalibrator:
         for name, qw in quantize_group(weights, scheme.weights, cal, H).items():
             self.modules[name].weight.data = qw.fake.to(self.modules[name].weight.dtype)
             params = dict(qw.params)
-            report = dict(qw.report, input_amax=stats.amax, scheme=scheme.weights.describe()
-                          + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}"))
+            report = dict(qw.report, input_amax=stats.amax, scheme=describe(scheme))
             if choice is not None:
                 params["input_scale"] = choice.scale
                 report["input_clip_ratio"] = choice.clip_ratio
@@ -251,8 +192,8 @@ class LayerCalibrator:
         for n in group:
             self.handles.append(self.modules[n].register_forward_pre_hook(hook))
 
-    def quantize_kv(self) -> None:
-        """Post-RoPE keys and values: static per-layer FP8 scales, then the KV quantizer is installed."""
+    def quantize_kv(self, block: Block) -> None:
+        """Post-RoPE keys and values: static per-layer scales, then the KV quantizer is installed."""
         attn = self.modules[self.attn_name]
         stats: dict[str, ActStats] = {}
 
@@ -265,36 +206,39 @@ class LayerCalibrator:
 
         attn.fp8ptq_kv_hook = observe
         try:
-            self._pass("attn")
+            self._pass(block)
         finally:
             attn.__dict__.pop("fp8ptq_kv_hook", None)
+        kv = self.recipe.scheme.kv_cache
+        grid = handler(kv).act_grid(kv)
         # KV rows are not subsampled: minmax (clipping hurts FP8's flat relative error, see BENCHMARKS)
-        kc, vc = (OBSERVERS["minmax"](stats[key].reduce(self.state.comm), FP8_GRID) for key in ("k", "v"))
+        kc, vc = (OBSERVERS["minmax"](stats[key].reduce(self.state.comm), grid) for key in ("k", "v"))
         prefix = self.plan.prefix + self.attn_name
         self.result.kv_scales[f"{prefix}.k_scale"] = kc.scale
         self.result.kv_scales[f"{prefix}.v_scale"] = vc.scale
         self.result.report["kv"] = {"k_amax": kc.amax, "v_amax": vc.amax}
-        kv = self.recipe.scheme.kv_cache
         kq, vq = input_quantizer(kv, kc.scale), input_quantizer(kv, vc.scale)
         attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
 
-    def run(self, order: dict[str, list]) -> None:
-        for block in BLOCKS:
-            last = order[block][-1] if order[block] else None
-            # A block's output is x + final_linear(its input) (o_proj / down_proj in Llama-family layers),
+    def run(self, order: list[list]) -> None:
+        for block, stages in zip(self.arch.blocks, order):
+            last = stages[-1] if stages else None
+            # A block's output is x + post(final_linear(its input)) (o_proj / down_proj in a Llama layer),
             # so the input cached by the final stage's stats pass gives the output without recomputing
             # the block (28% fewer FLOPs) -- when that input fits the cache budget.
-            final = {"attn": "o_proj", "mlp": "down_proj"}[block]
-            cacheable = (last not in (None, "kv") and len(last) == 1 and last[0].endswith(final)
-                         and self._cache_fits(self.modules[last[0]].in_features))
+            cacheable = (
+                block.final is not None
+                and last == (block.final,)
+                and self._cache_fits(self.modules[block.final].in_features)
+            )
             self._caching, self._cached = (last if cacheable else None), {}
-            for stage in order[block]:
+            for stage in stages:
                 if stage == "kv":
-                    self.quantize_kv()
+                    self.quantize_kv(block)
                 else:
                     self.quantize_stage(block, stage)
             if self._caching is not None:
-                self._output_from_cache(self.modules[last[0]])
+                self._output_from_cache(block)
             else:
                 self._pass(block, write=True)
             self._caching, self._cached = None, {}
@@ -303,10 +247,12 @@ class LayerCalibrator:
         tokens = len(self.state.chunks.local_samples()) * self.state.seq_len
         return self.state.cache_bytes > 0 and tokens * width * 4 <= self.state.cache_bytes
 
-    def _output_from_cache(self, final: torch.nn.Module) -> None:
+    def _output_from_cache(self, block: Block) -> None:
+        final = self.modules[block.final]
+        post = self.modules[block.post_norm] if block.post_norm else (lambda t: t)
         with torch.inference_mode():
             for c, first, x in self.state.each_chunk():
-                self.state.write(first, x + final(self._cached.pop(c)))  # module call: its quant hook runs
+                self.state.write(first, x + post(final(self._cached.pop(c))))  # module call: its quant hook runs
 
     def close(self) -> None:
         for h in self.handles:
@@ -315,127 +261,47 @@ class LayerCalibrator:
         self._last = None
 
 
-def observe_layer(layer: torch.nn.Module, prefix: str, state: RunState, spec: StatsSpec, *, kv: bool = True,
-                  massive: bool = False, write: bool = False) -> dict:
-    """One float pass of both blocks over all chunks, collecting `spec` statistics on every Linear input
-    (fused shards share one entry), post-RoPE keys/values and, optionally, massive activations in the
-    residual stream. write=True stores the layer's output (analysis: nothing is quantized)."""
-    modules = dict(layer.named_modules())
-    stats: dict[str, ActStats] = {}
-    current = {}
-    handles = []
-
-    def hook(name):
-        def fn(_m, args):
-            x = args[0]
-            if name not in stats:
-                stats[name] = state.new_stats(x.shape[-1], spec)
-            stats[name].update(current["chunk"], current["first"], x)
-
-        return fn
-
-    # every Linear, fused shards once (they read the same input): the first shard of each group
-    for group in plan_layer(layer, prefix, ("Linear",), ()).groups:
-        handles.append(modules[group[0]].register_forward_pre_hook(hook(group[0])))
-    attn_name = next(n for n in modules if n.endswith("self_attn"))
-    attn = modules[attn_name]
-    if kv:
-        head = attn.head_dim
-
-        def kv_hook(_m, k, v):
-            for key, t in (("k", k), ("v", v)):
-                if key not in stats:
-                    stats[key] = state.new_stats(t.shape[1] * head, spec)
-                stats[key].update(current["chunk"], current["first"], t.transpose(1, 2).flatten(2))
-            return k, v
-
-        attn.fp8ptq_kv_hook = kv_hook
-    found: list = []
-    try:
-        with torch.inference_mode():
-            for c, first, x in state.each_chunk():
-                current.update(chunk=c, first=first)
-                for block in BLOCKS:
-                    x = run_block(layer, block, x, state)
-                if massive:
-                    found.extend(massive_activations(x, first))
-                if write:
-                    state.write(first, x)
-    finally:
-        for h in handles:
-            h.remove()
-        attn.__dict__.pop("fp8ptq_kv_hook", None)
-    out = {n: s.reduce(state.comm) for n, s in sorted(stats.items())}
-    if massive:
-        merged = [m for part in state.comm.gather_objects(found) for m in part]
-        out["massive"] = sorted(merged, key=lambda m: -m["abs"])[:8]
-    return out
+def describe(scheme: LinearScheme) -> str:
+    """'FP8 per-tensor, float acts static' and the like (manifest and report)."""
+    w, acts = scheme.weights, scheme.input_activations
+    kind = ("FP" if w.type == "float" else "INT") + str(w.num_bits)
+    text = f"{kind} per-{w.strategy}" + (f" g{w.group_size}" if w.group_size else "") + ("" if w.symmetric else " asym")
+    return text + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}")
 
 
-@dataclass(frozen=True)
-class CalibrationSetup:
-    recipe: Recipe | None  # None: observe only (fp8ptq analyze)
-    chunk_samples: int = 8
-    device: str = "cpu"
-    offload_dir: object = None  # Path: keep activations on disk
-    start_layer: int = 0  # resume: layers before this are done (their output state is restored)
-    cache_bytes: int = 1 << 30  # see RunState.cache_bytes; 0 with offloaded activations (RAM stays flat)
-    restore: object = None  # Path of the activation checkpoint to restore (resume)
-
-
-def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, comm=None):
-    """Build the skeleton, the chunk plan and the activation store holding this rank's embeddings."""
-    comm = comm or LocalComm()
-    device = torch.device(setup.device)
-    model = build_skeleton(src.config, attn_implementation=register_attention())
-    chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
-    local = chunks.local_samples()
-    store = ActivationStore(len(local), input_ids.shape[1], src.config.hidden_size, setup.offload_dir)
-    rotary = model.model.rotary_emb.to(device)
-    pos_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0)
-    probe = torch.zeros(1, 1, src.config.hidden_size, device=device)
-    with torch.inference_mode():
-        pos = rotary(probe, pos_ids)
-    cache = 0 if setup.offload_dir is not None else setup.cache_bytes
-    state = RunState(store, chunks, comm, device, input_ids.shape[1], pos, cache)
-    if setup.restore is not None:
-        store.load(setup.restore)
-    else:
-        # Look rows up in the stored dtype and widen only those: an fp32 copy of the whole table (113 MiB
-        # for SmolLM2, 2 GiB for a 128k x 4096 vocabulary) would be the run's peak. Same values.
-        table = src.tensor("model.embed_tokens.weight").to(device)
-        src.close()
-        for c in chunks.owned():
-            r = chunks.sample_range(c)
-            state.write(r.start, torch.nn.functional.embedding(input_ids[r.start : r.stop].to(device), table).float())
-        del table
-    return model, state
-
-
-def calibrate(src: ModelSource, recipe: Recipe, input_ids: torch.Tensor, on_layer: Callable[[LayerResult, RunState], None],
-              progress: Progress | None = None, setup: CalibrationSetup | None = None, comm=None,
-              layer_schemes: Callable[[int, LayerPlan], dict] | None = None,
-              transforms: Callable | None = None) -> None:
+def calibrate(
+    src: ModelSource,
+    recipe,
+    input_ids: torch.Tensor,
+    on_layer: Callable[[LayerResult, RunState], None],
+    *,
+    progress: Progress | None = None,
+    setup: CalibrationSetup | None = None,
+    comm=None,
+    layer_schemes: Callable[[int, LayerPlan], dict] | None = None,
+    transforms: Callable | None = None,
+) -> None:
     """Sequential calibration. `on_layer(result, state)` receives each finished layer (then it is freed).
     layer_schemes(i, plan) -> {group: LinearScheme} (default: the recipe's scheme for every group);
-    transforms(layer, i, prefix, state, result): exact float transforms applied before quantization."""
+    transforms(layer, i, state, result): exact float transforms applied before quantization."""
     setup = setup or CalibrationSetup(recipe)
     model, state = prepare(src, input_ids, setup, comm)
-    layers = decoder_layers(model)
+    arch = state.arch
+    layers = arch.decoder_layers(model)
     default = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
     try:
         for i in range(setup.start_layer, len(layers)):
-            layer, prefix = layers[i], f"model.layers.{i}."
-            check_layer_structure(layer)
+            layer, prefix = layers[i], arch.layer_prefix(i)
+            arch.check_layer(layer, i)
             materialize(layer, prefix, src, torch.float32, state.device)
             src.close()  # drop mmaps: file pages touched would otherwise stay in RSS, growing with depth
             result = LayerResult(index=i, prefix=prefix)
             if transforms is not None:
-                transforms(layer, i, prefix, state, result)
-            plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore)
+                transforms(layer, i, state, result)
+            plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
             result.report["skipped"] = {prefix + n: why for n, why in plan.skipped}
             schemes = layer_schemes(i, plan) if layer_schemes else {g: default for g in plan.groups}
-            cal = LayerCalibrator(layer, plan, recipe, schemes, state, result)
+            cal = LayerCalibrator(layer, i, plan, recipe=recipe, schemes=schemes, state=state, result=result)
             try:
                 cal.run(cal.stage_order())
             finally:

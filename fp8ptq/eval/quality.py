@@ -21,12 +21,19 @@ from compressed_tensors.utils.match import is_match
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name
-from fp8ptq.quantize.numerics import install_input_quant, install_kv_quant, register_attention
-from fp8ptq.quantize.schemes import input_quantizer
+from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
 
 # Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
-_LINEAR_KEYS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
-                "weight_global_scale", "weight_g_idx", "input_scale")
+_LINEAR_KEYS = (
+    "weight",
+    "weight_packed",
+    "weight_shape",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_global_scale",
+    "weight_g_idx",
+    "input_scale",
+)
 
 
 @dataclass
@@ -91,17 +98,25 @@ def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu",
         for name, quant in input_quant.items():
             install_input_quant(modules[name], quant)
         if kv and qcfg is not None and qcfg.kv_cache_scheme is not None:
-            for name, module in modules.items():
-                if name.endswith("self_attn") and src.has(f"{name}.k_scale"):
-                    install_kv_quant(module, src.tensor(f"{name}.k_scale").float(), src.tensor(f"{name}.v_scale").float())
+            attn = src.arch.attention
+            for i, layer in enumerate(src.arch.decoder_layers(model)):
+                name = src.arch.layer_prefix(i) + attn
+                if src.has(f"{name}.k_scale"):
+                    install_kv_quant(
+                        layer.get_submodule(attn),
+                        qcfg.kv_cache_scheme,
+                        src.tensor(f"{name}.k_scale").float(),
+                        src.tensor(f"{name}.v_scale").float(),
+                    )
                     counts["kv_layers"] += 1
     counts["simulated"] = simulate
     return Simulated(model.to(device).eval(), counts)
 
 
 @torch.inference_mode()
-def compare(reference: torch.nn.Module, candidate: torch.nn.Module, input_ids: torch.Tensor,
-            batch_size: int = 4, progress=None) -> dict:
+def compare(
+    reference: torch.nn.Module, candidate: torch.nn.Module, input_ids: torch.Tensor, batch_size: int = 4, progress=None
+) -> dict:
     """Next-token metrics over input_ids [n, L]: ppl of both, mean KL(ref || cand) per token, top-1 agreement.
 
     progress: optional callback (stage, done, total), as in calibrate.pipeline.Progress."""

@@ -15,23 +15,26 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-from fp8ptq.quantize.schemes import LinearScheme, export_format
+from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantize.weights import export_format
 from fp8ptq.recipe import QuantArgs, Recipe
 
 MIXED = "mixed-precision"
 
 
-def ct_args(args: QuantArgs | None) -> QuantizationArgs | None:
-    if args is None:
-        return None
-    return QuantizationArgs(num_bits=args.num_bits, type=args.type, strategy=args.strategy, group_size=args.group_size,
-                            symmetric=args.symmetric, dynamic=args.dynamic)
+def ct_args(args: QuantizationArgs | None) -> QuantizationArgs | None:
+    """Args as compressed-tensors' own objects hold them (a recipe's frozen QuantArgs is copied)."""
+    return args.ct() if isinstance(args, QuantArgs) else args
 
 
 def ct_scheme(scheme: LinearScheme, targets: list[str], with_format: bool = False) -> QuantizationScheme:
     fmt = export_format(scheme.weights, scheme.input_activations) if with_format else None
-    return QuantizationScheme(targets=list(targets), weights=ct_args(scheme.weights),
-                              input_activations=ct_args(scheme.input_activations), format=fmt)
+    return QuantizationScheme(
+        targets=list(targets),
+        weights=ct_args(scheme.weights),
+        input_activations=ct_args(scheme.input_activations),
+        format=fmt,
+    )
 
 
 def quantization_config(recipe: Recipe, groups: list[tuple[LinearScheme, list[str]]] | None = None) -> dict:
@@ -57,7 +60,9 @@ def quantization_config(recipe: Recipe, groups: list[tuple[LinearScheme, list[st
     }
 
 
-def compress_linear(weight: torch.Tensor, params: dict[str, torch.Tensor], scheme: LinearScheme) -> dict[str, torch.Tensor]:
+def compress_linear(
+    weight: torch.Tensor, params: dict[str, torch.Tensor], scheme: LinearScheme
+) -> dict[str, torch.Tensor]:
     """Local tensors of one compressed Linear, packed by compressed-tensors' own compressor for its format.
     `weight` is the fake-quantized fp32 weight; params hold weight_scale [, weight_zero_point][, input_scale]."""
     state = {"weight": weight}

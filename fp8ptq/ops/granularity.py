@@ -12,18 +12,23 @@ class Granularity:
     """How many elements share one scale.
 
     kind: "tensor" (one scale), "channel" (one per output row of a weight [out, in]),
-    "token" (one per row of an activation [..., in]) or "group" (one per `group_size` consecutive
-    elements along the last dim).
+    "token" (one per row of an activation [..., in]), "group" (one per `group_size` consecutive
+    elements along the last dim), "tensor_group" (groups as "group", plus one global scale per tensor:
+    NVFP4's two levels) or "block" (one per `block` = (rows, cols) tile of a 2-D weight; edge tiles
+    may be partial).
     """
 
     kind: str
     group_size: int | None = None
+    block: tuple[int, int] | None = None
 
     def __post_init__(self):
-        assert self.kind in ("tensor", "channel", "token", "group"), self.kind
-        assert (self.kind == "group") == (self.group_size is not None), self
+        assert self.kind in KINDS, self.kind
+        assert (self.kind in ("group", "tensor_group")) == (self.group_size is not None), self
+        assert (self.kind == "block") == (self.block is not None), self
 
 
+KINDS = ("tensor", "channel", "token", "group", "tensor_group", "block")
 TENSOR = Granularity("tensor")
 CHANNEL = Granularity("channel")
 TOKEN = Granularity("token")
@@ -33,10 +38,29 @@ def group(n: int) -> Granularity:
     return Granularity("group", n)
 
 
+def tensor_group(n: int) -> Granularity:
+    return Granularity("tensor_group", n)
+
+
+def block(rows: int, cols: int) -> Granularity:
+    return Granularity("block", block=(rows, cols))
+
+
+def _blocks(x: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """x [out, in] (fp32) zero-padded to whole tiles and viewed as [out/m, m, in/n, n]."""
+    m, n = g.block
+    rows, cols = x.shape
+    pr, pc = -rows % m, -cols % n
+    if pr or pc:
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    return x.reshape(x.shape[0] // m, m, x.shape[1] // n, n)
+
+
 def reduce_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """abs-max of x reduced to the scale shape of `g`, kept broadcastable against x.
 
-    tensor -> [1]; channel/token -> [rows, 1] (x viewed as [-1, last]); group -> [rows, last/n].
+    tensor -> [1]; channel/token -> [rows, 1] (x viewed as [-1, last]); group / tensor_group ->
+    [rows, last/n]; block -> [ceil(out/m), ceil(in/n)] of a 2-D x.
     NaN is propagated so a broken input is not silently hidden by max().
     """
     if g.kind == "tensor":
@@ -44,6 +68,8 @@ def reduce_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
             return torch.zeros(1)
         lo, hi = torch.aminmax(x.detach())  # no |x| temporary: calibration inputs can be GBs
         return torch.maximum(-lo, hi).float().reshape(1)
+    if g.kind == "block":
+        return _blocks(x.detach().abs().float(), g).amax(dim=(1, 3))
     rows = x.detach().abs().float().reshape(-1, x.shape[-1])
     if g.kind in ("channel", "token"):
         return rows.amax(dim=-1, keepdim=True)
@@ -62,8 +88,11 @@ def reduce_minmax(x: torch.Tensor, g: Granularity) -> tuple[torch.Tensor, torch.
             return torch.zeros(1), torch.zeros(1)
         lo, hi = torch.aminmax(x.detach())
         return lo.float().reshape(1), hi.float().reshape(1)
+    if g.kind == "block":
+        t = _blocks(x.detach().float(), g)
+        return t.amin(dim=(1, 3)), t.amax(dim=(1, 3))
     rows = x.detach().float().reshape(-1, x.shape[-1])
-    if g.kind == "group":
+    if g.kind in ("group", "tensor_group"):
         n = g.group_size
         assert rows.shape[-1] % n == 0, (rows.shape, n)
         lo, hi = torch.aminmax(rows.reshape(rows.shape[0], -1, n), dim=-1)
@@ -78,4 +107,8 @@ def expand_scale(scale: torch.Tensor, x: torch.Tensor, g: Granularity) -> torch.
         return scale.reshape(1, 1)
     if g.kind in ("channel", "token"):
         return scale.reshape(-1, 1)
+    if g.kind == "block":
+        m, n = g.block
+        full = scale.repeat_interleave(m, dim=0).repeat_interleave(n, dim=1)
+        return full[: x.shape[0], : x.shape[-1]]
     return scale.repeat_interleave(g.group_size, dim=-1)

@@ -175,6 +175,7 @@ def mse_int_qparams(
     g: Granularity,
     bits: int,
     symmetric: bool,
+    *,
     grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
     scale_dtype: torch.dtype | None = None,
     col_weight: torch.Tensor | None = None,

@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 
 PLOTS = {
     "heatmap": "Per-channel input abs-max, layer x channel (log colour): bright vertical lines are outlier "
-               "channels that persist across layers.",
+    "channels that persist across layers.",
     "outlier_ratio": "abs-max / 99th percentile of each Linear input, per layer: how much of a per-tensor "
-                     "scale's range is spent on outliers.",
+    "scale's range is spent on outliers.",
     "kv_ranges": "Post-RoPE key and value abs-max and 99.9th percentile per layer (FP8 KV-cache scales).",
 }
 
@@ -35,13 +35,17 @@ def _plots(report: dict, cmax: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
     out = {}
     kinds = list(cmax)
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(11, 2.6 * len(kinds)), squeeze=False,
-                             gridspec_kw={"hspace": 0.45})
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(11, 2.6 * len(kinds)), squeeze=False, gridspec_kw={"hspace": 0.45})
     for ax, kind in zip(axes[:, 0], kinds):
         grid = cmax[kind].numpy()
         pos = grid[grid > 0]
-        im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest",
-                       norm=LogNorm(vmin=max(float(pos.min()), 1e-6), vmax=float(pos.max())) if pos.size else None)
+        im = ax.imshow(
+            grid,
+            aspect="auto",
+            cmap="magma",
+            interpolation="nearest",
+            norm=LogNorm(vmin=max(float(pos.min()), 1e-6), vmax=float(pos.max())) if pos.size else None,
+        )
         ax.set_title(f"{kind}: per-channel abs-max", fontsize=9)
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax, pad=0.01)
@@ -63,9 +67,16 @@ def _plots(report: dict, cmax: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
     fig, ax = plt.subplots(figsize=(11, 3))
     for key, style in (("k", "-"), ("v", "--")):
-        ax.plot(x, [l["kv"].get(key, {}).get("amax", np.nan) for l in layers], style, marker=".", label=f"{key} abs-max")
-        ax.plot(x, [l["kv"].get(key, {}).get("percentiles", {}).get("p99.9", np.nan) for l in layers], style,
-                alpha=0.5, label=f"{key} p99.9")
+        ax.plot(
+            x, [l["kv"].get(key, {}).get("amax", np.nan) for l in layers], style, marker=".", label=f"{key} abs-max"
+        )
+        ax.plot(
+            x,
+            [l["kv"].get(key, {}).get("percentiles", {}).get("p99.9", np.nan) for l in layers],
+            style,
+            alpha=0.5,
+            label=f"{key} p99.9",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("decoder layer")
     ax.legend(fontsize=8, ncol=4)
@@ -74,24 +85,42 @@ def _plots(report: dict, cmax: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
 
 def _markdown(report: dict) -> str:
-    lines = [f"# Outlier analysis: {report['model']}", "",
-             f"{report['samples']} samples x {report['seq_len']} tokens of {report.get('data', 'calibration text')}; "
-             "float model (nothing quantized), statistics from fp8ptq's calibration code path.", "",
-             "## Worst Linear inputs (abs-max far above the 99th percentile)", "",
-             "| layer | input | abs-max | p99 | max/p99 | kurtosis | outlier channels | top channels | stability |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+    lines = [
+        f"# Outlier analysis: {report['model']}",
+        "",
+        f"{report['samples']} samples x {report['seq_len']} tokens of {report.get('data', 'calibration text')}; "
+        "float model (nothing quantized), statistics from fp8ptq's calibration code path.",
+        "",
+        "## Worst Linear inputs (abs-max far above the 99th percentile)",
+        "",
+        "| layer | input | abs-max | p99 | max/p99 | kurtosis | outlier channels | top channels | stability |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for w in report["worst"]:
-        lines.append(f"| {w['layer']} | {w['input']} | {w['amax']:.3g} | {w['p99']:.3g} | {w['max_over_p99']:.1f} | "
-                     f"{w['kurtosis']:.0f} | {w['outlier_channels']} | {', '.join(map(str, w['top_channels']))} | "
-                     f"{w['stability_mean']:.2f} |")
-    lines += ["", "Stability: the fraction of samples whose own top-8 channels include the layer's top-8 "
-              "(1.0: the same channels are outliers for every input, so a fixed per-channel treatment - "
-              "smoothing, flattening - works).", "", "## Massive activations (residual stream)", ""]
+        lines.append(
+            f"| {w['layer']} | {w['input']} | {w['amax']:.3g} | {w['p99']:.3g} | {w['max_over_p99']:.1f} | "
+            f"{w['kurtosis']:.0f} | {w['outlier_channels']} | {', '.join(map(str, w['top_channels']))} | "
+            f"{w['stability_mean']:.2f} |"
+        )
+    lines += [
+        "",
+        "Stability: the fraction of samples whose own top-8 channels include the layer's top-8 "
+        "(1.0: the same channels are outliers for every input, so a fixed per-channel treatment - "
+        "smoothing, flattening - works).",
+        "",
+        "## Massive activations (residual stream)",
+        "",
+    ]
     massive = [(l["index"], m) for l in report["layers"] for m in l["massive"][:2]]
     if massive:
-        lines += ["| after layer | sample | position | channel | abs value | x median |", "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {i} | {m['sample']} | {m['position']} | {m['channel']} | {m['abs']:.1f} | {m['x_median']:.0f} |"
-                  for i, m in massive[:20]]
+        lines += [
+            "| after layer | sample | position | channel | abs value | x median |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {i} | {m['sample']} | {m['position']} | {m['channel']} | {m['abs']:.1f} | {m['x_median']:.0f} |"
+            for i, m in massive[:20]
+        ]
     else:
         lines.append("None found (no value above 100 and 1000x the median).")
     lines += ["", "## Plots", ""] + [f"![{n}]({n}.png)\n\n{c}\n" for n, c in PLOTS.items()]

@@ -25,21 +25,38 @@ def smooth_scales(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: floa
     return torch.where(act_amax > 0, s, torch.ones_like(s))
 
 
-def fold(norm_weight: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, stored_dtype: torch.dtype):
+def fold(
+    norm_weight: torch.Tensor,
+    weights: list[torch.Tensor],
+    s: torch.Tensor,
+    stored_dtype: torch.dtype,
+    offset: float = 0.0,
+):
     """Fold s into the norm (rounded to the dtype the checkpoint stores it in) and the weights.
 
     The norm weight is what the engine loads in `stored_dtype`, so the effective scale is the one that
     rounding leaves: s_eff = norm / round(norm / s). Using s_eff for the weights keeps the pair exact.
+    offset: the norm multiplies by (offset + w) (Gemma's RMSNorm: 1), so w' = (offset + w) / s - offset.
     Returns (new norm weight fp32 holding stored_dtype values, new weights, s_eff)."""
+    if offset:
+        eff = norm_weight.float() + offset
+        stored = (eff / s.to(eff.device) - offset).to(stored_dtype).float()
+        new_eff = stored + offset
+        s_eff = torch.where(new_eff != 0, eff / new_eff, torch.ones_like(eff))
+        return stored, [w.float() * s_eff.to(w.device)[None, :] for w in weights], s_eff
     norm = norm_weight.float()
     new_norm = (norm / s.to(norm.device)).to(stored_dtype).float()
     s_eff = torch.where(new_norm != 0, norm / new_norm, torch.ones_like(norm))
     return new_norm, [w.float() * s_eff.to(w.device)[None, :] for w in weights], s_eff
 
 
-def quantized_output_error(rows: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor,
-                           act_quant: Callable[[torch.Tensor, float], torch.Tensor],
-                           weight_quant: Callable[[torch.Tensor], torch.Tensor]) -> float:
+def quantized_output_error(
+    rows: torch.Tensor,
+    weights: list[torch.Tensor],
+    s: torch.Tensor,
+    act_quant: Callable[[torch.Tensor, float], torch.Tensor],
+    weight_quant: Callable[[torch.Tensor], torch.Tensor],
+) -> float:
     """||Q_a(x/s) Q_w(W s)^T - x W^T||^2 summed over the group, on calibration rows x [r, C].
     act_quant(x, amax) fake-quantizes x with a scale covering amax (static) or per token (dynamic)."""
     xs = rows / s[None, :]
@@ -51,8 +68,9 @@ def quantized_output_error(rows: torch.Tensor, weights: list[torch.Tensor], s: t
     return err
 
 
-def choose_alpha(rows: torch.Tensor, act_amax: torch.Tensor, weights: list[torch.Tensor], alphas,
-                 act_quant, weight_quant) -> tuple[float | None, dict]:
+def choose_alpha(
+    rows: torch.Tensor, act_amax: torch.Tensor, weights: list[torch.Tensor], alphas, act_quant, weight_quant
+) -> tuple[float | None, dict]:
     """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors)."""
     w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
     errors = {"none": quantized_output_error(rows, weights, torch.ones(rows.shape[1]), act_quant, weight_quant)}

@@ -61,15 +61,25 @@ class ActStats:
             self._rows.append((first_row + start, flat[start :: self.stride].float().cpu()))
         if self.spec.moments:
             v = flat.double()
-            self._moments.add(chunk, torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device),
-                                                  v.sum(), (v * v).sum(), v.pow(3).sum(), v.pow(4).sum()]))
+            self._moments.add(
+                chunk,
+                torch.stack(
+                    [
+                        torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device),
+                        v.sum(),
+                        (v * v).sum(),
+                        v.pow(3).sum(),
+                        v.pow(4).sum(),
+                    ]
+                ),
+            )
         if self.spec.sample_top:
             per_sample = x.detach().abs().amax(dim=1).float()  # [n, channels]
             k = min(self.spec.sample_top, per_sample.shape[-1])
             top = per_sample.topk(k, dim=-1).indices.cpu().tolist()
             self._tops.extend((first_sample + i, t) for i, t in enumerate(top))
 
-    def reduce(self, comm) -> "ActStats":
+    def reduce(self, comm) -> ActStats:
         assert self.channel_amax is not None or comm.world > 1, "no data observed"
         cmax = self.channel_amax
         if comm.world > 1:
@@ -101,13 +111,19 @@ class ActStats:
             "amax": float(cmax.max()),
             "channel_amax_median": med,
             "outlier_channels": int((cmax > outlier_factor * max(med, 1e-12)).sum()),
-            "top_channels": [{"channel": c, "amax": float(cmax[c]), "x_median": float(cmax[c]) / max(med, 1e-12)}
-                             for c in order],
+            "top_channels": [
+                {"channel": c, "amax": float(cmax[c]), "x_median": float(cmax[c]) / max(med, 1e-12)} for c in order
+            ],
         }
         if self.rows is not None and self.rows.numel():
             a = self.rows.abs().flatten()
             qs = torch.quantile(a, torch.tensor([0.5, 0.99, 0.999, 0.9999]))
-            out["percentiles"] = {"p50": float(qs[0]), "p99": float(qs[1]), "p99.9": float(qs[2]), "p99.99": float(qs[3])}
+            out["percentiles"] = {
+                "p50": float(qs[0]),
+                "p99": float(qs[1]),
+                "p99.9": float(qs[2]),
+                "p99.99": float(qs[3]),
+            }
             out["max_over_p99"] = out["amax"] / max(float(qs[1]), 1e-12)
         if self.moments is not None:
             n, s1, s2, s3, s4 = (float(v) for v in self.moments)
@@ -129,8 +145,9 @@ class ActStats:
         return out
 
 
-def massive_activations(h: torch.Tensor, first_sample: int, top: int = 8, min_abs: float = 100.0,
-                        min_ratio: float = 1000.0) -> list[dict]:
+def massive_activations(
+    h: torch.Tensor, first_sample: int, top: int = 8, min_abs: float = 100.0, min_ratio: float = 1000.0
+) -> list[dict]:
     """Massive activations (Sun et al., 2024) in a residual stream h [n, seq, hidden]: single values
     above `min_abs` and `min_ratio` x the median |h|. Returns the largest `top` as dicts."""
     a = h.detach().abs().float()
@@ -146,5 +163,7 @@ def massive_activations(h: torch.Tensor, first_sample: int, top: int = 8, min_ab
             break
         s, rest = divmod(i, seq * hidden)
         pos, ch = divmod(rest, hidden)
-        out.append({"sample": first_sample + s, "position": pos, "channel": ch, "abs": v, "x_median": v / max(med, 1e-12)})
+        out.append(
+            {"sample": first_sample + s, "position": pos, "channel": ch, "abs": v, "x_median": v / max(med, 1e-12)}
+        )
     return out

@@ -1,10 +1,12 @@
 """Engine numerics as module hooks: what vLLM computes for a quantized checkpoint.
 
-- Linear input: static FP8/INT8 with the stored input_scale, or dynamic per token (quantize/schemes.py).
-- Linear weight: the stored, dequantized FP8 weight (set by the caller).
+- Linear input: static FP8/INT8 with the stored input_scale, or dynamic per token (`input_quantizer`,
+  from the activations' scheme handler).
+- Linear weight: the stored, dequantized weight (set by the caller).
 - KV cache: keys (after RoPE) and values quantized with k_scale / v_scale, installed through a custom
-  transformers attention function ("fp8ptq_sdpa") that wraps SDPA. Every key/value the attention
-  reads is quantized, i.e. the decode-time view where all past tokens come from the FP8 cache.
+  transformers attention function ("fp8ptq_sdpa") that wraps the model's own attention function
+  (SDPA unless the adapter's layer says otherwise: `fp8ptq_inner_attention`). Every key/value the
+  attention reads is quantized, i.e. the decode-time view where all past tokens come from the FP8 cache.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.quantize.schemes import FP8_GRID
+from fp8ptq.quantize.schemes import handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
+_CHUNK_ROWS = 8192  # bounds the fp32 temporaries of fake-quant on large calibration batches
 
 
 def register_attention() -> str:
@@ -27,7 +31,8 @@ def register_attention() -> str:
         hook: Callable | None = getattr(module, "fp8ptq_kv_hook", None)
         if hook is not None:
             key, value = hook(module, key, value)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        inner = getattr(module, "fp8ptq_inner_attention", sdpa_attention_forward)
+        return inner(module, query, key, value, attention_mask, **kwargs)
 
     if ATTN_IMPL not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_IMPL, fp8ptq_sdpa)
@@ -41,13 +46,36 @@ def register_attention() -> str:
     return ATTN_IMPL
 
 
+def chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Apply a row-wise fn to x [..., d] in row chunks (same result, smaller temporaries)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= _CHUNK_ROWS:
+        return fn(x)
+    out = torch.empty_like(rows)
+    for i in range(0, rows.shape[0], _CHUNK_ROWS):
+        out[i : i + _CHUNK_ROWS] = fn(rows[i : i + _CHUNK_ROWS])
+    return out.reshape(x.shape)
+
+
+def input_quantizer(args: QuantizationArgs, scale: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the engine does to a Linear input (or a key/value): static per-tensor with the stored scale,
+    or dynamic (scale from x itself)."""
+    h = handler(args)
+    if args.dynamic:
+        fn = h.dynamic(args)
+        return lambda x: chunked(fn, x)
+    assert scale is not None
+    grid = h.act_grid(args)
+    scale = scale.float().reshape(1)
+    return lambda x: chunked(lambda r: grid.fake_quant(r, scale.to(r.device)), x)
+
+
 def install_input_quant(module: torch.nn.Module, quant: Callable[[torch.Tensor], torch.Tensor]):
     """Quantize the first positional input of `module` on every call; returns the hook handle."""
     return module.register_forward_pre_hook(lambda _m, args: (quant(args[0]), *args[1:]))
 
 
-def install_kv_quant(attn: torch.nn.Module, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-    """FP8 keys/values with per-layer scales (the only KV scheme exported)."""
-    kq = lambda x: FP8_GRID.fake_quant(x, k_scale.float().reshape(1).to(x.device))  # noqa: E731
-    vq = lambda x: FP8_GRID.fake_quant(x, v_scale.float().reshape(1).to(x.device))  # noqa: E731
+def install_kv_quant(attn: torch.nn.Module, kv: QuantizationArgs, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Keys/values quantized with per-layer scales, as the KV scheme `kv` says."""
+    kq, vq = input_quantizer(kv, k_scale), input_quantizer(kv, v_scale)
     attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))

@@ -1,6 +1,7 @@
 """Which modules a rule applies to, and how fused shards are grouped. One function decides matching
 for calibration, analysis, export and evaluation: compressed-tensors' own `is_match` (exact name,
-`re:` full match, class name; ignore wins), so our notion of a target is vLLM's.
+`re:` full match, class name; ignore wins), so our notion of a target is vLLM's. Which shards vLLM
+fuses, and which modules are never quantized, the architecture adapter says.
 """
 
 from __future__ import annotations
@@ -11,13 +12,7 @@ import torch
 from compressed_tensors.utils.match import is_match
 
 from fp8ptq.errors import RecipeError
-
-# vLLM's packed_modules_mapping for Llama-family models: these shards run as one fused GEMM, read the
-# same input, so they must share the input scale (and, per-tensor, the weight scale).
-FUSED_SHARDS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
+from fp8ptq.models.arch import Arch
 
 
 def matches(name: str, module: torch.nn.Module, targets, ignore) -> bool:
@@ -37,14 +32,21 @@ class LayerPlan:
         return tuple(n for g in self.groups for n in g)
 
 
-def plan_layer(layer: torch.nn.Module, prefix: str, targets, ignore) -> LayerPlan:
+def _why_skipped(name: str, module, targets, arch: Arch) -> str:
+    if arch.keep_float and matches(name, module, arch.keep_float, ()):
+        return f"never quantized ({arch.name} adapter)"
+    return "matched by ignore" if matches(name, module, targets, ()) else "not targeted"
+
+
+def plan_layer(layer: torch.nn.Module, prefix: str, targets, ignore, arch: Arch) -> LayerPlan:
+    """The targeted Linears of a decoder layer in fused groups (vLLM's shards, per the adapter)."""
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    ignore = (*ignore, *arch.keep_float)
     chosen = [n for n, m in linears.items() if matches(prefix + n, m, targets, ignore)]
-    skipped = tuple((n, "matched by ignore" if not matches(prefix + n, m, targets, ()) else "not targeted")
-                    for n, m in linears.items() if n not in chosen)
+    skipped = tuple((n, _why_skipped(prefix + n, m, targets, arch)) for n, m in linears.items() if n not in chosen)
     groups: list[tuple[str, ...]] = []
     taken: set[str] = set()
-    for shards in FUSED_SHARDS.values():
+    for shards in arch.fused.values():
         by_parent: dict[str, list[str]] = {}
         for n in chosen:
             parent, _, leaf = n.rpartition(".")
@@ -58,7 +60,7 @@ def plan_layer(layer: torch.nn.Module, prefix: str, targets, ignore) -> LayerPla
                     "vLLM runs them as one GEMM",
                     fix="target or ignore all shards of a fused module together",
                 )
-            groups.append(tuple(sorted(names, key=lambda n: shards.index(n.rpartition('.')[2]))))
+            groups.append(tuple(sorted(names, key=lambda n: shards.index(n.rpartition(".")[2]))))
             taken.update(names)
     groups.extend((n,) for n in chosen if n not in taken)
     return LayerPlan(prefix=prefix, groups=tuple(groups), skipped=skipped)

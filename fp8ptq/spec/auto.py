@@ -1,6 +1,6 @@
 """`quantize --draft auto`: draft + (optional) trimmed draft + measured recommendation in one folder.
 
-Contract (for fp8ptq.jobs.quantize, which owns the output directory):
+Contract (for fp8ptq.api.quantize, which owns the output directory):
 
     build_draft_bundle(target_dir, out_dir, *, layers=2, max_steps=400, time_budget_s=900.0,
                        trim_keep=None, gammas=(1..8), temperature=0.0, num_prompts=8, max_tokens=64,
@@ -34,11 +34,24 @@ from pathlib import Path
 from fp8ptq.spec.recommend import sglang_flags, vllm_config
 
 
-def build_draft_bundle(target_dir: Path, out_dir: Path, *, layers: int = 2, max_steps: int = 400,
-                       time_budget_s: float | None = 900.0, trim_keep: int | None = None,
-                       gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8), temperature: float = 0.0,
-                       num_prompts: int = 8, max_tokens: int = 64, device_memory: str | None = None,
-                       seed: int = 0, device: str = "cpu", progress=None, train: dict | None = None) -> dict:
+def build_draft_bundle(
+    target_dir: Path,
+    out_dir: Path,
+    *,
+    layers: int = 2,
+    max_steps: int = 400,
+    time_budget_s: float | None = 900.0,
+    trim_keep: int | None = None,
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
+    temperature: float = 0.0,
+    num_prompts: int = 8,
+    max_tokens: int = 64,
+    device_memory: str | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    progress=None,
+    train: dict | None = None,
+) -> dict:
     from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
     from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, draft_trim
     from fp8ptq.spec.run import MeasureConfig, RecommendConfig, _check_gammas, recommend
@@ -48,22 +61,56 @@ def build_draft_bundle(target_dir: Path, out_dir: Path, *, layers: int = 2, max_
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     draft_dir = out_dir / "draft"
-    meta = draft_train(DraftTrainConfig(target=str(target_dir), output=draft_dir, layers=layers, max_steps=max_steps,
-                                         time_budget_s=time_budget_s, seed=seed, device=device, **(train or {})), progress)
+    meta = draft_train(
+        DraftTrainConfig(
+            target=str(target_dir),
+            output=draft_dir,
+            layers=layers,
+            max_steps=max_steps,
+            time_budget_s=time_budget_s,
+            seed=seed,
+            device=device,
+            **(train or {}),
+        ),
+        progress,
+    )
     timings = {"draft_train_s": time.perf_counter() - t0}
     trimmed = None
     if trim_keep:
         t = time.perf_counter()
-        trimmed = draft_trim(DraftTrimConfig(draft=draft_dir, target=str(target_dir), keep=trim_keep,
-                                             output=out_dir / "draft-trimmed", seed=seed, device=device), progress)
+        trimmed = draft_trim(
+            DraftTrimConfig(
+                draft=draft_dir,
+                target=str(target_dir),
+                keep=trim_keep,
+                output=out_dir / "draft-trimmed",
+                seed=seed,
+                device=device,
+            ),
+            progress,
+        )
         timings["draft_trim_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    rec = recommend(RecommendConfig(
-        output=out_dir / "speculative", temperature=temperature, draft_for_engine="draft",
-        token_map=f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, device_memory=device_memory,
-        measure=MeasureConfig(target=str(target_dir), draft=str(draft_dir), gammas=tuple(gammas),
-                              temperatures=(float(temperature),), num_prompts=num_prompts, max_tokens=max_tokens,
-                              seed=seed, device=device)), progress)
+    rec = recommend(
+        RecommendConfig(
+            output=out_dir / "speculative",
+            temperature=temperature,
+            draft_for_engine="draft",
+            token_map=f"draft-trimmed/{TOKEN_MAP}" if trimmed else None,
+            device_memory=device_memory,
+            measure=MeasureConfig(
+                target=str(target_dir),
+                draft=str(draft_dir),
+                gammas=tuple(gammas),
+                temperatures=(float(temperature),),
+                num_prompts=num_prompts,
+                max_tokens=max_tokens,
+                seed=seed,
+                device=device,
+            ),
+        ),
+        progress,
+    )
     timings["measure_recommend_s"] = time.perf_counter() - t
     # The engine files sit at the top of the folder, beside the target they belong to.
     for name in ("speculative_config.json", "sglang_flags.txt"):
@@ -71,13 +118,24 @@ def build_draft_bundle(target_dir: Path, out_dir: Path, *, layers: int = 2, max_
     return {
         "draft": {k: v for k, v in meta.items() if k != "losses"},
         "trimmed": trimmed,
-        "recommendation": {"gamma": rec["gamma"], "tau": rec["tau"], "speedup": rec["speedup"],
-                           "c": rec["costs"]["c"], "costs_source": rec["costs"]["source"],
-                           "worth_it": rec["worth_it"], "table": rec["table"]},
+        "recommendation": {
+            "gamma": rec["gamma"],
+            "tau": rec["tau"],
+            "speedup": rec["speedup"],
+            "c": rec["costs"]["c"],
+            "costs_source": rec["costs"]["source"],
+            "worth_it": rec["worth_it"],
+            "table": rec["table"],
+        },
         "speculative_config": vllm_config("draft", rec["gamma"]),
         "sglang_flags": sglang_flags("draft", rec["gamma"], f"draft-trimmed/{TOKEN_MAP}" if trimmed else None),
-        "files": {"draft": "draft", "trimmed": "draft-trimmed" if trimmed else None,
-                  "vllm": "speculative_config.json", "sglang": "sglang_flags.txt",
-                  "recommendation": "speculative/recommendation.json", "plot": "speculative/speculative.png"},
+        "files": {
+            "draft": "draft",
+            "trimmed": "draft-trimmed" if trimmed else None,
+            "vllm": "speculative_config.json",
+            "sglang": "sglang_flags.txt",
+            "recommendation": "speculative/recommendation.json",
+            "plot": "speculative/speculative.png",
+        },
         "timings": {**timings, "total_s": time.perf_counter() - t0},
     }

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.models import DRAFT_META, LoadedModel, load_target
 from fp8ptq.spec.prompts import encode_prompts, load_prompts
@@ -77,9 +78,20 @@ def _fingerprint(cfg: DraftTrainConfig) -> dict:
 
 # ---------------------------------------------------------------- data
 
+
 @torch.inference_mode()
-def generate_data(target: LoadedModel, tokenizer, prompts: list[list[int]], *, gen_tokens: int, batch_size: int,
-                  topk: int, seed: int, device: str = "cpu", progress=None) -> dict[str, torch.Tensor]:
+def generate_data(
+    target: LoadedModel,
+    tokenizer,
+    prompts: list[list[int]],
+    *,
+    gen_tokens: int,
+    batch_size: int,
+    topk: int,
+    seed: int,
+    device: str = "cpu",
+    progress=None,
+) -> dict[str, torch.Tensor]:
     """Target generations + the target's top-k log-probs at each generated position.
 
     Returns tokens [N, L] (prompt then generation, right-padded with 0), prompt_len [N], gen_len [N]
@@ -99,10 +111,19 @@ def generate_data(target: LoadedModel, tokenizer, prompts: list[list[int]], *, g
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
         sample = b % 2 == 1
-        gen = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=G, do_sample=sample,
-                                    temperature=1.0 if sample else None, top_k=0 if sample else None, top_p=None,
-                                    pad_token_id=pad, eos_token_id=eos, output_logits=True,
-                                    return_dict_in_generate=True)
+        gen = target.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=G,
+            do_sample=sample,
+            temperature=1.0 if sample else None,
+            top_k=0 if sample else None,
+            top_p=None,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         new = gen.sequences[:, width:].cpu()
         logits = torch.stack(gen.logits, 1).float()  # [b, steps, V], raw (before temperature)
         logp = torch.log_softmax(logits, -1).topk(topk, -1)
@@ -125,13 +146,16 @@ def generate_data(target: LoadedModel, tokenizer, prompts: list[list[int]], *, g
 
 # ---------------------------------------------------------------- draft
 
+
 def draft_config(target_config, layers: int):
     from fp8ptq.models.skeleton import plain_config
 
     cfg = plain_config(target_config)
     if not 1 <= layers <= cfg.num_hidden_layers:
-        raise SpecError(f"--layers {layers} is out of range for a target with {cfg.num_hidden_layers} layers",
-                        fix=f"use 1..{cfg.num_hidden_layers} (a draft of 1-4 layers keeps c ≤ 0.25 on SmolLM2)")
+        raise SpecError(
+            f"--layers {layers} is out of range for a target with {cfg.num_hidden_layers} layers",
+            fix=f"use 1..{cfg.num_hidden_layers} (a draft of 1-4 layers keeps c ≤ 0.25 on SmolLM2)",
+        )
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]
@@ -166,6 +190,7 @@ def trainable(draft) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 # ---------------------------------------------------------------- training
+
 
 def batch_indices(step: int, batch: int, n: int, seed: int) -> list[int]:
     """Samples of training step `step`: consecutive slices of a per-epoch seeded permutation (pure)."""
@@ -216,10 +241,8 @@ def _save_checkpoint(path: Path, draft, opt, step: int, losses: list[float], ela
                 tensors[f"opt.{n}.exp_avg"] = st["exp_avg"].contiguous()
                 tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
                 tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1)
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
-    path.with_suffix(".json").write_text(json.dumps({"step": step, "losses": losses, "elapsed_s": elapsed}))
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+    write_json_atomic(path.with_suffix(".json"), {"step": step, "losses": losses, "elapsed_s": elapsed})
 
 
 def _load_checkpoint(path: Path, draft, opt) -> tuple[int, list[float], float]:
@@ -230,8 +253,11 @@ def _load_checkpoint(path: Path, draft, opt) -> tuple[int, list[float], float]:
             p.copy_(t[f"model.{n}"])
     for n, p in params.items():
         if f"opt.{n}.exp_avg" in t:
-            opt.state[p] = {"step": t[f"opt.{n}.step"].reshape(()).to(torch.float32),
-                            "exp_avg": t[f"opt.{n}.exp_avg"].clone(), "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].clone()}
+            opt.state[p] = {
+                "step": t[f"opt.{n}.step"].reshape(()).to(torch.float32),
+                "exp_avg": t[f"opt.{n}.exp_avg"].clone(),
+                "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].clone(),
+            }
     meta = json.loads(path.with_suffix(".json").read_text())
     return meta["step"], meta["losses"], meta["elapsed_s"]
 
@@ -268,21 +294,31 @@ def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=
         _save_checkpoint(ckpt, draft, opt, step, losses, time.perf_counter() - t0)
     draft.eval()
     k = max(1, min(20, len(losses)))
-    return {"steps": step, "resumed_from": start_step, "stopped_by": stopped, "train_s": time.perf_counter() - t0,
-            "loss_first": losses[0] if losses else None, "loss_last": sum(losses[-k:]) / k if losses else None,
-            "losses": losses}
+    return {
+        "steps": step,
+        "resumed_from": start_step,
+        "stopped_by": stopped,
+        "train_s": time.perf_counter() - t0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": sum(losses[-k:]) / k if losses else None,
+        "losses": losses,
+    }
 
 
 # ---------------------------------------------------------------- entry point
 
+
 def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
     """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary."""
-    from fp8ptq.export.atomic import atomic_output_dir, check_output
+    from fp8ptq.io import atomic_output_dir, check_output
 
     check_output(Path(cfg.output), cfg.overwrite)
     if cfg.layers < 1 or cfg.max_steps < 0 or cfg.topk < 1 or cfg.num_prompts < 1 or cfg.gen_tokens < 1:
-        raise SpecError(f"bad draft-train settings: layers={cfg.layers}, max_steps={cfg.max_steps}, topk={cfg.topk}, "
-                        f"num_prompts={cfg.num_prompts}, gen_tokens={cfg.gen_tokens}", fix="all must be ≥ 1 (max_steps ≥ 0)")
+        raise SpecError(
+            f"bad draft-train settings: layers={cfg.layers}, max_steps={cfg.max_steps}, topk={cfg.topk}, "
+            f"num_prompts={cfg.num_prompts}, gen_tokens={cfg.gen_tokens}",
+            fix="all must be ≥ 1 (max_steps ≥ 0)",
+        )
     torch.manual_seed(cfg.seed)
     timings = {}
     t = time.perf_counter()
@@ -299,8 +335,17 @@ def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
         texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
         prompts = encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens)
         t = time.perf_counter()
-        data = generate_data(target, tokenizer, prompts, gen_tokens=cfg.gen_tokens, batch_size=cfg.gen_batch_size,
-                             topk=cfg.topk, seed=cfg.seed, device=cfg.device, progress=progress)
+        data = generate_data(
+            target,
+            tokenizer,
+            prompts,
+            gen_tokens=cfg.gen_tokens,
+            batch_size=cfg.gen_batch_size,
+            topk=cfg.topk,
+            seed=cfg.seed,
+            device=cfg.device,
+            progress=progress,
+        )
         timings["generate_s"] = time.perf_counter() - t
         save_file({k: v.contiguous() for k, v in data.items()}, str(data_file))
         fp_file.write_text(json.dumps(_fingerprint(cfg)))
@@ -308,12 +353,20 @@ def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
     del target
     summary = train(draft, data, cfg, work / "checkpoint.safetensors", progress)
     timings["train_s"] = summary.pop("train_s")
-    meta = {"target": str(cfg.target), "target_path": str(src.path), "config": {k: str(v) for k, v in asdict(cfg).items()},
-            "data": {"samples": int(data["tokens"].shape[0]), "generated_tokens": int(data["gen_len"].sum()),
-                     "prompt_tokens": int(data["prompt_len"].sum())},
-            "loss": "KL(renormalised target top-k || draft) at generated positions",
-            "init": f"target layers 0..{cfg.layers - 1} + final norm + tied embedding/LM head (frozen)",
-            **summary, "timings": timings}
+    meta = {
+        "target": str(cfg.target),
+        "target_path": str(src.path),
+        "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "data": {
+            "samples": int(data["tokens"].shape[0]),
+            "generated_tokens": int(data["gen_len"].sum()),
+            "prompt_tokens": int(data["prompt_len"].sum()),
+        },
+        "loss": "KL(renormalised target top-k || draft) at generated positions",
+        "init": f"target layers 0..{cfg.layers - 1} + final norm + tied embedding/LM head (frozen)",
+        **summary,
+        "timings": timings,
+    }
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
         draft.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))

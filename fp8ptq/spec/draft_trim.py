@@ -59,8 +59,10 @@ def choose_kept(counts: torch.Tensor, keep: int, special_ids: list[int]) -> torc
     vocab = counts.numel()
     special = sorted({i for i in special_ids if 0 <= i < vocab})
     if keep < len(special) or keep > vocab:
-        raise SpecError(f"--keep {keep} must be between the {len(special)} special tokens and the vocabulary size {vocab}",
-                        fix=f"pass --keep in {len(special)}..{vocab}")
+        raise SpecError(
+            f"--keep {keep} must be between the {len(special)} special tokens and the vocabulary size {vocab}",
+            fix=f"pass --keep in {len(special)}..{vocab}",
+        )
     score = counts.double() - torch.arange(vocab, dtype=torch.float64) / (2 * vocab)  # stable tie-break by id
     score[special] = float("inf")
     return score.topk(keep).indices.sort().values
@@ -86,7 +88,7 @@ def _split(data: dict, fraction: float, seed: int) -> tuple[torch.Tensor, torch.
 
 def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
     """Count, choose, write OUT (atomically). Returns a summary (kept, coverage, LM-head saving)."""
-    from fp8ptq.export.atomic import atomic_output_dir, check_output
+    from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.models.loader import resolve_model
 
     check_output(Path(cfg.output), cfg.overwrite)
@@ -96,8 +98,10 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
     tsrc = resolve_model(str(cfg.target))
     vocab, tvocab = int(dsrc.config.vocab_size), int(tsrc.config.vocab_size)
     if vocab != tvocab:
-        raise SpecError(f"draft vocabulary size {vocab} != target vocabulary size {tvocab}",
-                        fix="trim a draft trained for this target (fp8ptq draft-train)")
+        raise SpecError(
+            f"draft vocabulary size {vocab} != target vocabulary size {tvocab}",
+            fix="trim a draft trained for this target (fp8ptq draft-train)",
+        )
     tokenizer = dsrc.tokenizer()
     data_path = Path(cfg.draft) / DATA_FILE
     if data_path.is_file():
@@ -109,8 +113,17 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
 
         target, _ = load_target(cfg.target, cfg.device)
         prompts = encode_prompts(tokenizer, load_prompts(None, "calibration", cfg.num_prompts, cfg.seed))
-        data = generate_data(target, tokenizer, prompts, gen_tokens=cfg.gen_tokens, batch_size=16, topk=1,
-                             seed=cfg.seed, device=cfg.device, progress=progress)
+        data = generate_data(
+            target,
+            tokenizer,
+            prompts,
+            gen_tokens=cfg.gen_tokens,
+            batch_size=16,
+            topk=1,
+            seed=cfg.seed,
+            device=cfg.device,
+            progress=progress,
+        )
         source = f"{cfg.num_prompts} fresh target generations"
     fit, held = _split(data, cfg.heldout_fraction, cfg.seed)
     counts = count_tokens(data["tokens"][fit], data["prompt_len"][fit], data["gen_len"][fit], vocab)
@@ -130,11 +143,20 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
     state["t2d"] = t2d_mask(kept, vocab)
     config = json.loads((Path(cfg.draft) / "config.json").read_text())
     config.update(tie_word_embeddings=False, draft_vocab_size=cfg.keep)
-    summary = {"draft": str(cfg.draft), "target": str(cfg.target), "keep": cfg.keep, "vocab": vocab,
-               "special_kept": len(set(special) & set(kept.tolist())), "frequency_source": source,
-               "counted_tokens": int(counts.sum()), "coverage_counted": coverage_fit, "coverage_heldout": coverage_held,
-               "lm_head_rows": [vocab, cfg.keep], "lm_head_flops_saving": 1 - cfg.keep / vocab,
-               "lm_head_params": [vocab * hidden, cfg.keep * hidden]}
+    summary = {
+        "draft": str(cfg.draft),
+        "target": str(cfg.target),
+        "keep": cfg.keep,
+        "vocab": vocab,
+        "special_kept": len(set(special) & set(kept.tolist())),
+        "frequency_source": source,
+        "counted_tokens": int(counts.sum()),
+        "coverage_counted": coverage_fit,
+        "coverage_heldout": coverage_held,
+        "lm_head_rows": [vocab, cfg.keep],
+        "lm_head_flops_saving": 1 - cfg.keep / vocab,
+        "lm_head_params": [vocab * hidden, cfg.keep * hidden],
+    }
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

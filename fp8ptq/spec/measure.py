@@ -25,8 +25,16 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.models import (LoadedModel, NgramDraft, check_pair, crop, draft_cache, new_cache, step_logits,
-                                 to_target_probs)
+from fp8ptq.spec.models import (
+    LoadedModel,
+    NgramDraft,
+    check_pair,
+    crop,
+    draft_cache,
+    new_cache,
+    step_logits,
+    to_target_probs,
+)
 from fp8ptq.spec.recommend import Costs
 from fp8ptq.spec.sampling import probs as to_probs
 from fp8ptq.spec.sampling import verify, verify_greedy
@@ -64,12 +72,20 @@ class SpecStats:
 
     def summary(self) -> dict:
         alphas = [a / r if r else 0.0 for a, r in zip(self.per_pos, self.reached)]
-        return {"gamma": self.gamma, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
-                "per_pos_accepted": self.per_pos, "per_pos_reached": self.reached, "alpha_per_pos": alphas,
-                "alpha": self.accepted / self.drafted if self.drafted else 0.0,
-                "tau": self.emitted / self.target_forwards if self.target_forwards else 1.0,
-                "emitted": self.emitted, "target_forwards": self.target_forwards,
-                "k_hist": {str(k): v for k, v in sorted(self.k_hist.items())}}
+        return {
+            "gamma": self.gamma,
+            "drafts": self.drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "per_pos_accepted": self.per_pos,
+            "per_pos_reached": self.reached,
+            "alpha_per_pos": alphas,
+            "alpha": self.accepted / self.drafted if self.drafted else 0.0,
+            "tau": self.emitted / self.target_forwards if self.target_forwards else 1.0,
+            "emitted": self.emitted,
+            "target_forwards": self.target_forwards,
+            "k_hist": {str(k): v for k, v in sorted(self.k_hist.items())},
+        }
 
 
 def _pick(logits: torch.Tensor, temperature: float, g: torch.Generator) -> tuple[int, torch.Tensor | None]:
@@ -79,8 +95,9 @@ def _pick(logits: torch.Tensor, temperature: float, g: torch.Generator) -> tuple
     return int(torch.multinomial(p.cpu(), 1, generator=g)), p
 
 
-def _draft_next(draft: LoadedModel, logits: torch.Tensor, temperature: float, V: int,
-                g: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def _draft_next(
+    draft: LoadedModel, logits: torch.Tensor, temperature: float, V: int, g: torch.Generator
+) -> tuple[int, torch.Tensor | None]:
     """A draft token in target ids, and q over the target vocabulary (None when greedy)."""
     if draft.kept_ids is None:
         return _pick(logits, temperature, g)
@@ -90,14 +107,26 @@ def _draft_next(draft: LoadedModel, logits: torch.Tensor, temperature: float, V:
     return int(torch.multinomial(q.cpu(), 1, generator=g)), q
 
 
-def _propose(draft: LoadedModel | NgramDraft, seq: list[int], dlen: int, dc, gamma: int, temperature: float,
-             threshold: float | None, V: int, g: torch.Generator | None, device: str):
+def _propose(
+    draft: LoadedModel | NgramDraft,
+    seq: list[int],
+    dlen: int,
+    dc,
+    *,
+    gamma: int,
+    temperature: float,
+    threshold: float | None,
+    V: int,
+    g: torch.Generator | None,
+    device: str,
+):
     """Up to γ draft tokens after seq (the draft cache holds dlen positions): (tokens, q rows, cache length).
     The n-gram proposer drafts 0..γ tokens from seq itself; its q rows are one-hot (None when greedy)."""
     if isinstance(draft, NgramDraft):
         drafted = draft.propose(seq, gamma)
-        q_rows = [None if temperature == 0 else torch.nn.functional.one_hot(torch.tensor(t), V).double()
-                  for t in drafted]
+        q_rows = [
+            None if temperature == 0 else torch.nn.functional.one_hot(torch.tensor(t), V).double() for t in drafted
+        ]
         return drafted, q_rows, len(seq)
     drafted, q_rows = [], []
     feed, dcache = seq[dlen:], dlen
@@ -113,9 +142,19 @@ def _propose(draft: LoadedModel | NgramDraft, seq: list[int], dlen: int, dc, gam
     return drafted, q_rows, dcache
 
 
-def speculative_generate(target: LoadedModel, draft: LoadedModel | NgramDraft, prompt: list[int], *, gamma: int, max_tokens: int,
-                         temperature: float = 0.0, threshold: float | None = None, generator: torch.Generator | None = None,
-                         stats: SpecStats | None = None, device: str = "cpu") -> list[int]:
+def speculative_generate(
+    target: LoadedModel,
+    draft: LoadedModel | NgramDraft,
+    prompt: list[int],
+    *,
+    gamma: int,
+    max_tokens: int,
+    temperature: float = 0.0,
+    threshold: float | None = None,
+    generator: torch.Generator | None = None,
+    stats: SpecStats | None = None,
+    device: str = "cpu",
+) -> list[int]:
     """Generate max_tokens tokens after `prompt` by speculative decoding; updates `stats` per step.
 
     threshold: dynamic draft length — stop drafting when the draft's max probability (at T = 1) < t."""
@@ -127,7 +166,9 @@ def speculative_generate(target: LoadedModel, draft: LoadedModel | NgramDraft, p
     dlen = 0  # positions of seq the draft cache holds
     while len(seq) - len(prompt) < max_tokens:
         base = len(seq)
-        drafted, q_rows, dcache = _propose(draft, seq, dlen, dc, gamma, temperature, threshold, V, g, device)
+        drafted, q_rows, dcache = _propose(
+            draft, seq, dlen, dc, gamma=gamma, temperature=temperature, threshold=threshold, V=V, g=g, device=device
+        )
         k = len(drafted)
         t_logits = step_logits(target, [seq[-1]] + drafted, tc, device)  # [k+1, V]: p_1..p_{k+1}
         d = torch.tensor(drafted, dtype=torch.long)
@@ -143,12 +184,19 @@ def speculative_generate(target: LoadedModel, draft: LoadedModel | NgramDraft, p
         crop(tc, base + n)  # drop the rejected drafts' positions; the newest token is fed next step
         dlen = min(dcache, base + n)
         crop(dc, dlen)
-    return seq[len(prompt):][:max_tokens]
+    return seq[len(prompt) :][:max_tokens]
 
 
 @torch.inference_mode()
-def plain_generate(target: LoadedModel, prompt: list[int], *, max_tokens: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None, device: str = "cpu") -> list[int]:
+def plain_generate(
+    target: LoadedModel,
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    device: str = "cpu",
+) -> list[int]:
     """The baseline the speedup is relative to: one target forward per token, same cache and sampling code."""
     g = generator or torch.Generator().manual_seed(0)
     cache = new_cache(target.model)
@@ -160,16 +208,29 @@ def plain_generate(target: LoadedModel, prompt: list[int], *, max_tokens: int, t
     return out
 
 
-def measure_acceptance(target: LoadedModel, draft: LoadedModel | NgramDraft, prompts: list[list[int]], *, gammas: list[int],
-                       max_tokens: int, temperature: float = 0.0, thresholds: list[float] = (),
-                       threshold_gamma: int | None = None, seed: int = 0, device: str = "cpu", progress=None) -> dict:
+def measure_acceptance(
+    target: LoadedModel,
+    draft: LoadedModel | NgramDraft,
+    prompts: list[list[int]],
+    *,
+    gammas: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    thresholds: list[float] = (),
+    threshold_gamma: int | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    progress=None,
+) -> dict:
     """Run the speculative loop on every prompt for each γ (and each dynamic-length threshold at
     threshold_gamma, default max γ). Returns {'runs': [summary per γ], 'threshold_runs': [...],
     'outputs': {γ: token ids per prompt}, ...}. progress(stage, done, total) is called per prompt."""
     check_pair(target, draft)
     if thresholds and isinstance(draft, NgramDraft):
-        raise SpecError("dynamic draft length (--thresholds) needs a draft model's probabilities",
-                        fix="drop --thresholds for an n-gram proposer")
+        raise SpecError(
+            "dynamic draft length (--thresholds) needs a draft model's probabilities",
+            fix="drop --thresholds for an n-gram proposer",
+        )
     jobs = [(g, None) for g in gammas] + [(threshold_gamma or max(gammas), t) for t in thresholds]
     total = len(jobs) * len(prompts)
     runs, thr_runs, outputs = [], [], {}
@@ -179,8 +240,20 @@ def measure_acceptance(target: LoadedModel, draft: LoadedModel | NgramDraft, pro
         outs = []
         for i, ids in enumerate(prompts):
             g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            outs.append(speculative_generate(target, draft, ids, gamma=gamma, max_tokens=max_tokens,
-                                             temperature=temperature, threshold=thr, generator=g, stats=stats, device=device))
+            outs.append(
+                speculative_generate(
+                    target,
+                    draft,
+                    ids,
+                    gamma=gamma,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    threshold=thr,
+                    generator=g,
+                    stats=stats,
+                    device=device,
+                )
+            )
             done += 1
             if progress:
                 progress("measure", done, total)
@@ -190,13 +263,28 @@ def measure_acceptance(target: LoadedModel, draft: LoadedModel | NgramDraft, pro
             outputs[gamma] = outs
         else:
             thr_runs.append({**summary, "threshold": thr})
-    return {"runs": runs, "threshold_runs": thr_runs, "outputs": outputs, "temperature": temperature,
-            "max_tokens": max_tokens, "prompts": len(prompts), "seed": seed}
+    return {
+        "runs": runs,
+        "threshold_runs": thr_runs,
+        "outputs": outputs,
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+        "prompts": len(prompts),
+        "seed": seed,
+    }
 
 
 @torch.inference_mode()
-def replay_greedy(draft: LoadedModel | NgramDraft, prompt: list[int], stream: list[int], *, gamma: int, stats: SpecStats,
-                  max_tokens: int | None = None, device: str = "cpu") -> None:
+def replay_greedy(
+    draft: LoadedModel | NgramDraft,
+    prompt: list[int],
+    stream: list[int],
+    *,
+    gamma: int,
+    stats: SpecStats,
+    max_tokens: int | None = None,
+    device: str = "cpu",
+) -> None:
     """Greedy acceptance of `draft` against a fixed continuation `stream` of `prompt`: the steps and counting
     of speculative_generate at temperature 0 with the target's argmax replaced by the stream. Given the
     greedy output of an engine (vLLM), this is what the engine's own spec-decode counters must show, with
@@ -207,13 +295,15 @@ def replay_greedy(draft: LoadedModel | NgramDraft, prompt: list[int], stream: li
     seq, dlen = list(prompt) + [stream[0]], 0
     while len(seq) - len(prompt) < (max_tokens or len(stream)):
         base = len(seq)
-        drafted, _, dcache = _propose(draft, seq, dlen, dc, gamma, 0.0, None, 0, None, device)
-        truth = stream[base - len(prompt):]  # what the target emits at the k + 1 verified positions
+        drafted, _, dcache = _propose(
+            draft, seq, dlen, dc, gamma=gamma, temperature=0.0, threshold=None, V=0, g=None, device=device
+        )
+        truth = stream[base - len(prompt) :]  # what the target emits at the k + 1 verified positions
         n = 0
         while n < min(len(drafted), len(truth)) and drafted[n] == truth[n]:
             n += 1
         stats.add(len(drafted), n)
-        seq.extend(truth[:n + 1])
+        seq.extend(truth[: n + 1])
         dlen = min(dcache, base + n)
         crop(dc, dlen)
 
@@ -229,8 +319,16 @@ def _median_time(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target: LoadedModel, draft: LoadedModel | NgramDraft, context: list[int], *, max_k: int, repeats: int = 7,
-                  device: str = "cpu", progress=None) -> Costs:
+def measure_costs(
+    target: LoadedModel,
+    draft: LoadedModel | NgramDraft,
+    context: list[int],
+    *,
+    max_k: int,
+    repeats: int = 7,
+    device: str = "cpu",
+    progress=None,
+) -> Costs:
     """Median wall time of: one draft step (1 token), a target forward over k = 1..max_k tokens, each
     after a KV cache of len(context) tokens (rolled back after every timed call)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -244,6 +342,7 @@ def measure_costs(target: LoadedModel, draft: LoadedModel | NgramDraft, context:
             step_logits(m, ids, cache, device)
             sync()
             crop(cache, n)
+
         return f
 
     if isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step

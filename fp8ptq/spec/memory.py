@@ -20,12 +20,30 @@ from pathlib import Path
 
 from fp8ptq.spec import SpecError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
-KV_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
-            "fp8_e5m2": 1, "int8": 1}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+KV_BYTES = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -35,7 +53,9 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise SpecError(f"cannot read the memory size '{text}'", fix="write e.g. 24GiB, 80GB, 512MiB or a number of bytes")
+        raise SpecError(
+            f"cannot read the memory size '{text}'", fix="write e.g. 24GiB, 80GB, 512MiB or a number of bytes"
+        )
     value = float(m.group(1)) * _UNITS[unit]
     if value <= 0:
         raise SpecError(f"memory size '{text}' is not positive", fix="pass a positive size such as 24GiB")
@@ -87,8 +107,13 @@ def model_shape(model_dir: Path, kv_dtype: str = "auto") -> ModelShape:
     if kv_dtype == "auto":
         qc = cfg.get("quantization_config") or {}
         kv_dtype = "fp8" if qc.get("kv_cache_scheme") else str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return ModelShape(safetensors_bytes(model_dir), cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
-                      head_dim, kv_dtype)
+    return ModelShape(
+        safetensors_bytes(model_dir),
+        cfg["num_hidden_layers"],
+        cfg.get("num_key_value_heads", heads),
+        head_dim,
+        kv_dtype,
+    )
 
 
 @dataclass(frozen=True)
@@ -117,8 +142,17 @@ class MemoryPlan:
         return asdict(self)
 
 
-def plan(target: ModelShape, draft: ModelShape | None, device_bytes: int, *, context: int, batch: int,
-         gamma: int, utilization: float = 0.9, reserve_bytes: int = 0) -> MemoryPlan:
+def plan(
+    target: ModelShape,
+    draft: ModelShape | None,
+    device_bytes: int,
+    *,
+    context: int,
+    batch: int,
+    gamma: int,
+    utilization: float = 0.9,
+    reserve_bytes: int = 0,
+) -> MemoryPlan:
     """Bytes needed for `batch` sequences of `context` tokens, plain and with speculation, and the
     largest context / batch that fit. With speculation each sequence holds context + γ tokens in the
     target's cache and in the draft's."""
@@ -138,10 +172,21 @@ def plan(target: ModelShape, draft: ModelShape | None, device_bytes: int, *, con
     tokens_plain = max(kv_room_plain, 0) // t_kv
     tokens_spec = max(kv_room_spec, 0) // (t_kv + d_kv)
     return MemoryPlan(
-        device_bytes=device_bytes, usable_bytes=usable, target_weight_bytes=target.weight_bytes,
-        draft_weight_bytes=d_w, target_kv_per_token=t_kv, draft_kv_per_token=d_kv, gamma=g, context=context,
-        batch=batch, need_plain=need_plain, need_spec=need_spec, fits_plain=need_plain <= usable,
+        device_bytes=device_bytes,
+        usable_bytes=usable,
+        target_weight_bytes=target.weight_bytes,
+        draft_weight_bytes=d_w,
+        target_kv_per_token=t_kv,
+        draft_kv_per_token=d_kv,
+        gamma=g,
+        context=context,
+        batch=batch,
+        need_plain=need_plain,
+        need_spec=need_spec,
+        fits_plain=need_plain <= usable,
         fits_spec=need_spec <= usable,
-        max_context_plain=max(tokens_plain // batch, 0), max_context_spec=max(tokens_spec // batch - g, 0),
-        max_batch_plain=tokens_plain // context, max_batch_spec=tokens_spec // (context + g),
+        max_context_plain=max(tokens_plain // batch, 0),
+        max_context_spec=max(tokens_spec // batch - g, 0),
+        max_batch_plain=tokens_plain // context,
+        max_batch_spec=tokens_spec // (context + g),
     )

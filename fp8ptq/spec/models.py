@@ -49,10 +49,10 @@ class NgramDraft:
     def propose(self, ctx: list[int], k: int) -> list[int]:
         size = len(ctx)
         for n in range(min(self.nmax, size - 1), self.nmin - 1, -1):
-            suffix = ctx[size - n:]
+            suffix = ctx[size - n :]
             for j in range(size - n):
-                if ctx[j:j + n] == suffix:
-                    return list(ctx[j + n:j + n + k])
+                if ctx[j : j + n] == suffix:
+                    return list(ctx[j + n : j + n + k])
         return []
 
 
@@ -83,8 +83,13 @@ def _simulated_or_plain(src, device: str) -> torch.nn.Module:
     if getattr(src.config, "quantization_config", None) is None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32, attn_implementation="sdpa",
-                                                     trust_remote_code=False, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(src.path),
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            trust_remote_code=False,
+            use_safetensors=True,
+        )
         return model.to(device).eval()
     from fp8ptq.eval.quality import load_simulated  # registers fp8ptq's attention and its mask builder
 
@@ -124,8 +129,10 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
     if isinstance(draft, NgramDraft):
         return
     if draft.vocab_size != target.vocab_size:
-        raise SpecError(f"draft vocabulary size {draft.vocab_size} != target vocabulary size {target.vocab_size}",
-                        fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)")
+        raise SpecError(
+            f"draft vocabulary size {draft.vocab_size} != target vocabulary size {target.vocab_size}",
+            fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)",
+        )
 
 
 def crop(cache, length: int) -> None:
@@ -163,8 +170,3 @@ def to_target_probs(m: LoadedModel, probs: torch.Tensor, vocab: int) -> torch.Te
     full = probs.new_zeros(*probs.shape[:-1], vocab)
     full[..., m.kept_ids] = probs
     return full
-
-
-def draft_meta(path: Path) -> dict:
-    f = Path(path) / DRAFT_META
-    return json.loads(f.read_text()) if f.is_file() else {}

@@ -51,7 +51,10 @@ def load_prompts(source: str | None, split: str, n: int, seed: int = 0, text_fie
         return builtin_prompts(split, n, seed)
     texts = [t.strip() for t in load_texts(source, split, text_field) if t.strip()]
     if not texts:
-        raise SpecError(f"prompt file '{source}' has no prompts", fix="one prompt per blank-line-separated block (.txt) or per line (.jsonl)")
+        raise SpecError(
+            f"prompt file '{source}' has no prompts",
+            fix="one prompt per blank-line-separated block (.txt) or per line (.jsonl)",
+        )
     return texts[:n]
 
 
@@ -62,7 +65,9 @@ def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = True, ma
     use_chat = chat_template and getattr(tokenizer, "chat_template", None)
     for p in prompts:
         if use_chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True
+            )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         else:

@@ -34,8 +34,10 @@ def tau_closed_form(alpha: float, gamma: int) -> float:
 def tau_from_positions(alphas: list[float], gamma: int) -> float:
     """τ(γ) = 1 + Σ_{i≤γ} Π_{j≤i} α_j from per-position conditional acceptance rates."""
     if gamma > len(alphas):
-        raise SpecError(f"γ={gamma} but acceptance was measured for {len(alphas)} positions",
-                        fix=f"measure with a larger --max-gamma or recommend γ ≤ {len(alphas)}")
+        raise SpecError(
+            f"γ={gamma} but acceptance was measured for {len(alphas)} positions",
+            fix=f"measure with a larger --max-gamma or recommend γ ≤ {len(alphas)}",
+        )
     tau, run = 1.0, 1.0
     for a in alphas[:gamma]:
         run *= a
@@ -61,17 +63,23 @@ class Costs:
             return self.t_target
         if k in self.t_verify:
             return self.t_verify[k]
-        raise SpecError(f"no measured verification cost for {k} tokens (have {sorted(self.t_verify)})",
-                        fix="measure costs for every γ+1 you recommend from")
+        raise SpecError(
+            f"no measured verification cost for {k} tokens (have {sorted(self.t_verify)})",
+            fix="measure costs for every γ+1 you recommend from",
+        )
 
     def as_dict(self) -> dict:
-        return {"t_target_s": self.t_target, "t_draft_s": self.t_draft, "c": self.c,
-                "t_verify_s": {str(k): v for k, v in sorted(self.t_verify.items())},
-                "verify_over_target": {str(k): v / self.t_target for k, v in sorted(self.t_verify.items())},
-                "source": self.source}
+        return {
+            "t_target_s": self.t_target,
+            "t_draft_s": self.t_draft,
+            "c": self.c,
+            "t_verify_s": {str(k): v for k, v in sorted(self.t_verify.items())},
+            "verify_over_target": {str(k): v / self.t_target for k, v in sorted(self.t_verify.items())},
+            "source": self.source,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Costs":
+    def from_dict(cls, d: dict) -> Costs:
         return cls(d["t_target_s"], d["t_draft_s"], {int(k): v for k, v in d["t_verify_s"].items()}, d["source"])
 
 
@@ -107,13 +115,21 @@ def choose(measured: dict, costs: Costs, gamma_range: tuple[int, int] | None = N
     alpha, k_hist, emitted; optional 'threshold_runs'). Picks the γ with the highest predicted speedup."""
     runs = [r for r in measured["runs"] if gamma_range is None or gamma_range[0] <= r["gamma"] <= gamma_range[1]]
     if not runs:
-        raise SpecError(f"no measured γ in the range {gamma_range}",
-                        fix=f"measured: {[r['gamma'] for r in measured['runs']]}")
+        raise SpecError(
+            f"no measured γ in the range {gamma_range}", fix=f"measured: {[r['gamma'] for r in measured['runs']]}"
+        )
     table = []
     for r in sorted(runs, key=lambda r: r["gamma"]):
         s = speedup_from_steps({int(k): v for k, v in r["k_hist"].items()}, r["emitted"], costs)
-        table.append({"gamma": r["gamma"], "tau": r["tau"], "alpha": r["alpha"], "speedup": s,
-                      "speedup_formula": speedup(r["tau"], r["gamma"], costs)})
+        table.append(
+            {
+                "gamma": r["gamma"],
+                "tau": r["tau"],
+                "alpha": r["alpha"],
+                "speedup": s,
+                "speedup_formula": speedup(r["tau"], r["gamma"], costs),
+            }
+        )
     best = max(table, key=lambda t: t["speedup"])
     thr, thr_s = None, None
     for r in measured.get("threshold_runs", []):
@@ -121,9 +137,16 @@ def choose(measured: dict, costs: Costs, gamma_range: tuple[int, int] | None = N
         r["speedup"] = s
         if s > best["speedup"] and (thr_s is None or s > thr_s):
             thr, thr_s = r["threshold"], s
-    return Recommendation(gamma=best["gamma"], tau=best["tau"], speedup=best["speedup"], threshold=thr,
-                          threshold_speedup=thr_s, table=table, costs=costs.as_dict(),
-                          worth_it=best["speedup"] > 1.0)
+    return Recommendation(
+        gamma=best["gamma"],
+        tau=best["tau"],
+        speedup=best["speedup"],
+        threshold=thr,
+        threshold_speedup=thr_s,
+        table=table,
+        costs=costs.as_dict(),
+        worth_it=best["speedup"] > 1.0,
+    )
 
 
 def vllm_config(draft: str, gamma: int) -> dict:
@@ -135,8 +158,12 @@ def vllm_config(draft: str, gamma: int) -> dict:
         raise SpecError(f"γ={gamma} is out of range", fix=f"use 1..{MAX_GAMMA}")
     ngram = parse_ngram(draft)
     if ngram is not None:
-        return {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_min": ngram.nmin,
-                "prompt_lookup_max": ngram.nmax}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": gamma,
+            "prompt_lookup_min": ngram.nmin,
+            "prompt_lookup_max": ngram.nmax,
+        }
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma}
 
 
@@ -148,13 +175,32 @@ def sglang_flags(draft: str, gamma: int, token_map: str | None = None) -> list[s
 
     ngram = parse_ngram(draft)
     if ngram is not None:
-        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(gamma + 1),
-                "--speculative-ngram-min-match-window-size", str(ngram.nmin),
-                "--speculative-ngram-max-match-window-size", str(ngram.nmax),
-                "--speculative-ngram-min-bfs-breadth", "1", "--speculative-ngram-max-bfs-breadth", "1"]
-    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
-             "--speculative-num-steps", str(gamma), "--speculative-eagle-topk", "1",
-             "--speculative-num-draft-tokens", str(gamma + 1)]
+        return [
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-num-draft-tokens",
+            str(gamma + 1),
+            "--speculative-ngram-min-match-window-size",
+            str(ngram.nmin),
+            "--speculative-ngram-max-match-window-size",
+            str(ngram.nmax),
+            "--speculative-ngram-min-bfs-breadth",
+            "1",
+            "--speculative-ngram-max-bfs-breadth",
+            "1",
+        ]
+    flags = [
+        "--speculative-algorithm",
+        "STANDALONE",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-num-steps",
+        str(gamma),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(gamma + 1),
+    ]
     if token_map:
         flags += ["--speculative-token-map", str(token_map)]
     return flags
@@ -184,12 +230,23 @@ def plot(path: Path, rec: Recommendation, title: str) -> Path:
     return path
 
 
-def write_outputs(out_dir: Path, rec: Recommendation, *, draft: str, token_map: str | None = None,
-                  title: str = "speculative decoding", extra: dict | None = None) -> dict[str, Path]:
+def write_outputs(
+    out_dir: Path,
+    rec: Recommendation,
+    *,
+    draft: str,
+    token_map: str | None = None,
+    title: str = "speculative decoding",
+    extra: dict | None = None,
+) -> dict[str, Path]:
     """speculative_config.json (vLLM), sglang_flags.txt, recommendation.json, speculative.png in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"vllm": out_dir / "speculative_config.json", "sglang": out_dir / "sglang_flags.txt",
-             "recommendation": out_dir / "recommendation.json", "plot": out_dir / "speculative.png"}
+    files = {
+        "vllm": out_dir / "speculative_config.json",
+        "sglang": out_dir / "sglang_flags.txt",
+        "recommendation": out_dir / "recommendation.json",
+        "plot": out_dir / "speculative.png",
+    }
     files["vllm"].write_text(json.dumps(vllm_config(draft, rec.gamma), indent=2) + "\n")
     files["sglang"].write_text(" ".join(sglang_flags(draft, rec.gamma, token_map)) + "\n")
     files["recommendation"].write_text(json.dumps({**rec.as_dict(), **(extra or {})}, indent=2) + "\n")

@@ -38,7 +38,9 @@ class MeasureConfig:
     seed: int = 0
     cost_repeats: int = 7
     device: str = "cpu"
-    prompt_ids: tuple[tuple[int, ...], ...] | None = None  # exact token ids (overrides prompts), e.g. to match a vLLM run
+    prompt_ids: tuple[tuple[int, ...], ...] | None = (
+        None  # exact token ids (overrides prompts), e.g. to match a vLLM run
+    )
 
 
 def _check_gammas(gammas) -> None:
@@ -68,18 +70,40 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
         texts = load_prompts(cfg.prompts, "evaluation", cfg.num_prompts, cfg.seed, cfg.text_field)
         prompts = encode_prompts(src.tokenizer(), texts, max_tokens=cfg.max_prompt_tokens)
     load_s = time.perf_counter() - t0
-    result = {"target": str(cfg.target), "target_path": str(src.path), "draft": str(cfg.draft), "trimmed": draft.kept_ids is not None,
-              "config": {k: v for k, v in asdict(cfg).items() if k != "prompt_ids"},
-              "prompt_ids": prompts, "by_temperature": {}}
+    result = {
+        "target": str(cfg.target),
+        "target_path": str(src.path),
+        "draft": str(cfg.draft),
+        "trimmed": draft.kept_ids is not None,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "prompt_ids"},
+        "prompt_ids": prompts,
+        "by_temperature": {},
+    }
     for temp in cfg.temperatures:
-        r = measure_acceptance(target, draft, prompts, gammas=list(cfg.gammas), max_tokens=cfg.max_tokens,
-                               temperature=temp, thresholds=list(cfg.thresholds), seed=cfg.seed, device=cfg.device,
-                               progress=progress)
+        r = measure_acceptance(
+            target,
+            draft,
+            prompts,
+            gammas=list(cfg.gammas),
+            max_tokens=cfg.max_tokens,
+            temperature=temp,
+            thresholds=list(cfg.thresholds),
+            seed=cfg.seed,
+            device=cfg.device,
+            progress=progress,
+        )
         r.pop("outputs")
         result["by_temperature"][str(temp)] = r
     context = prompts[0] + prompts[0][: cfg.max_tokens // 2]  # a typical decode position
-    costs = measure_costs(target, draft, context, max_k=max(cfg.gammas) + 1, repeats=cfg.cost_repeats,
-                          device=cfg.device, progress=progress)
+    costs = measure_costs(
+        target,
+        draft,
+        context,
+        max_k=max(cfg.gammas) + 1,
+        repeats=cfg.cost_repeats,
+        device=cfg.device,
+        progress=progress,
+    )
     result["costs"] = costs.as_dict()
     result["timings"] = {"load_s": load_s, "total_s": time.perf_counter() - t0}
     return result
@@ -104,21 +128,33 @@ class RecommendConfig:
 
 
 def check_engine_ready(draft: str, python: str | None = None) -> None:
-    """Raise SpecError unless `draft` can run in vLLM (a full-vocabulary draft_model, or ngram) and a vLLM venv exists."""
-    from fp8ptq.export.verify import EngineError, vllm_python
+    """Raise SpecError unless `draft` can run in vLLM (a full-vocabulary draft_model, or ngram) and a vLLM
+    venv exists."""
+    from fp8ptq.engine.vllm import EngineError, vllm_python
     from fp8ptq.spec.models import TRIM_META
 
     if (Path(draft) / TRIM_META).is_file():
-        raise SpecError(f"'{draft}' is a vocabulary-trimmed draft: vLLM's draft_model needs the full vocabulary",
-                        fix="check the full draft (draft-train output); the trimmed one is for SGLang / EAGLE-3 heads")
+        raise SpecError(
+            f"'{draft}' is a vocabulary-trimmed draft: vLLM's draft_model needs the full vocabulary",
+            fix="check the full draft (draft-train output); the trimmed one is for SGLang / EAGLE-3 heads",
+        )
     try:
         vllm_python(python)
     except EngineError as err:
         raise SpecError(f"--engine-check needs vLLM: {err.message}", fix=err.fix) from None
 
 
-def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[int]], max_tokens: int, *,
-                 temperature: float = 0.0, seed: int = 0, python: str | None = None) -> dict:
+def engine_check(
+    target: str,
+    draft: str,
+    spec_config: dict,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    python: str | None = None,
+) -> dict:
     """Run `spec_config` in vLLM and plain decoding without it, same prompts (token ids), EOS ignored.
     Returns measured tokens/s both ways and their ratio, vLLM's spec-decode counters and (greedy) the same
     counters from fp8ptq's accounting replayed on vLLM's output (`measure.replay_greedy`). Greedy plain
@@ -126,7 +162,7 @@ def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[
     max_tokens, and the replay needs the target's tokens there (taken from the plain run where the two
     runs agree on the first max_tokens). Engine failures are results (ok False, error) — a recommendation
     is still written; bad input raises."""
-    from fp8ptq.export.verify import run_vllm
+    from fp8ptq.engine.vllm import run_vllm
     from fp8ptq.spec.measure import SpecStats, replay_greedy
     from fp8ptq.spec.models import load_draft
 
@@ -135,8 +171,9 @@ def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[
     extra = gamma + 1 if temperature == 0 else 0
     runs = {}
     for name, cfg, n in (("plain", None, max_tokens + extra), ("speculative", spec_config, max_tokens)):
-        runs[name] = run_vllm(Path(target), prompts, n, temperature=temperature, seed=seed,
-                              speculative_config=cfg, python=python)
+        runs[name] = run_vllm(
+            Path(target), prompts, n, temperature=temperature, seed=seed, speculative_config=cfg, python=python
+        )
         if not runs[name].ok:
             return {"ok": False, "engine": "vllm", "run": name, "error": runs[name].error, "stage": runs[name].stage}
     plain, spec = runs["plain"], runs["speculative"]
@@ -144,22 +181,37 @@ def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[
     plain_tps = sum(len(t) for t in plain.token_ids) / plain.generate_s
     m = spec.metrics
     drafted, accepted = m.get("vllm:spec_decode_num_draft_tokens", 0), m.get("vllm:spec_decode_num_accepted_tokens", 0)
-    out = {"ok": True, "engine": "vllm", "prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
-           "tokens": tokens, "plain_generate_s": plain.generate_s, "speculative_generate_s": spec.generate_s,
-           "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": tokens / spec.generate_s,
-           "speedup": tokens / spec.generate_s / plain_tps,
-           "vllm": {"drafts": m.get("vllm:spec_decode_num_drafts", 0), "drafted": drafted, "accepted": accepted,
-                    "per_pos_accepted": m.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
-                    "acceptance": accepted / drafted if drafted else 0.0}}
+    out = {
+        "ok": True,
+        "engine": "vllm",
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "tokens": tokens,
+        "plain_generate_s": plain.generate_s,
+        "speculative_generate_s": spec.generate_s,
+        "plain_tokens_per_s": plain_tps,
+        "speculative_tokens_per_s": tokens / spec.generate_s,
+        "speedup": tokens / spec.generate_s / plain_tps,
+        "vllm": {
+            "drafts": m.get("vllm:spec_decode_num_drafts", 0),
+            "drafted": drafted,
+            "accepted": accepted,
+            "per_pos_accepted": m.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
+            "acceptance": accepted / drafted if drafted else 0.0,
+        },
+    }
     if temperature == 0:
         stats, model, same = SpecStats(gamma), load_draft(draft), 0
         for prompt, stream, longer in zip(prompts, spec.token_ids, plain.token_ids):
-            if longer[:len(stream)] == stream:
+            if longer[: len(stream)] == stream:
                 stream, same = longer, same + 1
             replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens)
         s = stats.summary()
         out["fp8ptq_replay"] = {k: s[k] for k in ("drafts", "drafted", "accepted")} | {
-            "per_pos_accepted": s["per_pos_accepted"], "acceptance": s["alpha"]}
+            "per_pos_accepted": s["per_pos_accepted"],
+            "acceptance": s["alpha"],
+        }
         out["acceptance_gap"] = (out["vllm"]["acceptance"] - s["alpha"]) / s["alpha"] if s["alpha"] else None
         out["outputs_equal_plain"] = same  # prompts whose speculative output == plain greedy output
     return out
@@ -167,7 +219,7 @@ def engine_check(target: str, draft: str, spec_config: dict, prompts: list[list[
 
 def recommend(cfg: RecommendConfig, progress=None) -> dict:
     """Choose γ and write the configs into cfg.output (atomically). Returns the summary dict."""
-    from fp8ptq.export.atomic import atomic_output_dir, check_output
+    from fp8ptq.io import atomic_output_dir, check_output
 
     check_output(Path(cfg.output), cfg.overwrite)
     if cfg.device_memory:
@@ -175,50 +227,77 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
 
         parse_size(cfg.device_memory)  # bad input fails before any measuring
         if cfg.kv_dtype != "auto" and cfg.kv_dtype not in KV_BYTES:
-            raise SpecError(f"unknown KV cache dtype '{cfg.kv_dtype}'", fix=f"use auto or one of {', '.join(sorted(KV_BYTES))}")
+            raise SpecError(
+                f"unknown KV cache dtype '{cfg.kv_dtype}'", fix=f"use auto or one of {', '.join(sorted(KV_BYTES))}"
+            )
     if cfg.engine_check and cfg.measure is not None:
         check_engine_ready(cfg.measure.draft, cfg.vllm_python)  # before minutes of measuring
     if cfg.measured is not None:
         try:
             measured = json.loads(Path(cfg.measured).read_text())
         except (OSError, ValueError) as err:
-            raise SpecError(f"cannot read measurements '{cfg.measured}' ({err})",
-                            fix="pass the file written by `fp8ptq spec measure --save FILE`") from None
+            raise SpecError(
+                f"cannot read measurements '{cfg.measured}' ({err})",
+                fix="pass the file written by `fp8ptq spec measure --save FILE`",
+            ) from None
     elif cfg.measure is not None:
         measured = measure(cfg.measure, progress)
     else:
         raise SpecError("nothing to recommend from", fix="pass TARGET and DRAFT, or --measured FILE")
     key = str(float(cfg.temperature))
     if key not in measured["by_temperature"]:
-        raise SpecError(f"temperature {cfg.temperature} was not measured (have {sorted(measured['by_temperature'])})",
-                        fix="measure it with --temperatures, or pick a measured one")
+        raise SpecError(
+            f"temperature {cfg.temperature} was not measured (have {sorted(measured['by_temperature'])})",
+            fix="measure it with --temperatures, or pick a measured one",
+        )
     costs = Costs.from_dict(cfg.costs or measured["costs"])
     rec = choose(measured["by_temperature"][key], costs)
     draft = cfg.draft_for_engine or measured["draft"]
     engine = None
     if cfg.engine_check:  # the measured draft's real path: draft_for_engine may be relative to a bundle
-        engine = engine_check(measured["target_path"], measured["draft"], vllm_config(measured["draft"], rec.gamma),
-                              measured["prompt_ids"], int(measured["by_temperature"][key]["max_tokens"]),
-                              temperature=cfg.temperature, seed=int(measured["config"].get("seed", 0)),
-                              python=cfg.vllm_python)
+        engine = engine_check(
+            measured["target_path"],
+            measured["draft"],
+            vllm_config(measured["draft"], rec.gamma),
+            measured["prompt_ids"],
+            int(measured["by_temperature"][key]["max_tokens"]),
+            temperature=cfg.temperature,
+            seed=int(measured["config"].get("seed", 0)),
+            python=cfg.vllm_python,
+        )
     plan = None
     if cfg.device_memory:
-        from fp8ptq.spec.memory import model_shape, parse_size, plan as memory_plan
-
+        from fp8ptq.spec.memory import model_shape, parse_size
+        from fp8ptq.spec.memory import plan as memory_plan
         from fp8ptq.spec.models import parse_ngram
 
-        plan = memory_plan(model_shape(Path(measured["target_path"]), cfg.kv_dtype),
-                           None if parse_ngram(draft) else model_shape(Path(draft)),
-                           parse_size(cfg.device_memory), context=cfg.context,
-                           batch=cfg.batch, gamma=rec.gamma).as_dict()
-    extra = {"target": measured["target"], "draft": draft, "temperature": cfg.temperature, "memory_plan": plan,
-             "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
-             "engine_check": engine,
-             "note": None if rec.threshold is None else
-             "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ"}
+        plan = memory_plan(
+            model_shape(Path(measured["target_path"]), cfg.kv_dtype),
+            None if parse_ngram(draft) else model_shape(Path(draft)),
+            parse_size(cfg.device_memory),
+            context=cfg.context,
+            batch=cfg.batch,
+            gamma=rec.gamma,
+        ).as_dict()
+    extra = {
+        "target": measured["target"],
+        "draft": draft,
+        "temperature": cfg.temperature,
+        "memory_plan": plan,
+        "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
+        "engine_check": engine,
+        "note": None
+        if rec.threshold is None
+        else "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ",
+    }
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
-        files = write_outputs(tmp, rec, draft=draft, token_map=cfg.token_map,
-                              title=f"{Path(str(measured['target'])).name} + {Path(draft).name}, T={cfg.temperature}",
-                              extra=extra)
+        files = write_outputs(
+            tmp,
+            rec,
+            draft=draft,
+            token_map=cfg.token_map,
+            title=f"{Path(str(measured['target'])).name} + {Path(draft).name}, T={cfg.temperature}",
+            extra=extra,
+        )
         (tmp / MEASURE_FILE).write_text(json.dumps(measured, indent=1) + "\n")
     return {**rec.as_dict(), **extra, "files": {k: str(Path(cfg.output) / v.name) for k, v in files.items()}}

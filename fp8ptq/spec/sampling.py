@@ -37,8 +37,9 @@ def accept_mask(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> torch.
     return u * q_x < p_x
 
 
-def verify_batch(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_batch(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched verification. p [B, γ+1, V], q [B, γ, V], drafted [B, γ] (int64).
 
     Returns (accepted [B] in 0..γ, tokens [B, γ+1]): row b emits tokens[b, :accepted[b]+1] (the
@@ -66,8 +67,9 @@ def verify_batch(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
     return accepted, tokens
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
-           generator: torch.Generator | None = None) -> tuple[int, list[int]]:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, list[int]]:
     """One sequence: p [γ+1, V], q [γ, V], drafted [γ]. Returns (accepted count, emitted tokens)."""
     n, tokens = verify_batch(p.unsqueeze(0), q.unsqueeze(0), drafted.reshape(1, -1), generator)
     n = int(n[0])
@@ -90,7 +92,10 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 # --- statistics for the exactness tests (pure, no scipy needed) ---
 
-def chi_square_gof(counts: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int, float]:
+
+def chi_square_gof(
+    counts: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0
+) -> tuple[float, int, float]:
     """Pearson chi-square goodness of fit of observed counts to expected probabilities (same shape).
 
     Cells with an expected count below min_expected are pooled into one cell (the chi-square
@@ -112,5 +117,7 @@ def chi_square_gof(counts: torch.Tensor, expected_probs: torch.Tensor, min_expec
     dof = int(obs_cells.numel()) - 1
     if dof < 1:
         return stat, dof, 1.0
-    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    pvalue = float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
     return stat, dof, pvalue

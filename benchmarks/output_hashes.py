@@ -1,0 +1,101 @@
+"""sha256 of every file every built-in recipe writes on smollm2-135m: the byte-identity check for
+refactors ("outputs unchanged"). Run it on the base commit and on the change, on the same machine (CPU
+flags change float results), and compare:
+
+    python benchmarks/output_hashes.py --out before.json              # on the base commit
+    python benchmarks/output_hashes.py --out after.json --compare before.json
+
+Only the run's wall-clock timings are taken out before hashing (the manifest's `timings` and the one
+line of the reports that prints them); everything else — tensors, config, manifest numbers, report
+text, plots — is hashed as written. Calibration is reduced (16 x 256 tokens, 2 evaluation samples) so
+the whole set runs in minutes; every code path of every recipe still runs, the quality check included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VOLATILE_LINE = re.compile(rb"^(timings?:|Timings:).*$", re.MULTILINE | re.IGNORECASE)
+
+
+def builtin_recipes() -> list[str]:
+    return sorted(p.stem for p in (REPO / "fp8ptq" / "recipes").glob("*.yaml"))
+
+
+def file_hash(path: Path) -> str:
+    data = path.read_bytes()
+    if path.name == "fp8ptq_manifest.json":
+        manifest = json.loads(data)
+        manifest.pop("timings", None)
+        data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    elif path.name in ("report.md", "report.html"):
+        data = VOLATILE_LINE.sub(b"", data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def run_recipe(recipe: str, out: Path, extra: list[str]) -> dict[str, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8ptq",
+        "quantize",
+        "smollm2-135m",
+        "-r",
+        recipe,
+        "-o",
+        str(out),
+        "--num-samples",
+        "16",
+        "--seq-len",
+        "256",
+        "--eval-samples",
+        "2",
+        "--json",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{recipe} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {str(p.relative_to(out)): file_hash(p) for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON file: recipe -> file -> sha256")
+    ap.add_argument("--compare", type=Path, help="an earlier --out file: report identical / different files")
+    ap.add_argument("--recipes", default=",".join(builtin_recipes()), help="comma-separated (default: all built-in)")
+    args = ap.parse_args()
+    hashes = {}
+    # A fixed output path: the reports print the folder name and the serve commands print its path.
+    root = Path(tempfile.gettempdir()) / "fp8ptq-output-hashes"
+    for recipe in args.recipes.split(","):
+        out = root / recipe
+        hashes[recipe] = run_recipe(recipe, out, ["--overwrite"])
+        print(f"{recipe}: {len(hashes[recipe])} files", flush=True)
+    args.out.write_text(json.dumps(hashes, indent=2, sort_keys=True) + "\n")
+    if args.compare:
+        before = json.loads(args.compare.read_text())
+        same = differ = 0
+        for recipe, files in hashes.items():
+            old = before.get(recipe, {})
+            for name in sorted(set(files) | set(old)):
+                if files.get(name) == old.get(name):
+                    same += 1
+                else:
+                    differ += 1
+                    was, now = old.get(name, "missing")[:12], files.get(name, "missing")[:12]
+                    print(f"DIFFERENT {recipe}/{name}: {was} -> {now}")
+        print(f"{same} files identical, {differ} different")
+        sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The library's entry points, one per CLI subcommand: each takes one config object, never prints.
+
+quantize:         recipe + model + data -> compressed-tensors checkpoint (steps in fp8ptq/runs/).
+analyze:          outlier statistics of the float model -> report directory.
+verify:           a checkpoint in real vLLM vs fp8ptq's simulation.
+convert:          GGUF -> HF safetensors directory.
+evaluate_quality: any checkpoint vs a reference, under simulated engine numerics.
+(lm-eval runs are `fp8ptq.eval.harness.run`; speculative decoding is `fp8ptq.spec`.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from fp8ptq import data as data_mod
+from fp8ptq import gates as gates_mod
+from fp8ptq.calibrate.state import CalibrationSetup, Progress
+from fp8ptq.errors import ModelError
+from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.io import check_output
+from fp8ptq.manifest import MANIFEST, GateRecord, Manifest
+from fp8ptq.models.loader import convert_gguf, resolve_model
+from fp8ptq.report import write_report
+from fp8ptq.runs.calibrated import calibrate_into
+from fp8ptq.runs.context import QuantizeConfig, check_group_sizes, chunk_samples, open_run, prepare_run, resolve_device
+from fp8ptq.runs.data_free import data_free_into
+from fp8ptq.runs.finish import finish
+
+__all__ = [
+    "QuantizeConfig",
+    "EvalConfig",
+    "AnalyzeConfig",
+    "VerifyConfig",
+    "ConvertConfig",
+    "quantize",
+    "analyze",
+    "verify",
+    "convert",
+    "evaluate_quality",
+    "resolve_device",
+]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str
+    reference: str
+    data: str = data_mod.BUILTIN
+    text_field: str = "text"
+    num_samples: int = 16
+    seq_len: int = 512
+    seed: int = 0
+    simulate: bool = True
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    model: str
+    output: Path
+    data: str = data_mod.BUILTIN
+    text_field: str = "text"
+    num_samples: int = 32
+    seq_len: int = 512
+    seed: int = 0
+    chat_template: bool = False
+    overwrite: bool = False
+    device: str = "cpu"
+    chunk_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    model: str  # a compressed-tensors checkpoint directory
+    reference: str | None = None  # default: the model an fp8ptq checkpoint was made from
+    num_prompts: int = 4
+    prompt_len: int = 96
+    max_tokens: int = 32
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    vllm_python: str | None = None
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    source: Path  # a .gguf file
+    output: Path
+    dtype: str = "bfloat16"
+    overwrite: bool = False
+
+
+def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest | None:
+    """Quantize cfg.model with cfg.recipe into cfg.output. Returns the manifest (also written to disk).
+
+    Under torchrun (WORLD_SIZE > 1) every rank calibrates its share of the samples, statistics are
+    combined exactly, and rank 0 writes the output; the manifest is returned on rank 0 (others: None)."""
+    ctx = prepare_run(cfg, progress)
+    t0 = time.perf_counter()
+    ctx.src = resolve_model(cfg.model)
+    check_group_sizes(ctx.src, ctx.recipe)
+    ctx.tokenizer = ctx.src.tokenizer()
+    cal = ctx.recipe.calibration
+    if ctx.recipe.needs_data:
+        ctx.ids = data_mod.load_samples(
+            cfg.data,
+            ctx.tokenizer,
+            cal.num_samples,
+            cal.seq_len,
+            "calibration",
+            cal.seed,
+            text_field=cfg.text_field,
+            chat_template=cfg.chat_template,
+        )
+    ctx.timings["load_s"] = time.perf_counter() - t0
+    with open_run(ctx):
+        t1 = time.perf_counter()
+        if ctx.start_layer < ctx.src.config.num_hidden_layers:
+            if ctx.ids is not None:
+                calibrate_into(ctx)
+            elif ctx.comm.rank == 0:  # data-free: nothing to share between ranks, rank 0 does it
+                data_free_into(ctx)
+        ctx.timings["quantize_s"] = time.perf_counter() - t1
+        if ctx.comm.rank != 0:
+            return None
+        manifest = finish(ctx)
+        manifest.gates = [GateRecord.of(r) for r in gates_mod.check(ctx.gates, manifest.metrics())]
+        manifest.gates_skipped = ctx.gates_skipped
+        manifest.write(ctx.path)
+        write_report(ctx.path, manifest, serve_path=str(cfg.output))
+        ctx.writer.cleanup()
+        ctx.run.commit()
+    return manifest
+
+
+def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
+    """Outlier analysis of the float model into cfg.output (report.json, PNGs, summary.md), atomically."""
+    from fp8ptq.calibrate.analyze import analyze_model
+    from fp8ptq.io import atomic_output_dir
+    from fp8ptq.outliers.report import write_analysis
+
+    check_output(cfg.output, cfg.overwrite)
+    device = resolve_device(cfg.device)
+    src = resolve_model(cfg.model)
+    ids = data_mod.load_samples(
+        cfg.data,
+        src.tokenizer(),
+        cfg.num_samples,
+        cfg.seq_len,
+        "calibration",
+        cfg.seed,
+        text_field=cfg.text_field,
+        chat_template=cfg.chat_template,
+    )
+    setup = CalibrationSetup(None, chunk_samples=chunk_samples(cfg.chunk_tokens, ids), device=device)
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report, cmax = analyze_model(src, ids, setup, progress=progress)
+        report["data"] = "built-in calibration split" if cfg.data == data_mod.BUILTIN else cfg.data
+        report["files"] = [p.name for p in write_analysis(tmp, report, cmax)]
+    return report
+
+
+def verify(cfg: VerifyConfig) -> dict:
+    """Run a checkpoint in vLLM and compare it with fp8ptq's simulation (eval/engine_check.py)."""
+    from fp8ptq.eval.engine_check import EngineCheck, check_engine
+
+    src = resolve_model(cfg.model)
+    reference = cfg.reference
+    if reference is None and (src.path / MANIFEST).is_file():
+        reference = Manifest.load(src.path).model
+    ids = data_mod.load_samples(data_mod.BUILTIN, src.tokenizer(), cfg.num_prompts, cfg.prompt_len, "evaluation", 0)
+    kv_sim = cfg.kv_cache_dtype.startswith("fp8")
+    return check_engine(
+        EngineCheck(
+            model=cfg.model,
+            prompts=tuple(tuple(p) for p in ids.tolist()),
+            reference=reference,
+            max_tokens=cfg.max_tokens,
+            dtype=cfg.dtype,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            simulate_kv=kv_sim,
+            vllm_python=cfg.vllm_python,
+        )
+    )
+
+
+def convert(cfg: ConvertConfig) -> Path:
+    """GGUF -> HF safetensors (dequantized), written atomically."""
+    if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
+        raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
+    check_output(cfg.output, cfg.overwrite)
+    return convert_gguf(cfg.source, cfg.output, getattr(torch, cfg.dtype))
+
+
+def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
+    cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
+    tokenizer = ref_src.tokenizer()
+    ids = data_mod.load_samples(
+        cfg.data, tokenizer, cfg.num_samples, cfg.seq_len, "evaluation", cfg.seed, text_field=cfg.text_field
+    )
+    cand = load_simulated(cand_src, simulate=cfg.simulate)
+    ref = load_simulated(ref_src, simulate=False)
+    result = compare(ref.model, cand.model, ids, progress=progress)
+    return {
+        "model": cfg.model,
+        "reference": cfg.reference,
+        **result,
+        "numerics": cand.numerics,
+        "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
+        "config": {k: str(v) for k, v in asdict(cfg).items()},
+    }

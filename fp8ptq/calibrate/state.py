@@ -1,0 +1,166 @@
+"""What every layer of one calibration run shares, how a run is prepared, and the float observe pass.
+
+`prepare` builds the module skeleton (no weights), the chunk plan over this rank's samples and the
+activation store holding the embeddings. `observe_layer` runs a float layer over every chunk and
+collects statistics on each Linear input and the post-RoPE keys/values (analysis, SmoothQuant,
+FlattenQuant all read it). The layout of a layer comes from the model's architecture adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fp8ptq.calibrate.store import ActivationStore
+from fp8ptq.dist import ChunkPlan, LocalComm
+from fp8ptq.models.arch import Arch
+from fp8ptq.models.loader import ModelSource
+from fp8ptq.models.skeleton import build_skeleton
+from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
+from fp8ptq.quantize.numerics import register_attention
+from fp8ptq.quantize.plan import plan_layer
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class RunState:
+    """What every layer of one calibration run shares."""
+
+    store: ActivationStore
+    chunks: ChunkPlan
+    comm: object
+    device: torch.device
+    seq_len: int
+    arch: Arch
+    positions: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer index -> (cos, sin)
+    cache_bytes: int = 0  # budget for keeping a block's final Linear input between passes (0: recompute)
+
+    @property
+    def total_rows(self) -> int:
+        return self.chunks.samples * self.seq_len
+
+    def each_chunk(self):
+        """(global chunk index, first global sample, x on device) for this rank's chunks."""
+        base = self.chunks.local_samples().start
+        for c in self.chunks.owned():
+            r = self.chunks.sample_range(c)
+            yield c, r.start, self.store.read(r.start - base, r.stop - base).to(self.device)
+
+    def write(self, first_sample: int, x: torch.Tensor) -> None:
+        self.store.write(first_sample - self.chunks.local_samples().start, x)
+
+    def new_stats(self, channels: int, spec: StatsSpec) -> ActStats:
+        return ActStats(spec, channels, self.total_rows, self.seq_len)
+
+    def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Every block of a decoder layer, in order."""
+        pos = self.positions(index)
+        for block in self.arch.blocks:
+            x = self.arch.run_block(layer, block, x, pos)
+        return x
+
+
+@dataclass(frozen=True)
+class CalibrationSetup:
+    recipe: object | None  # the Recipe; None: observe only (fp8ptq analyze)
+    chunk_samples: int = 8
+    device: str = "cpu"
+    offload_dir: object = None  # Path: keep activations on disk
+    start_layer: int = 0  # resume: layers before this are done (their output state is restored)
+    cache_bytes: int = 1 << 30  # see RunState.cache_bytes; 0 with offloaded activations (RAM stays flat)
+    restore: object = None  # Path of the activation checkpoint to restore (resume)
+
+
+def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, comm=None):
+    """Build the skeleton, the chunk plan and the activation store holding this rank's embeddings."""
+    comm = comm or LocalComm()
+    arch = src.arch
+    device = torch.device(setup.device)
+    model = build_skeleton(src.config, attn_implementation=register_attention())
+    chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
+    local = chunks.local_samples()
+    store = ActivationStore(len(local), input_ids.shape[1], src.config.hidden_size, setup.offload_dir)
+    positions = arch.position_embeddings(model, input_ids.shape[1], device)
+    cache = 0 if setup.offload_dir is not None else setup.cache_bytes
+    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, positions, cache)
+    if setup.restore is not None:
+        store.load(setup.restore)
+    else:
+        # Look rows up in the stored dtype and widen only those: an fp32 copy of the whole table (113 MiB
+        # for SmolLM2, 2 GiB for a 128k x 4096 vocabulary) would be the run's peak. Same values.
+        table = src.tensor(f"{arch.embed}.weight").to(device)
+        src.close()
+        scale = arch.embed_scale(src.config) if arch.embed_scale else None
+        for c in chunks.owned():
+            r = chunks.sample_range(c)
+            x = torch.nn.functional.embedding(input_ids[r.start : r.stop].to(device), table).float()
+            state.write(r.start, x if scale is None else x * scale)
+        del table
+    return model, state
+
+
+def observe_layer(
+    layer: torch.nn.Module,
+    index: int,
+    state: RunState,
+    spec: StatsSpec,
+    *,
+    kv: bool = True,
+    massive: bool = False,
+    write: bool = False,
+) -> dict:
+    """One float pass of every block over all chunks, collecting `spec` statistics on every Linear input
+    (fused shards share one entry), post-RoPE keys/values and, optionally, massive activations in the
+    residual stream. write=True stores the layer's output (analysis: nothing is quantized)."""
+    modules = dict(layer.named_modules())
+    stats: dict[str, ActStats] = {}
+    current = {}
+    handles = []
+
+    def hook(name):
+        def fn(_m, args):
+            x = args[0]
+            if name not in stats:
+                stats[name] = state.new_stats(x.shape[-1], spec)
+            stats[name].update(current["chunk"], current["first"], x)
+
+        return fn
+
+    # every Linear, fused shards once (they read the same input): the first shard of each group
+    prefix = state.arch.layer_prefix(index)
+    for group in plan_layer(layer, prefix, ("Linear",), (), state.arch).groups:
+        handles.append(modules[group[0]].register_forward_pre_hook(hook(group[0])))
+    attn = modules[state.arch.attention]
+    if kv:
+        head = attn.head_dim
+
+        def kv_hook(_m, k, v):
+            for key, t in (("k", k), ("v", v)):
+                if key not in stats:
+                    stats[key] = state.new_stats(t.shape[1] * head, spec)
+                stats[key].update(current["chunk"], current["first"], t.transpose(1, 2).flatten(2))
+            return k, v
+
+        attn.fp8ptq_kv_hook = kv_hook
+    found: list = []
+    try:
+        with torch.inference_mode():
+            for c, first, x in state.each_chunk():
+                current.update(chunk=c, first=first)
+                x = state.run_layer(layer, index, x)
+                if massive:
+                    found.extend(massive_activations(x, first))
+                if write:
+                    state.write(first, x)
+    finally:
+        for h in handles:
+            h.remove()
+        attn.__dict__.pop("fp8ptq_kv_hook", None)
+    out = {n: s.reduce(state.comm) for n, s in sorted(stats.items())}
+    if massive:
+        merged = [m for part in state.comm.gather_objects(found) for m in part]
+        out["massive"] = sorted(merged, key=lambda m: -m["abs"])[:8]
+    return out

@@ -1,0 +1,140 @@
+"""What every command shares: the consoles (the only place fp8ptq prints), progress bars, the one place
+library errors become one-line CLI errors, gate output, and the shared eval options."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fp8ptq.errors import Fp8ptqError
+
+console = Console(stderr=True)
+out = Console()
+
+
+def return_freed_memory() -> None:
+    """Serve large allocations with mmap so freed calibration activations go back to the OS.
+
+    glibc raises its mmap threshold after each large free, after which GB-sized activations are carved
+    from the heap and peak RSS ratchets up with fragmentation. A fixed threshold stops that (CLI
+    process only; the library does not touch allocator settings)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
+def offline() -> None:
+    from fp8ptq.models.loader import ensure_offline
+
+    ensure_offline()
+
+
+@contextmanager
+def progress_bar(enabled: bool):
+    """A rich progress callback (stage, done, total) -> one bar per stage."""
+    if not enabled:
+        yield None
+        return
+    with Progress(
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
+
+
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=2)
+
+
+@contextmanager
+def user_errors():
+    try:
+        yield
+    except Fp8ptqError as err:
+        fail(err)
+    except KeyboardInterrupt:
+        console.print(
+            "[red]interrupted: no complete output was written[/] (a quantize run keeps its finished "
+            "layers hidden in .OUT.partial: repeat the command with --resume to continue)"
+        )
+        raise typer.Exit(code=130) from None
+
+
+GATE_FAILED_EXIT = 3
+ENGINE_FAILED_EXIT = 4
+GATE_HELP = "quality gate METRIC OP NUMBER, e.g. kl<=0.05, top1>=0.9 (repeatable); a failed gate exits 3"
+
+
+def finish_gates(results: list[dict]) -> None:
+    """Print gate results; exit GATE_FAILED_EXIT when any failed (after everything else was printed)."""
+    from fp8ptq.gates import GateResult
+
+    if not results:
+        return
+    failed = 0
+    for r in results:
+        res = GateResult.from_dict(r)
+        console.print(("[green]gate[/] " if r["passed"] else "[bold red]gate[/] ") + res.describe(), highlight=False)
+        failed += not r["passed"]
+    if failed:
+        console.print(f"[bold red]{failed} of {len(results)} quality gates failed[/]")
+        raise typer.Exit(code=GATE_FAILED_EXIT)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def quality_rows(table: Table, q: dict) -> None:
+    table.add_row("PPL (reference → quantized)", f"{q['ppl_reference']:.3f} → {q['ppl']:.3f}")
+    table.add_row("KL(ref ‖ quant) / token", f"{q['kl']:.5f}")
+    table.add_row("top-1 agreement", f"{q['top1'] * 100:.2f}%")
+    table.add_row("eval tokens", str(q["tokens"]))
+
+
+EVAL_OPTS = dict(
+    baseline=typer.Option(None, "--baseline", help="reference model (dir, .gguf or alias) for the delta"),
+    limit=typer.Option(None, help="questions per (sub)task (default: all)"),
+    num_fewshot=typer.Option(None, help="few-shot examples (default: the task's; mmlu_pro: 5)"),
+    max_gen_toks=typer.Option(None, help="cap generated tokens (default: the task's; mmlu_pro: 2048)"),
+    batch_size=typer.Option(4, help="lm-eval batch size"),
+    backend=typer.Option("hf", help="hf (fp32 + simulated engine numerics) or vllm (if installed)"),
+    device=typer.Option("cpu", help="hf backend device: cpu, cuda, cuda:N"),
+    no_simulate=typer.Option(
+        False, "--no-simulate", help="hf backend: dequantized weights only, no activation/KV quantization"
+    ),
+    gate=typer.Option(
+        [], "--gate", help="gate on '<task>' (percent) or '<task>_delta' (points), e.g. mmlu_pro_delta>=-1.0"
+    ),
+    json_out=typer.Option(False, "--json"),
+    save=typer.Option(None, "--save", help="also write the result JSON to this file"),
+    no_record=typer.Option(False, "--no-record", help="do not record the result in an fp8ptq checkpoint's report"),
+)

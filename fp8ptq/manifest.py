@@ -1,0 +1,140 @@
+"""`fp8ptq_manifest.json`: what a quantize run did, typed. The CLI, the gates and the report read it as
+attributes; on disk it is strict JSON (a NaN or inf is an error, never written).
+
+Per-layer reports (`layers`) stay free-form dicts: each Linear's entry carries what its scheme and
+calibration produced (errors, input abs-max, clip ratio, scheme, transforms), which differs by recipe.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from fp8ptq.errors import Fp8ptqError
+from fp8ptq.gates import GateResult
+from fp8ptq.io import write_json_atomic
+
+MANIFEST = "fp8ptq_manifest.json"
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CalibrationData(_Part):
+    source: str
+    samples: int
+    seq_len: int
+    tokens: int
+    seed: int
+
+
+class RunInfo(_Part):
+    device: str
+    world_size: int
+    resumed_from_layer: int | None
+    offload_activations: bool
+    chunk_tokens: int
+    chunks_per_rank: list[int] | None
+
+
+class Sizes(_Part):
+    source: int
+    output: int
+
+    @property
+    def ratio(self) -> float | None:
+        return self.output / self.source if self.source else None
+
+
+class Summary(_Part):
+    layers: int
+    linears_quantized: int
+    linears_skipped: dict[str, str]
+    worst_linear_rel_err: float
+
+
+class Quality(_Part):
+    tokens: int
+    ppl_reference: float
+    ppl: float
+    kl: float
+    top1: float
+    data: str
+    numerics: dict
+
+
+class GateRecord(_Part):
+    gate: str
+    metric: str
+    op: str
+    threshold: float
+    value: float | None
+    passed: bool
+    margin: float | None
+
+    @classmethod
+    def of(cls, result: GateResult) -> GateRecord:
+        return cls(**result.as_dict())
+
+
+_OMITTED_WHEN_NONE = ("mixed", "speculative", "quality")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    recipe: dict  # the recipe as run, command-line overrides applied (Recipe.model_dump(mode="json"))
+    versions: dict[str, str]
+    calibration: CalibrationData | None  # None: data-free
+    run: RunInfo
+    shards: list[str]
+    size_bytes: Sizes
+    layers: list[dict]
+    summary: Summary
+    mixed: dict | None = None  # the 4/8-bit plan (mixed recipes)
+    speculative: dict | None = None  # quantize --draft auto
+    quality: Quality | None = None  # the quality check (--eval-samples > 0)
+    timings: dict[str, float] = {}
+    gates: list[GateRecord] = []
+    gates_skipped: list[str] = []  # recipe gates that need the quality check, which was off
+
+    def metrics(self) -> dict[str, float]:
+        """The gateable numbers of the run (fp8ptq.gates.QUANTIZE_METRICS)."""
+        out: dict[str, float] = {"worst_linear_rel_err": self.summary.worst_linear_rel_err}
+        if self.size_bytes.ratio is not None:
+            out["size_ratio"] = self.size_bytes.ratio
+        q = self.quality
+        if q is not None:
+            out.update(kl=q.kl, top1=q.top1, ppl=q.ppl, ppl_ratio=q.ppl / q.ppl_reference)
+        return out
+
+    def as_json(self) -> dict:
+        data = self.model_dump(mode="json")
+        for key in _OMITTED_WHEN_NONE:
+            if data[key] is None:
+                del data[key]
+        return data
+
+    def write(self, out_dir: Path) -> None:
+        try:
+            write_json_atomic(Path(out_dir) / MANIFEST, self.as_json(), trailing_newline=True)
+        except ValueError as err:  # NaN / inf: a broken number must not reach a file as invalid JSON
+            raise Fp8ptqError(
+                f"the manifest holds a non-finite number ({err})",
+                fix="report this run: fp8ptq should have refused its input earlier",
+            ) from None
+
+    @classmethod
+    def load(cls, out_dir: Path) -> Manifest:
+        path = Path(out_dir) / MANIFEST
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            raise Fp8ptqError(
+                f"'{path}' is not a readable fp8ptq manifest ({type(err).__name__})",
+                fix="pass a directory written by `fp8ptq quantize`",
+            ) from None

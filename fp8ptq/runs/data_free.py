@@ -1,0 +1,61 @@
+"""The data-free path: recipes that need no activation statistics (RTN weights, dynamic activations)
+skip calibration. Per decoder layer: read its weights, quantize, write; layer i is written (and
+fsynced) in a writer thread while layer i+1 is quantized. Schemes whose handler packs directly (FP8
+per-channel / per-tensor) go straight from the source tensors to checkpoint tensors, the same bytes
+as the general fp32 fake-quant path that other schemes take."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from fp8ptq.models.skeleton import build_skeleton
+from fp8ptq.quantize.plan import plan_layer
+from fp8ptq.quantize.results import LayerResult, QuantizedLinear
+from fp8ptq.quantize.schemes import LinearScheme, handler
+from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.runs.context import RunContext
+
+
+def data_free_into(ctx: RunContext) -> None:
+    """Quantize every layer from ctx.start_layer on into ctx's run directory (rank 0 only)."""
+    src, writer = ctx.src, ctx.writer
+    layers = src.arch.decoder_layers(build_skeleton(src.config))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # layer i is written (and fsynced) while i+1 is quantized
+        pending = None
+        for res in _layers(ctx, layers):
+            write = pool.submit(writer.write_layer, *writer.layer_payload(res))
+            if pending is not None:
+                _finish_layer(ctx, pending, len(layers))
+            pending = (res.index, write)
+        if pending is not None:
+            _finish_layer(ctx, pending, len(layers))
+
+
+def _finish_layer(ctx: RunContext, pending, total: int) -> None:
+    i, write = pending
+    write.result()  # the layer is on disk (or its error is raised here)
+    ctx.run.save_state(layers_done=i + 1, checkpoint=i + 1)
+    if ctx.progress:
+        ctx.progress("quantize", i + 1, total)
+
+
+def _layers(ctx: RunContext, layers):
+    """Each decoder layer from the start on, quantized (a LayerResult, not yet written)."""
+    src, recipe = ctx.src, ctx.recipe
+    arch, w = src.arch, recipe.scheme.weights
+    scheme = LinearScheme(w, recipe.scheme.input_activations)
+    h = handler(w)
+    direct = h.packs_directly(w, recipe.calibration)
+    for i in range(ctx.start_layer, len(layers)):
+        prefix = arch.layer_prefix(i)
+        plan = plan_layer(layers[i], prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
+        res = LayerResult(index=i, prefix=prefix, report={"skipped": {prefix + n: why for n, why in plan.skipped}})
+        for group in plan.groups:
+            weights = {n: src.tensor(f"{prefix}{n}.weight") for n in group}
+            if direct:
+                for n, packed in h.pack(weights, w).items():
+                    res.packed[prefix + n] = packed
+                continue
+            for n, qw in quantize_group(weights, w, recipe.calibration, None).items():
+                res.linears[prefix + n] = QuantizedLinear(qw.fake, qw.params, scheme, qw.report)
+        yield res

@@ -1,0 +1,162 @@
+"""After the layers: assemble the shards, write config/tokenizer/recipe, and build the manifest (with
+the optional draft bundle and quality check) on rank 0."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import time
+
+import torch
+
+import fp8ptq
+from fp8ptq import data as data_mod
+from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.export.compressed_tensors import quantization_config
+from fp8ptq.io import write_bytes_atomic
+from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, Summary
+from fp8ptq.models.loader import open_hf_dir
+from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.recipe import recipe_yaml
+from fp8ptq.runs.calibrated import chunks_per_rank
+from fp8ptq.runs.context import RunContext
+
+
+def versions() -> dict:
+    import compressed_tensors
+    import transformers
+
+    return {
+        "fp8ptq": fp8ptq.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "compressed-tensors": compressed_tensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def finish(ctx: RunContext) -> Manifest:
+    """Shards, metadata and the manifest of a run whose layers are all written (rank 0)."""
+    src, recipe, writer, run = ctx.src, ctx.recipe, ctx.writer, ctx.run
+    layers = writer.reports()
+    shards = ctx.state.get("shards")  # a resumed run that had already assembled its shards
+    if not shards:
+        t = time.perf_counter()
+        shards = writer.finish(src.config.num_hidden_layers)
+        run.save_state(shards=shards)
+        ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
+    write_metadata(ctx, _config_updates(layers), _export_groups(recipe, layers, run.state))
+    ids = ctx.ids
+    manifest = Manifest(
+        model=src.label,
+        recipe=recipe.model_dump(mode="json"),
+        versions=versions(),
+        calibration=None
+        if ids is None
+        else CalibrationData(
+            source=ctx.cfg.data,
+            samples=ids.shape[0],
+            seq_len=ids.shape[1],
+            tokens=ids.numel(),
+            seed=recipe.calibration.seed,
+        ),
+        run=RunInfo(
+            device=ctx.device,
+            world_size=ctx.comm.world,
+            resumed_from_layer=ctx.start_layer if ctx.resumed else None,
+            offload_activations=ctx.cfg.offload_activations,
+            chunk_tokens=ctx.cfg.chunk_tokens,
+            chunks_per_rank=None if ids is None else chunks_per_rank(ctx, ctx.comm.world),
+        ),
+        shards=shards,
+        size_bytes=Sizes(source=src.size_bytes(), output=sum((ctx.path / s).stat().st_size for s in shards)),
+        layers=layers,
+        summary=summary(layers),
+        mixed=run.state["mixed"]["report"] if recipe.mixed is not None else None,
+    )
+    if ctx.cfg.draft == "auto":  # the finished target is in place: distil, measure, recommend beside it
+        manifest.speculative = _draft(ctx)
+    if ctx.cfg.eval_samples > 0:
+        manifest.quality = _quality(ctx)
+    manifest.timings = ctx.timings
+    return manifest
+
+
+def write_metadata(ctx: RunContext, config_updates: dict, groups) -> None:
+    src, out = ctx.src, ctx.path
+    config = json.loads((src.path / "config.json").read_text())
+    config.update(config_updates)
+    config["quantization_config"] = quantization_config(ctx.recipe, groups)
+    write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    for extra in ("generation_config.json",):
+        if (src.path / extra).is_file():
+            shutil.copy2(src.path / extra, out / extra)
+    ctx.tokenizer.save_pretrained(str(out))
+    write_bytes_atomic(out / "recipe.yaml", recipe_yaml(ctx.recipe).encode())
+
+
+def _draft(ctx: RunContext) -> dict:
+    from fp8ptq.spec.auto import build_draft_bundle
+
+    t = time.perf_counter()
+    cfg = ctx.cfg
+    bundle = build_draft_bundle(
+        ctx.path,
+        ctx.path,
+        trim_keep=cfg.draft_trim,
+        max_steps=cfg.draft_steps,
+        time_budget_s=cfg.draft_time_budget_s,
+        device=ctx.device,
+        progress=ctx.progress,
+    )
+    ctx.timings["draft_s"] = time.perf_counter() - t
+    return bundle
+
+
+def _quality(ctx: RunContext) -> Quality:
+    t = time.perf_counter()
+    cfg = ctx.cfg
+    eval_ids = data_mod.load_samples(
+        data_mod.BUILTIN, ctx.tokenizer, cfg.eval_samples, cfg.eval_seq_len, "evaluation", 0
+    )
+    quant = load_simulated(open_hf_dir(ctx.path, label=str(cfg.output)), device=ctx.device)
+    ref = load_simulated(ctx.src, device=ctx.device)
+    result = compare(ref.model, quant.model, eval_ids.to(ctx.device), progress=ctx.progress)
+    quality = Quality(**result, data="built-in evaluation split", numerics=quant.numerics)
+    del quant, ref
+    ctx.timings["eval_s"] = time.perf_counter() - t
+    return quality
+
+
+def _export_groups(recipe, layers: list[dict], state: dict):
+    """(scheme, module names) per compressed-tensors config group; None: the recipe's single group."""
+    if recipe.mixed is None:
+        return None
+    low = set(state["mixed"]["low"])
+    names = sorted(n for layer in layers for n in layer["quantized"])
+    high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    groups = [(high, [n for n in names if n not in low])]
+    if low:
+        groups.append((LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations), sorted(low)))
+    return [g for g in groups if g[1]]
+
+
+def _config_updates(layers: list[dict]) -> dict:
+    """config.json changes made by transforms: FlattenQuant widens every layer's MLP the same way."""
+    widths = {layer["transforms"]["flatten"]["width"] for layer in layers if layer.get("transforms", {}).get("flatten")}
+    assert len(widths) <= 1, f"layers flattened to different widths: {widths}"
+    return {"intermediate_size": widths.pop()} if widths else {}
+
+
+def summary(layers: list[dict]) -> Summary:
+    skipped = {}
+    for layer in layers:
+        skipped.update(layer.get("skipped", {}))
+    errs = [r.get("output_rel_err", r["weight_rel_err"]) for layer in layers for r in layer["quantized"].values()]
+    return Summary(
+        layers=len(layers),
+        linears_quantized=sum(len(layer["quantized"]) for layer in layers),
+        linears_skipped=skipped,
+        worst_linear_rel_err=max(errs, default=0.0),
+    )

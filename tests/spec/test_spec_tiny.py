@@ -1,0 +1,347 @@
+"""Speculative-decoding pipelines on tiny random Llamas (real tokenizer): draft-train, resume, draft-trim,
+measure, recommend, the bundle, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from fp8ptq.spec import SpecError
+from fp8ptq.spec.draft_train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
+from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
+from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
+from fp8ptq.spec.models import TRIM_META, NgramDraft, load_draft, load_target, parse_ngram
+from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
+
+pytestmark = pytest.mark.tiny
+
+SMALL = dict(num_prompts=6, gen_tokens=12, gen_batch_size=3, batch_size=3, checkpoint_every=2)
+
+
+def _train(target, out, **kw):
+    return draft_train(DraftTrainConfig(target=str(target), output=out, layers=1, **{**SMALL, **kw}))
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory, tiny_dir):
+    out = tmp_path_factory.mktemp("spec") / "draft"
+    meta = _train(tiny_dir, out, max_steps=4, time_budget_s=None)
+    return out, meta
+
+
+def test_draft_train_artefacts(drafted, tiny_dir):
+    out, meta = drafted
+    cfg, tcfg = json.loads((out / "config.json").read_text()), json.loads((tiny_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == tcfg["vocab_size"]
+    assert "quantization_config" not in cfg and cfg["tie_word_embeddings"]
+    assert (out / "tokenizer.json").is_file() and (out / DATA_FILE).is_file()
+    # engines load every *.safetensors file in a model dir as weights: only the model may be one
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    assert meta["steps"] == 4 and meta["stopped_by"] == "max_steps" and meta["loss_last"] < meta["loss_first"] + 1.0
+    assert not work_dir(out).exists()  # removed after success
+    # the draft's layer 0 started as the target's layer 0; the embedding (tied LM head) is the target's
+    d, t = load_file(str(out / "model.safetensors")), load_file(str(tiny_dir / "model.safetensors"))
+    assert torch.equal(d["model.embed_tokens.weight"], t["model.embed_tokens.weight"])
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(out))  # plain HF load works
+    assert m.config.vocab_size == tcfg["vocab_size"]
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny_dir, drafted):
+    """Stop after 1 step (time budget 0), resume to 4: same weights as the 4-step run."""
+    out = tmp_path / "resumed"
+    first = _train(tiny_dir, out, max_steps=4, time_budget_s=0.0, keep_work=True)
+    assert first["steps"] == 1 and first["stopped_by"] == "time_budget"
+    assert (work_dir(out) / "checkpoint.safetensors").is_file()
+    second = _train(tiny_dir, out, max_steps=4, time_budget_s=None, resume=True, overwrite=True)
+    assert second["resumed_from"] == 1 and second["steps"] == 4
+    a = load_file(str(drafted[0] / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert second["losses"] == drafted[1]["losses"]
+
+
+def test_batch_order_is_a_function_of_step():
+    seen = [i for s in range(4) for i in batch_indices(s, 3, 6, seed=1)]
+    assert sorted(seen[:6]) == list(range(6)) and sorted(seen[6:]) == list(range(6))
+    assert batch_indices(3, 3, 6, 1) == batch_indices(3, 3, 6, 1)
+
+
+def test_trim_choice_and_d2t():
+    counts = torch.tensor([0, 5, 9, 9, 1, 0, 7, 2])
+    kept = choose_kept(counts, 4, special_ids=[0])
+    assert kept.tolist() == [0, 2, 3, 6]  # 0 forced in (special), then 9, 9, 7
+    assert (d2t_offsets(kept) + torch.arange(4)).tolist() == kept.tolist()
+    with pytest.raises(SpecError, match="--keep"):
+        choose_kept(counts, 0, special_ids=[0])
+
+
+def test_draft_trim_outputs(tmp_path, drafted, tiny_dir):
+    out = tmp_path / "trimmed"
+    s = draft_trim(DraftTrimConfig(draft=drafted[0], target=str(tiny_dir), keep=300, output=out))
+    st = load_file(str(out / "model.safetensors"))
+    kept = torch.tensor(json.loads((out / "kept_token_ids.json").read_text()))
+    assert st["lm_head.weight"].shape[0] == 300 and st["model.embed_tokens.weight"].shape[0] == s["vocab"]
+    assert torch.equal(st["d2t"] + torch.arange(300), kept) and int(st["t2d"].sum()) == 300
+    assert bool(st["t2d"][kept].all())
+    full = load_file(str(drafted[0] / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(st["lm_head.weight"], full[kept])  # row i = target id kept[i]
+    assert torch.load(out / TOKEN_MAP, weights_only=True) == kept.tolist()  # what SGLang reads
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 300
+    d = load_draft(out)
+    assert d.kept_ids.tolist() == kept.tolist() and d.model.lm_head.weight.shape[0] == 300
+    with pytest.raises(SpecError, match="already trimmed"):
+        draft_trim(DraftTrimConfig(draft=out, target=str(tiny_dir), keep=300, output=tmp_path / "again"))
+
+
+def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
+    target, _ = load_target(tiny_dir)
+    draft = load_draft(drafted[0])
+    prompt = list(range(200, 230))
+    stats = SpecStats(3)
+    out = speculative_generate(target, draft, prompt, gamma=3, max_tokens=20, stats=stats)
+    assert len(out) == 20
+    # greedy speculative output == the target's own greedy output
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(20):
+            ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+    assert out == ids[0, len(prompt) :].tolist()
+    # replayed on the target's greedy stream (as the vLLM test does with vLLM's output): the same counts
+    with torch.inference_mode():
+        for _ in range(4):
+            ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+    replay = SpecStats(3)
+    replay_greedy(draft, prompt, ids[0, len(prompt) :].tolist(), gamma=3, stats=replay, max_tokens=20)
+    assert replay.summary() == stats.summary() and stats.accepted > 0
+    s = stats.summary()
+    assert s["drafted"] == 3 * s["drafts"] and s["accepted"] == sum(s["per_pos_accepted"])
+    assert all(a >= b for a, b in zip(s["per_pos_accepted"], s["per_pos_accepted"][1:]))
+    assert s["emitted"] >= 19  # the first token comes from the prefill
+    # the draft as its own target accepts everything
+    self_stats = SpecStats(4)
+    speculative_generate(draft, draft, prompt, gamma=4, max_tokens=15, stats=self_stats, temperature=1.0)
+    assert self_stats.summary()["alpha"] == 1.0
+    r = measure_acceptance(target, draft, [prompt], gammas=[2], max_tokens=10, temperature=1.0, thresholds=[0.99])
+    assert r["threshold_runs"][0]["drafted"] <= r["runs"][0]["drafted"]
+
+
+def test_ngram_proposer_follows_vllms_rule():
+    """vLLM's prompt lookup (its counters matched this rule exactly on real runs, BENCHMARKS.md)."""
+    assert NgramDraft(1, 3).propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # longest suffix match [1, 2, 3]
+    assert NgramDraft(1, 3).propose([1, 2, 3, 7, 3, 5, 2, 3], 1) == [7]  # length 2 beats the later length 1
+    assert NgramDraft(1, 1).propose([5, 7, 5, 8, 5], 1) == [7]  # same length: the earliest occurrence
+    assert NgramDraft(1, 2).propose([4, 4], 3) == [4]  # the match is near the end: fewer than k
+    assert NgramDraft(2, 3).propose([1, 2, 3, 4], 2) == []  # nothing matches
+    assert NgramDraft(2, 3).propose([1, 2, 3, 4, 1], 2) == []  # a 1-gram would match, but min is 2
+    assert NgramDraft(1, 3).propose([1, 2, 3, 4, 1], 2) == [2, 3]
+    assert NgramDraft(1, 1).propose([3], 2) == []  # the suffix itself is not an earlier occurrence
+    assert parse_ngram("ngram") == NgramDraft(2, 4) and parse_ngram("ngram:1-5") == NgramDraft(1, 5)
+    assert parse_ngram("out/draft") is None and parse_ngram("ngrams") is None
+    with pytest.raises(SpecError, match="ngram:3-1"):
+        parse_ngram("ngram:3-1")
+
+
+def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
+    target, _ = load_target(tiny_dir)
+    ngram = load_draft("ngram:1-3")
+    prompt = list(range(200, 230)) + list(range(200, 210))
+    stats = SpecStats(3)
+    out = speculative_generate(target, ngram, prompt, gamma=3, max_tokens=24, stats=stats)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(28):
+            ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+    assert out == ids[0, len(prompt) : len(prompt) + 24].tolist()  # greedy output == the target's
+    replay = SpecStats(3)
+    replay_greedy(ngram, prompt, ids[0, len(prompt) :].tolist(), gamma=3, stats=replay, max_tokens=24)
+    assert replay.summary() == stats.summary() and stats.drafts > 0
+    assert "0" in stats.summary()["k_hist"] or stats.drafts == stats.target_forwards  # steps may draft nothing
+    sampled = SpecStats(3)  # T = 1: one-hot q, exact sampling still produces max_tokens tokens
+    assert (
+        len(speculative_generate(target, ngram, prompt, gamma=3, max_tokens=12, stats=sampled, temperature=1.0)) == 12
+    )
+    with pytest.raises(SpecError, match="thresholds"):
+        measure_acceptance(target, ngram, [prompt], gammas=[2], max_tokens=4, thresholds=[0.5])
+    rec = recommend(
+        RecommendConfig(
+            output=tmp_path / "rec",
+            device_memory="1GiB",
+            measure=MeasureConfig(
+                target=str(tiny_dir), draft="ngram:1-3", gammas=(1, 2), num_prompts=2, max_tokens=8, cost_repeats=2
+            ),
+        )
+    )
+    cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
+    assert cfg == {
+        "method": "ngram",
+        "num_speculative_tokens": rec["gamma"],
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+    flags = (tmp_path / "rec" / "sglang_flags.txt").read_text()
+    assert "--speculative-algorithm NGRAM" in flags and "--speculative-ngram-max-match-window-size 3" in flags
+    assert rec["costs"]["c"] < 0.05 and rec["memory_plan"]["draft_weight_bytes"] == 0
+
+
+def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
+    m = MeasureConfig(
+        target=str(tiny_dir),
+        draft=str(drafted[0]),
+        gammas=(1, 2, 3),
+        temperatures=(0.0, 1.0),
+        num_prompts=2,
+        max_tokens=8,
+        cost_repeats=2,
+        thresholds=(0.5,),
+    )
+    result = measure(m)
+    assert set(result["by_temperature"]) == {"0.0", "1.0"}
+    assert [r["gamma"] for r in result["by_temperature"]["0.0"]["runs"]] == [1, 2, 3]
+    assert set(result["costs"]["t_verify_s"]) == {"1", "2", "3", "4"}
+    saved = tmp_path / "m.json"
+    saved.write_text(json.dumps(result))
+    rec = recommend(
+        RecommendConfig(
+            output=tmp_path / "rec", measured=saved, temperature=1.0, device_memory="1GiB", token_map="tm.pt"
+        )
+    )
+    cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
+    assert cfg == {"method": "draft_model", "model": str(drafted[0]), "num_speculative_tokens": rec["gamma"]}
+    assert "--speculative-token-map tm.pt" in (tmp_path / "rec" / "sglang_flags.txt").read_text()
+    assert (tmp_path / "rec" / "speculative.png").stat().st_size > 1000
+    assert rec["memory_plan"]["fits_spec"] and rec["memory_plan"]["draft_weight_bytes"] > 0
+    with pytest.raises(SpecError, match="temperature 0.5 was not measured"):
+        recommend(RecommendConfig(output=tmp_path / "rec2", measured=saved, temperature=0.5))
+    with pytest.raises(SpecError, match="memory size"):
+        recommend(RecommendConfig(output=tmp_path / "rec3", measured=saved, device_memory="lots"))
+
+
+def test_build_draft_bundle(tmp_path, tiny_dir):
+    from fp8ptq.spec.auto import build_draft_bundle
+
+    out = tmp_path / "bundle"
+    s = build_draft_bundle(
+        tiny_dir,
+        out,
+        layers=1,
+        max_steps=2,
+        time_budget_s=None,
+        trim_keep=200,
+        gammas=(1, 2),
+        num_prompts=2,
+        max_tokens=6,
+        train=dict(SMALL),
+    )
+    assert (out / "draft" / "config.json").is_file() and (out / "draft-trimmed" / TOKEN_MAP).is_file()
+    assert json.loads((out / "speculative_config.json").read_text()) == s["speculative_config"]
+    assert s["speculative_config"]["model"] == "draft" and s["recommendation"]["gamma"] in (1, 2)
+    assert "--speculative-token-map" in (out / "sglang_flags.txt").read_text()
+    json.dumps(s)  # manifest-ready
+
+
+# ---------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def other_vocab(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("vocab") / "m"
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+def _cli(*args):
+    from fp8ptq.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_errors(tmp_path, tiny_dir, drafted, other_vocab):
+    r = _cli("spec", "measure", tiny_dir, other_vocab, "--gammas", "1")
+    assert r.exit_code == 2 and "draft vocabulary size 1000 != target vocabulary size 1024" in r.output
+    r = _cli("spec", "measure", tiny_dir, drafted[0], "--gammas", "0-3")
+    assert r.exit_code == 2 and "must be in 1..16" in r.output
+    r = _cli("spec", "measure", tmp_path / "nope", drafted[0])
+    assert r.exit_code == 2 and "not found" in r.output
+    r = _cli("spec", "memory", tiny_dir, "--device-memory", "24 parsecs")
+    assert r.exit_code == 2 and "cannot read the memory size" in r.output
+    r = _cli("draft-train", tiny_dir, "-o", tmp_path / "d", "--layers", "9")
+    assert r.exit_code == 2 and "--layers 9 is out of range" in r.output
+    r = _cli("draft-trim", drafted[0], "--target", other_vocab, "--keep", "10", "-o", tmp_path / "t")
+    assert r.exit_code == 2 and "1000" in r.output and "1024" in r.output
+    r = _cli("spec", "recommend", "-o", tmp_path / "r")
+    assert r.exit_code == 2 and "needs TARGET and DRAFT" in r.output
+    # --engine-check refuses before minutes of measuring: no vLLM venv there, or a trimmed draft
+    r = _cli(
+        "spec",
+        "recommend",
+        tiny_dir,
+        drafted[0],
+        "-o",
+        tmp_path / "r",
+        "--engine-check",
+        "--vllm-python",
+        tmp_path / "no-venv" / "python",
+    )
+    assert r.exit_code == 2 and "--engine-check needs vLLM" in r.output and "no-venv" in r.output, r.output
+    assert not (tmp_path / "r").exists()
+    trimmed = tmp_path / "trimmed"
+    shutil.copytree(drafted[0], trimmed)
+    (trimmed / TRIM_META).write_text("{}")
+    r = _cli("spec", "recommend", tiny_dir, trimmed, "-o", tmp_path / "r", "--engine-check")
+    assert r.exit_code == 2 and "vocabulary-trimmed draft" in r.output, r.output
+
+
+def test_cli_memory_and_measure_json(tiny_dir, drafted):
+    r = _cli("spec", "memory", tiny_dir, drafted[0], "--device-memory", "1GiB", "--context", "512", "--json")
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.stdout)
+    assert p["fits_spec"] and p["max_batch_spec"] <= p["max_batch_plain"]
+    r = _cli(
+        "spec", "measure", tiny_dir, drafted[0], "--gammas", "1,2", "--num-prompts", "1", "--max-tokens", "6", "--json"
+    )
+    assert r.exit_code == 0, r.output
+    assert [x["gamma"] for x in json.loads(r.stdout)["by_temperature"]["0.0"]["runs"]] == [1, 2]
+
+
+def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir):
+    """`quantize --draft auto`: quantized target + draft + measured config in one folder, in the report."""
+    from fp8ptq.api import QuantizeConfig, quantize
+
+    out = tmp_path / "q"
+    m = quantize(
+        QuantizeConfig(
+            model=str(tiny_dir),
+            recipe="fp8-dynamic",
+            output=out,
+            eval_samples=0,
+            draft="auto",
+            draft_steps=3,
+            draft_time_budget_s=30,
+        )
+    )
+    spec = m.speculative
+    assert spec["speculative_config"]["method"] == "draft_model" and spec["speculative_config"]["model"] == "draft"
+    assert json.loads((out / "speculative_config.json").read_text()) == spec["speculative_config"]
+    assert (out / "draft" / "config.json").is_file() and (out / "sglang_flags.txt").is_file()
+    assert 1 <= spec["recommendation"]["gamma"] <= 8
+    report = (out / "report.md").read_text()
+    assert f'"model": "{out}/draft"' in report and "--speculative-config" in report

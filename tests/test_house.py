@@ -1,0 +1,125 @@
+"""The house rules, checked on the source tree (docs/DESIGN.md, "Layers"):
+
+- imports flow one way: a module imports only packages of its own layer or below (function-level
+  imports count too);
+- files stay at most 400 lines;
+- no function outside the typer commands takes more than 6 positional parameters (use keywords).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fp8ptq"
+
+# Lowest first. A module may import fp8ptq packages of its own layer or a lower one, never a higher one.
+LAYERS: list[tuple[str, ...]] = [
+    ("fp8ptq", "errors", "io", "ops"),  # the floor: pure math, typed errors, durable writes
+    ("dist", "data", "gates", "models"),  # processes, text, gate syntax, model intake + architecture adapters
+    ("quantize", "outliers", "manifest"),  # scheme handlers and numerics, statistics, the run record
+    ("recipe", "calibrate"),  # user configuration; the sequential pipeline
+    ("export", "engine"),  # checkpoint writing; real engines out of process
+    ("eval",),  # simulated and engine-checked quality
+    ("spec",),  # speculative decoding
+    ("report", "runs"),  # rendering; the steps of a quantize run
+    ("api",),  # the library's entry points
+    ("cli", "__main__"),  # the command line
+]
+LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
+MAX_LINES = 400
+MAX_POSITIONAL = 6
+
+
+def _unit(module: str) -> str:
+    """'fp8ptq.calibrate.pipeline' -> 'calibrate'; 'fp8ptq' -> 'fp8ptq'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "fp8ptq"]
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "fp8ptq"
+        ):
+            if node.module == "fp8ptq":  # from fp8ptq import data -> the submodule
+                out += [(node.lineno, f"fp8ptq.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, node.module))
+    return out
+
+
+def layer_violations(root: Path) -> list[str]:
+    """Upward imports (and modules of no declared layer) under `root` (a copy of the fp8ptq package)."""
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root.parent).with_suffix("")
+        me = _unit(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+        if me not in LEVEL:
+            bad.append(f"{rel}: '{me}' is in no layer of tests/test_house.py")
+            continue
+        for line, target in _imports(ast.parse(f.read_text())):
+            them = _unit(target)
+            if them not in LEVEL:
+                bad.append(f"{rel}:{line} imports {target}, which is in no layer")
+            elif LEVEL[them] > LEVEL[me]:
+                bad.append(f"{rel}:{line} imports {target} (layer {LEVEL[them]}) from layer {LEVEL[me]}")
+    return bad
+
+
+def test_imports_flow_one_way():
+    assert layer_violations(PACKAGE) == []
+
+
+def test_a_planted_upward_import_is_caught(tmp_path):
+    import shutil
+
+    copy = tmp_path / "fp8ptq"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert layer_violations(copy) == []
+    (copy / "ops" / "planted.py").write_text("def f():\n    from fp8ptq.cli import app  # ops must not know the CLI\n")
+    found = layer_violations(copy)
+    assert found == ["fp8ptq/ops/planted:2 imports fp8ptq.cli (layer 9) from layer 0"], found
+
+
+def test_files_stay_small():
+    long = {
+        str(f.relative_to(PACKAGE)): n
+        for f in PACKAGE.rglob("*.py")
+        if (n := len(f.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"files over {MAX_LINES} lines: {long}"
+
+
+def _is_command(fn: ast.AST) -> bool:
+    """A typer command: decorated with `<app>.command(...)`."""
+    return any(
+        isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
+        for d in fn.decorator_list
+    )
+
+
+def _positional(fn: ast.FunctionDef) -> int:
+    names = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")))
+def test_few_positional_parameters(path):
+    tree = ast.parse((PACKAGE / path).read_text())
+    wide = [
+        f"{n.name} ({_positional(n)})"
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and not _is_command(n)
+        and _positional(n) > MAX_POSITIONAL
+    ]
+    assert wide == [], f"{path}: more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only)"
