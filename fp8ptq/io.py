@@ -73,6 +73,27 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise OutputError(f"output '{out}' already exists", fix="choose another -o path or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise OutputError(f"output '{out}' exists and is not a directory", fix="choose another -o path")
+    check_writable(Path(out).parent)
+
+
+def check_writable(directory: Path) -> None:
+    """Fail early unless files can be created in `directory` (or in the nearest existing ancestor it
+    would be created under): a probe file is made and removed, so root, ACLs and read-only or pseudo
+    file systems (/proc) all answer truthfully."""
+    probe = Path(directory).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(str(probe))
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        why = "permission denied" if isinstance(err, PermissionError) else (err.strerror or type(err).__name__)
+        raise OutputError(
+            f"cannot write under '{directory}' ({why} at '{probe}')",
+            fix="choose an -o path in a directory you can write",
+        ) from None
 
 
 @contextmanager

@@ -144,7 +144,7 @@ def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
         "ratio": manifest.size_bytes.ratio,
         "serve": serve_commands(serve_path, manifest),
         "evals": load_evals(out_dir),
-        "name": out_dir.name,
+        "name": Path(serve_path).name,  # the output's final name (it is written inside a hidden temp dir)
     }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8ptq.calibrate.pipeline import finite_stats
 from fp8ptq.calibrate.state import CalibrationSetup, Progress, prepare
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.loader import ModelSource
@@ -79,6 +80,7 @@ def output_sensitivity(
                     h.remove()
             for g in plan.groups:
                 H = trees[g].total(state.comm)
+                finite_stats(prefix + g[0], float(H.diagonal().max()), H)
                 ws = [modules[n].weight.data for n in g]
                 e_low = _group_error(ws, H, recipe.mixed.weights, recipe.calibration)
                 e_high = _group_error(ws, H, recipe.scheme.weights, recipe.calibration)

@@ -21,6 +21,7 @@ FlattenQuant channel splitting) run first, from an observe pass over the float l
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
 from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, prepare
 from fp8ptq.dist import TreeSum
+from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import materialize, release
@@ -163,6 +165,7 @@ class LayerCalibrator:
             h_fn = quant if (quant_h and quant is not None) else (lambda t: t)
         spec = OBSERVER_STATS[cal.observer] if static else StatsSpec()
         stats, H = self._stage_stats(block, group, spec, h_fn)
+        finite_stats(self.plan.prefix + group[0], stats.amax, H)
         choice = None
         if static:
             choice = OBSERVERS[cal.observer](stats, handler(acts).act_grid(acts))
@@ -214,6 +217,8 @@ class LayerCalibrator:
         # KV rows are not subsampled: minmax (clipping hurts FP8's flat relative error, see BENCHMARKS)
         kc, vc = (OBSERVERS["minmax"](stats[key].reduce(self.state.comm), grid) for key in ("k", "v"))
         prefix = self.plan.prefix + self.attn_name
+        finite_stats(f"{prefix} (keys)", kc.amax)
+        finite_stats(f"{prefix} (values)", vc.amax)
         self.result.kv_scales[f"{prefix}.k_scale"] = kc.scale
         self.result.kv_scales[f"{prefix}.v_scale"] = vc.scale
         self.result.report["kv"] = {"k_amax": kc.amax, "v_amax": vc.amax}
@@ -259,6 +264,16 @@ class LayerCalibrator:
             h.remove()
         self.modules[self.attn_name].__dict__.pop("fp8ptq_kv_hook", None)
         self._last = None
+
+
+def finite_stats(where: str, amax: float, H: torch.Tensor | None = None) -> None:
+    """Calibration statistics must be finite: a NaN/inf activation would become a NaN scale."""
+    if not math.isfinite(amax) or (H is not None and not bool(torch.isfinite(H).all())):
+        raise NonFiniteError(
+            f"the calibration activations at the input of {where} are not finite (abs-max {amax}): "
+            "the model overflows on this data in fp32",
+            fix="check the model's weights and the calibration data (a tensor with huge values?)",
+        )
 
 
 def describe(scheme: LinearScheme) -> str:

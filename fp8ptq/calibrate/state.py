@@ -15,6 +15,7 @@ import torch
 
 from fp8ptq.calibrate.store import ActivationStore
 from fp8ptq.dist import ChunkPlan, LocalComm
+from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Arch
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
@@ -160,6 +161,13 @@ def observe_layer(
             h.remove()
         attn.__dict__.pop("fp8ptq_kv_hook", None)
     out = {n: s.reduce(state.comm) for n, s in sorted(stats.items())}
+    for n, s in out.items():
+        if not bool(torch.isfinite(s.channel_amax).all()):
+            raise NonFiniteError(
+                f"the float activations at the input of {prefix}{n} are not finite: "
+                "the model overflows on this data in fp32",
+                fix="check the model's weights and the calibration data (a tensor with huge values?)",
+            )
     if massive:
         merged = [m for part in state.comm.gather_objects(found) for m in part]
         out["massive"] = sorted(merged, key=lambda m: -m["abs"])[:8]

@@ -18,7 +18,12 @@ def convert(
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
     overwrite: bool = typer.Option(False),
 ):
-    """Dequantize a GGUF file into a Hugging Face safetensors directory."""
+    """Dequantize a GGUF file into a Hugging Face safetensors directory.
+
+    \b
+    Examples:
+      fp8ptq convert model.Q4_0.gguf -o out/model-bf16
+    """
     offline()
     from fp8ptq.api import ConvertConfig
     from fp8ptq.api import convert as run

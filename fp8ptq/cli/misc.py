@@ -15,13 +15,20 @@ from fp8ptq.errors import Fp8ptqError
 
 @app.command()
 def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output directory")):
-    """Re-render OUT/report.md and OUT/report.html from the manifest and recorded evaluations."""
+    """Re-render OUT/report.md and OUT/report.html from the manifest and recorded evaluations.
+
+    \b
+    Examples:
+      fp8ptq report out/q
+    """
     from fp8ptq.manifest import MANIFEST
     from fp8ptq.report import write_report
 
     if not (output / MANIFEST).is_file():
         fail(Fp8ptqError(f"'{output}' has no {MANIFEST}", fix="pass a directory written by `fp8ptq quantize`"))
-    for p in write_report(output):
+    with user_errors():
+        written = write_report(output)
+    for p in written:
         out.print(f"wrote {p}")
 
 
@@ -39,8 +46,16 @@ def analyze(
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json", help="print report.json on stdout"),
 ):
-    """Outlier analysis: per layer and Linear input abs-max, percentiles, kurtosis, outlier channels and
-    their stability, massive activations, K/V ranges; report.json + PNG plots + summary.md."""
+    """Outlier analysis of the float model: where per-tensor scales waste their range.
+
+    Per layer and Linear input: abs-max, percentiles, kurtosis, outlier channels and their stability,
+    massive activations, K/V ranges; writes report.json, PNG plots and summary.md.
+
+    \b
+    Examples:
+      fp8ptq analyze smollm2-135m -o out/analysis
+      fp8ptq analyze ./my-model -o out/analysis --data chat.jsonl --device cuda
+    """
     offline()
     from fp8ptq.api import AnalyzeConfig
     from fp8ptq.api import analyze as run
@@ -96,7 +111,12 @@ def analyze(
 
 @recipes_app.command("list")
 def recipes_list():
-    """List built-in recipes."""
+    """List built-in recipes.
+
+    \b
+    Examples:
+      fp8ptq recipes list
+    """
     from fp8ptq.recipe import builtin_names, load_recipe
 
     table = Table("name", "description", "needs data")
@@ -108,7 +128,12 @@ def recipes_list():
 
 @recipes_app.command("show")
 def recipes_show(name: str):
-    """Print a recipe (built-in name or file), validated, as YAML."""
+    """Print a recipe (built-in name or file), validated, as YAML.
+
+    \b
+    Examples:
+      fp8ptq recipes show fp8-kv8 > my-recipe.yaml   # a starting point for your own
+    """
     from fp8ptq.recipe import load_recipe, recipe_yaml
 
     with user_errors():

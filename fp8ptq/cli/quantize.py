@@ -60,8 +60,17 @@ def quantize(
 ):
     """Calibrate, quantize and export a compressed-tensors checkpoint.
 
-    Under `torchrun --nproc-per-node N -m fp8ptq quantize ...` the calibration samples are split over
-    N processes (gloo on CPU, nccl on CUDA) and the result equals a one-process run."""
+    MODEL is a Hugging Face directory, a .gguf file or an alias (smollm2-135m). The output directory
+    appears only when complete. Under `torchrun --nproc-per-node N -m fp8ptq quantize ...` the
+    calibration samples are split over N processes and the result equals a one-process run.
+
+    \b
+    Examples:
+      fp8ptq quantize smollm2-135m -r fp8-kv8 -o out/smol-fp8-kv8
+      fp8ptq quantize ./my-model -r w4a16 -o out/w4a16 --device cuda
+      fp8ptq quantize ./my-model -r fp8-dynamic -o out/fp8   # data-free, no calibration
+      fp8ptq recipes list                                    # what each recipe does
+    """
     offline()
     return_freed_memory()
     from fp8ptq.api import QuantizeConfig

@@ -118,7 +118,13 @@ def measure_cmd(
     ),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Acceptance per draft position, τ per γ, and the costs of draft and target steps."""
+    """Acceptance per draft position, τ per γ, and the costs of draft and target steps.
+
+    \b
+    Examples:
+      fp8ptq spec measure out/q out/draft --temperatures 0,1 --save out/measure.json
+      fp8ptq spec measure out/q ngram:2-4
+    """
     offline()
     from fp8ptq.spec.run import measure
 
@@ -181,7 +187,13 @@ def recommend_cmd(
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Choose γ maximising τ·T_t / (γ·T_d + T_v(γ+1)); write vLLM and SGLang configs and a plot."""
+    """Choose γ maximising τ·T_t / (γ·T_d + T_v(γ+1)); write vLLM and SGLang configs and a plot.
+
+    \b
+    Examples:
+      fp8ptq spec recommend out/q out/draft -o out/spec --engine-check
+      fp8ptq spec recommend --measured out/measure.json -o out/spec --device-memory 24GiB
+    """
     offline()
     from fp8ptq.spec.run import RecommendConfig, recommend
 
@@ -277,7 +289,12 @@ def memory_cmd(
     utilization: float = typer.Option(0.9, help="fraction of device memory the engine may use"),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Bytes of weights and KV cache; the largest context / batch that fit, with and without the draft."""
+    """Bytes of weights and KV cache; the largest context / batch that fit, with and without the draft.
+
+    \b
+    Examples:
+      fp8ptq spec memory out/q out/draft --device-memory 24GiB --context 8192
+    """
     offline()
     from fp8ptq.models.loader import resolve_model
     from fp8ptq.spec.memory import model_shape, parse_size, plan

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from fp8ptq.errors import OutputError
+from fp8ptq.errors import Fp8ptqError, OutputError
 from fp8ptq.io import check_output, write_json_atomic
 
 STATE = "state.json"
@@ -111,8 +111,10 @@ class RunDir:
             self._lock = None
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # On an ordinary error the partial directory is kept for --resume only if it holds finished
-        # layers; otherwise there is nothing worth keeping.
-        if exc_type is not None and not self.state.get("layers_done"):
+        # On a crash the partial directory is kept for --resume only if it holds finished layers;
+        # otherwise there is nothing worth keeping. A typed input error (bad weights, bad data) is not
+        # something --resume can fix: nothing is kept then.
+        bad_input = exc_type is not None and issubclass(exc_type, Fp8ptqError)
+        if exc_type is not None and (bad_input or not self.state.get("layers_done")):
             shutil.rmtree(self.path, ignore_errors=True)
         self._release()

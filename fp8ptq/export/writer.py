@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from fp8ptq.export.compressed_tensors import compress_linear
 from fp8ptq.io import write_atomic, write_json_atomic
-from fp8ptq.models.loader import ModelSource
+from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.quantize.results import LayerResult
 
 LAYERS = "layers"
@@ -53,6 +53,8 @@ class CheckpointWriter:
         for name in self.src.weight_map:
             if name.startswith(res.prefix) and name not in quantized and name not in out:
                 out[name] = self.src.tensor(name)
+        for name, t in out.items():  # no code path may write a NaN scale or weight
+            check_finite(name, t)
         return out
 
     def layer(self, res: LayerResult) -> None:
@@ -85,7 +87,7 @@ class CheckpointWriter:
         files = list(layer_files)
         for j, names in enumerate(self._rest_files()):  # embeddings, final norm, head: a few at a time
             files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
-            _save({n: self.src.tensor(n) for n in names}, files[-1])
+            _save({n: check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
             self.src.close()
         names, weight_map, total = [], {}, 0
         from safetensors import safe_open

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fp8ptq.errors import ModelError
+from fp8ptq.errors import ModelError, NonFiniteError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for, registered
 
@@ -121,6 +121,11 @@ def _weight_map(path: Path) -> dict[str, str]:
         try:
             with safe_open(str(f), framework="pt") as h:
                 names = list(h.keys())
+        except PermissionError:
+            raise ModelError(
+                f"cannot read '{f}' (permission denied)",
+                fix="make it readable by this user (chmod / chown) or copy the model",
+            ) from None
         except (SafetensorError, OSError, ValueError) as err:
             # safetensors checks the header and that the data covers the file exactly (truncation)
             raise ModelError(
@@ -132,6 +137,50 @@ def _weight_map(path: Path) -> dict[str, str]:
     return weight_map or found
 
 
+def _check_architectures(config, path: Path) -> None:
+    """vLLM picks the model class from config.json's `architectures`: it must be a causal-LM class of the
+    family fp8ptq calibrates by `model_type` (GPT2LMHeadModel with model_type llama would load the wrong
+    model, or none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = getattr(config, "architectures", None)
+    if not names:
+        return
+    allowed = sorted(
+        {
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]
+            for t in arch_for(config).model_types
+            if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        }
+    )
+    wrong = [n for n in names if n not in allowed]
+    if wrong:
+        expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, allowed[0])
+        raise ModelError(
+            f"'{path / 'config.json'}' says architectures {names} but model_type '{config.model_type}' "
+            f"(the engine picks the model class from architectures)",
+            fix=f'set "architectures": ["{expected}"] in config.json',
+        )
+
+
+def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t, or a NonFiniteError naming the tensor when it holds NaN or inf (a broken checkpoint must not
+    become a checkpoint whose scales are NaN)."""
+    if not t.is_floating_point():
+        return t
+    if t.dtype == torch.float8_e4m3fn:  # no isfinite kernel for FP8; its only non-finite code is NaN, S.1111.111
+        broken = (t.view(torch.uint8) & 0x7F) == 0x7F
+    else:
+        broken = ~torch.isfinite(t)
+    if bool(broken.any()):
+        bad = int(broken.sum())
+        raise NonFiniteError(
+            f"tensor '{name}' has {bad} non-finite values (NaN or inf) of {t.numel()}",
+            fix="repair or re-download the model; fp8ptq cannot quantize NaN/inf weights",
+        )
+    return t
+
+
 def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
     from transformers import AutoConfig
 
@@ -141,10 +190,21 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         )
     weight_map = _weight_map(path)
     try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read '{path / 'config.json'}' ({type(err).__name__}: {err})") from None
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelError(
+            f"'{path / 'config.json'}': quantization_config is a {type(qc).__name__}, not a mapping",
+            fix="fix config.json (a quantization_config is a JSON object)",
+        )
+    try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"cannot read '{path / 'config.json'}': {err}") from None
     arch_for(config)  # a typed error for an unsupported model_type, before any work
+    _check_architectures(config, path)
     return ModelSource(path=path, label=label or str(path), weight_map=weight_map, config=config)
 
 
@@ -169,8 +229,17 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
         from gguf import GGUFReader
 
         arch = str(bytes(GGUFReader(str(gguf)).fields["general.architecture"].parts[-1]), "utf-8")
-    except Exception as err:  # gguf raises assorted errors on a bad file; all mean the same to a user
-        raise ModelError(f"'{gguf}' is not a readable GGUF file ({type(err).__name__}: {err})") from None
+    except PermissionError:
+        raise ModelError(f"cannot read '{gguf}' (permission denied)", fix="make it readable by this user") from None
+    except ValueError as err:  # the header promises more tensor data than the file holds
+        raise ModelError(
+            f"'{gguf}' is truncated or corrupt (its tensor data do not fit the file: {err})", fix="re-download it"
+        ) from None
+    except Exception as err:  # gguf raises assorted errors on a file that is not GGUF at all
+        raise ModelError(
+            f"'{gguf}' is not a readable GGUF file ({type(err).__name__}: {err})",
+            fix="pass a .gguf file written by llama.cpp's converter",
+        ) from None
     if arch not in registered():
         raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(registered())}")
     with atomic_output_dir(out, overwrite=True) as tmp:

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from fp8ptq.models.arch import arch_for
-from fp8ptq.models.loader import ModelSource
+from fp8ptq.models.loader import ModelSource, check_finite
 
 
 def plain_config(config):
@@ -52,7 +52,7 @@ def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: t
         full = source_name(src, prefix + name)
         if not src.has(full):
             raise KeyError(f"tensor '{full}' missing from {src.path}")
-        state[name] = src.tensor(full).to(device=device, dtype=dtype)
+        state[name] = check_finite(full, src.tensor(full)).to(device=device, dtype=dtype)
     module.load_state_dict(state, strict=False, assign=True)
 
 

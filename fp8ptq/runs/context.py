@@ -17,7 +17,7 @@ from fp8ptq import data as data_mod
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import Progress
 from fp8ptq.dist import init_from_env
-from fp8ptq.errors import Fp8ptqError, RecipeError
+from fp8ptq.errors import Fp8ptqError, RecipeError, check_option
 from fp8ptq.export.rundir import RunDir
 from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
@@ -115,6 +115,7 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     """Validate the command (recipe + overrides, gates, output, device) before any model is read, then
     join the process group (torchrun) or run alone."""
     recipe = load_recipe(cfg.recipe)
+    _check_options(cfg, recipe)
     check_output(cfg.output, cfg.overwrite)
     device = resolve_device(cfg.device)
     overrides = {
@@ -137,6 +138,29 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
         comm=init_from_env(device),
         progress=progress,
     )
+
+
+def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
+    """Every numeric option in range, naming the flag, the value, the range and the recipe in use."""
+    cal = recipe.calibration
+    uses = f"recipe '{recipe.name}' uses"
+    check_option("--num-samples", cfg.num_samples, minimum=1, note=f"{uses} {cal.num_samples}")
+    check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, note=f"{uses} {cal.seq_len}", example=512)
+    check_option("--seed", cfg.seed, minimum=0, note=f"{uses} {cal.seed}")
+    check_option("--eval-samples", cfg.eval_samples, minimum=0, note="0 skips the quality check", example=8)
+    check_option("--chunk-tokens", cfg.chunk_tokens, minimum=1, example=8192)
+    check_option(
+        "--int4-fraction",
+        cfg.int4_fraction,
+        minimum=0.0,
+        maximum=1.0,
+        example=0.5,
+        note=f"{uses} {recipe.mixed.int4_fraction}" if recipe.mixed else f"recipe '{recipe.name}' is not mixed",
+    )
+    check_option("--tp", cfg.tp, minimum=1, note=f"{uses} {recipe.flatten.tp}" if recipe.flatten else "")
+    check_option("--draft-trim", cfg.draft_trim, minimum=1, example=8192)
+    check_option("--draft-steps", cfg.draft_steps, minimum=1, example=400)
+    check_option("--draft-time-budget", cfg.draft_time_budget_s, minimum=1e-3, example=900)
 
 
 def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from fp8ptq.models.loader import check_finite
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.quantize.plan import plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
@@ -51,7 +52,7 @@ def _layers(ctx: RunContext, layers):
         plan = plan_layer(layers[i], prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
         res = LayerResult(index=i, prefix=prefix, report={"skipped": {prefix + n: why for n, why in plan.skipped}})
         for group in plan.groups:
-            weights = {n: src.tensor(f"{prefix}{n}.weight") for n in group}
+            weights = {n: check_finite(f"{prefix}{n}.weight", src.tensor(f"{prefix}{n}.weight")) for n in group}
             if direct:
                 for n, packed in h.pack(weights, w).items():
                     res.packed[prefix + n] = packed
