@@ -63,15 +63,15 @@ class LayerCalibrator:
         self.layer, self.index, self.plan, self.recipe = layer, index, plan, recipe
         self.schemes, self.state, self.result = schemes, state, result
         self.arch = state.arch
-        self.pos = state.positions(index)
+        self.inputs = state.inputs(index)
         self.modules = dict(layer.named_modules())
         self.attn_name = self.arch.attention
         self.handles: list = []
         self._last: tuple | None = None  # (input, quantized input): fused shards see the same tensor
         self._caching, self._cached = None, {}
 
-    def _run_block(self, block: Block, x: torch.Tensor, pos=None) -> torch.Tensor:
-        return self.arch.run_block(self.layer, block, x, self.pos if pos is None else pos)
+    def _run_block(self, block: Block, x: torch.Tensor, inputs=None) -> torch.Tensor:
+        return self.arch.run_block(self.layer, block, x, self.inputs if inputs is None else inputs)
 
     # -- stage order ---------------------------------------------------------------------------------
     def stage_order(self) -> list[list]:
@@ -86,12 +86,12 @@ class LayerCalibrator:
         attn = self.modules[self.attn_name]
         attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
         x = self.state.store.read(0, 1)[:, :4].to(self.state.device)  # every rank owns samples (checked)
-        pos = tuple(t[:, :4] for t in self.pos)
+        head = self.inputs.head(4)
         try:
             with torch.inference_mode():
                 for b, block in enumerate(self.arch.blocks):
                     current["block"] = b
-                    self._run_block(block, x, pos)
+                    self._run_block(block, x, head)
         finally:
             for h in handles:
                 h.remove()

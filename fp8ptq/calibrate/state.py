@@ -17,6 +17,7 @@ from fp8ptq.calibrate.store import ActivationStore
 from fp8ptq.dist import ChunkPlan, LocalComm
 from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Arch
+from fp8ptq.models.arch.base import LayerInputs
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
@@ -36,7 +37,7 @@ class RunState:
     device: torch.device
     seq_len: int
     arch: Arch
-    positions: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer index -> (cos, sin)
+    inputs: Callable[[int], LayerInputs]  # layer index -> its position embeddings and attention mask
     cache_bytes: int = 0  # budget for keeping a block's final Linear input between passes (0: recompute)
 
     @property
@@ -58,9 +59,9 @@ class RunState:
 
     def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
         """Every block of a decoder layer, in order."""
-        pos = self.positions(index)
+        inputs = self.inputs(index)
         for block in self.arch.blocks:
-            x = self.arch.run_block(layer, block, x, pos)
+            x = self.arch.run_block(layer, block, x, inputs)
         return x
 
 
@@ -84,9 +85,9 @@ def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, 
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
     local = chunks.local_samples()
     store = ActivationStore(len(local), input_ids.shape[1], src.config.hidden_size, setup.offload_dir)
-    positions = arch.position_embeddings(model, input_ids.shape[1], device)
+    inputs = arch.layer_inputs(model, input_ids.shape[1], device)
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
-    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, positions, cache)
+    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache)
     if setup.restore is not None:
         store.load(setup.restore)
     else:
