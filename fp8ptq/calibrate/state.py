@@ -8,6 +8,7 @@ FlattenQuant all read it). The layout of a layer comes from the model's architec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +26,10 @@ from fp8ptq.quantize.numerics import register_attention
 from fp8ptq.quantize.plan import plan_layer
 
 Progress = Callable[[str, int, int], None]
+
+
+class Stop(Exception):
+    """Raised by a stats hook once a stage's input was seen: the rest of the block is not needed."""
 
 
 @dataclass
@@ -173,3 +178,21 @@ def observe_layer(
         merged = [m for part in state.comm.gather_objects(found) for m in part]
         out["massive"] = sorted(merged, key=lambda m: -m["abs"])[:8]
     return out
+
+
+def finite_stats(where: str, amax: float, H: torch.Tensor | None = None) -> None:
+    """Calibration statistics must be finite: a NaN/inf activation would become a NaN scale."""
+    if not math.isfinite(amax) or (H is not None and not bool(torch.isfinite(H).all())):
+        raise NonFiniteError(
+            f"the calibration activations at the input of {where} are not finite (abs-max {amax}): "
+            "the model overflows on this data in fp32",
+            fix="check the model's weights and the calibration data (a tensor with huge values?)",
+        )
+
+
+def describe(scheme) -> str:
+    """'FP8 per-tensor, float acts static' and the like (manifest and report)."""
+    w, acts = scheme.weights, scheme.input_activations
+    kind = ("FP" if w.type == "float" else "INT") + str(w.num_bits)
+    text = f"{kind} per-{w.strategy}" + (f" g{w.group_size}" if w.group_size else "") + ("" if w.symmetric else " asym")
+    return text + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}")

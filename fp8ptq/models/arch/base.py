@@ -70,6 +70,7 @@ class Arch:
     norm_offset: float = 0.0  # RMSNorm computes norm(x) * (norm_offset + w): 1.0 for Gemma
     expert_lists: tuple[str, ...] = ()  # ModuleLists of experts (their groups are calibrated together)
     keep_float: tuple[str, ...] = ()  # re: patterns never quantized whatever a recipe targets (routers)
+    kv_cache: bool = True  # per-head post-RoPE KV scales describe the engine's cache (False: MLA's latent)
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     rotary: str = "model.rotary_emb"
@@ -86,6 +87,20 @@ class Arch:
 
     def is_layer_tensor(self, name: str) -> bool:
         return name.startswith(self.layers + ".")
+
+    def refuses(self, recipe) -> str | None:
+        """Why this family cannot take `recipe` (checked before any work), or None."""
+        if recipe.scheme.kv_cache is not None and not self.kv_cache:
+            return (
+                f"recipe '{recipe.name}' quantizes the KV cache, which the {self.name} adapter does not support "
+                "(the engine caches a compressed latent, not per-head keys/values)"
+            )
+        if recipe.flatten is not None and self.flatten is None:
+            return (
+                f"recipe '{recipe.name}' flattens the MLP, which the {self.name} adapter does not support "
+                "(no separate gate/up/down Linears in every layer)"
+            )
+        return None
 
     def check_layer(self, layer: torch.nn.Module, index: int) -> None:
         """A typed error when a decoder layer lacks what this adapter runs."""
