@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from compressed_tensors.utils.match import is_match
 
 from fp8ptq.api import QuantizeConfig, quantize
 from fp8ptq.calibrate import experts as experts_mod
@@ -103,6 +104,8 @@ def test_every_expert_quantized_with_shared_static_scales_and_router_float(model
         router = f"model.layers.{i}.{path.rpartition('.')[0]}.gate"
         assert tensors[f"{router}.weight"].dtype == torch.bfloat16
         assert not any(k.startswith(router + ".weight_") or k.startswith(router + ".input") for k in tensors)
+        ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+        assert any(is_match(router, torch.nn.Linear(1, 1), [p]) for p in ignore)  # vLLM builds routers as Linears
         report = manifest.layers[i]["experts"][prefix]
         assert sum(report["tokens"]) == 4 * 64 * cfg["num_experts_per_tok"]
         assert report["all_tokens"] == sorted(e for e, n in enumerate(report["tokens"]) if n < 64)
