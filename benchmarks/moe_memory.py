@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-moe"))
+    ap.add_argument("--no-llmc", action="store_true", help="fp8ptq only")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     model = build(a.work, a.layers)
@@ -96,6 +97,8 @@ def main() -> None:
     starved = [len(x["all_tokens"]) for layer in manifest["layers"] for x in layer["experts"].values()]
     print(f"routed pairs per layer: {tokens}; experts calibrated on all tokens per layer: {starved}")
     llmc = HERE / ".venv-llmc" / "bin" / "python"
+    if a.no_llmc:
+        return
     if not llmc.is_file():
         print("\nllm-compressor: not run (no benchmarks/.venv-llmc; run benchmarks/setup_llmc_venv.sh)")
         return

@@ -303,6 +303,7 @@ def calibrate(
                 cal.close()
             on_layer(result, state)
             release(layer)
+            result = cal = None  # a finished layer's fp32 results must not outlive it into the next load
             if progress:
                 progress("calibrate", i + 1, len(layers))
     finally:

@@ -49,6 +49,9 @@ def source_name(src: ModelSource, name: str) -> str:
     return name
 
 
+_MAPPED_BYTES = 256 << 20  # source bytes read between closing the shards' memory maps
+
+
 def stored_names(module: torch.nn.Module, recurse: bool = True) -> list[str]:
     """What a checkpoint holds for a module: its parameters and persistent buffers (e.g. DeepSeek's
     router score-correction bias)."""
@@ -62,12 +65,18 @@ def stored_names(module: torch.nn.Module, recurse: bool = True) -> list[str]:
 
 def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: torch.dtype, device="cpu") -> None:
     """Load module's parameters and persistent buffers (names under `prefix`) from the source shards."""
-    state = {}
+    state, mapped = {}, 0
     for name in stored_names(module):
         full = source_name(src, prefix + name)
         if not src.has(full):
             raise KeyError(f"tensor '{full}' missing from {src.path}")
-        state[name] = check_finite(full, src.tensor(full)).to(device=device, dtype=dtype)
+        t = src.tensor(full)
+        mapped += t.numel() * t.element_size()
+        state[name] = check_finite(full, t).to(device=device, dtype=dtype)
+        del t
+        if mapped > _MAPPED_BYTES:  # pages read through a live mapping stay in RSS: drop them as we go
+            src.close()
+            mapped = 0
     module.load_state_dict(state, strict=False, assign=True)
 
 
