@@ -108,9 +108,26 @@ class Scheme(_Frozen):
                 raise ValueError(
                     f"weights are {w.type} but input_activations {a.type}: vLLM runs W8A8 as FP8xFP8 or INT8xINT8 GEMMs"
                 )
+        _check_block_pairing(w, a)
         if kv is not None:
             handler(kv).check_kv(kv, "kv_cache")
         return self
+
+
+def _check_block_pairing(w: QuantArgs, a: QuantArgs | None) -> None:
+    """Block weights run in vLLM only with dynamic per-token-group inputs of the block's width
+    (CompressedTensorsW8A8Fp8 asserts a non-static input scheme and quantizes activations in groups of
+    block_structure[0]); group-wise inputs only with block weights."""
+    if w.strategy == "block":
+        b = w.block_structure[0]
+        if a is None or a.strategy != "group" or a.group_size != b:
+            raise ValueError(
+                f"block_structure {list(w.block_structure)} weights need input_activations "
+                f"{{type: float, strategy: group, group_size: {b}, dynamic: true}} (vLLM quantizes "
+                "block-FP8 inputs per token-group of the block width)"
+            )
+    elif a is not None and a.strategy == "group":
+        raise ValueError("group-wise input activations go with block weights (strategy: block, block_structure)")
 
 
 class Smooth(_Frozen):
@@ -217,6 +234,10 @@ class Recipe(_Frozen):
             raise ValueError("flatten shrinks activation scales: it needs input_activations")
         if self.smooth is not None and self.scheme.input_activations is None:
             raise ValueError("smooth migrates activation outliers into weights: it needs input_activations")
+        if self.scheme.weights.strategy == "block" and self.calibration.gptq_act_order:
+            raise ValueError(
+                "gptq_act_order with block weights: GPTQ solves blocks in column order (set gptq_act_order false)"
+            )
         return self
 
     @property

@@ -45,3 +45,20 @@ def test_recipe_is_frozen():
         r.name = "other"
     with pytest.raises(TypeError, match="frozen"):
         r.scheme.weights.num_bits = 4
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s["input_activations"].update(group_size=64), "need input_activations"),
+        (lambda s: s["input_activations"].update(strategy="token", group_size=None), "need input_activations"),
+        (lambda s: s["weights"].update(block_structure=[128, 64]), "must be square"),
+        (lambda s: s["input_activations"].update(dynamic=False), "dynamic"),
+        (lambda s: s["weights"].update(strategy="channel", block_structure=None), "go with block weights"),
+    ],
+)
+def test_block_fp8_pairing_is_checked(edit, match):
+    data = yaml.safe_load(recipe_yaml(load_recipe("fp8-block")))
+    edit(data["scheme"])
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe(data, "x.yaml")

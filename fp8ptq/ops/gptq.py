@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8
+from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
 
@@ -87,6 +87,14 @@ def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> Weig
         fixed = scale.float().reshape(-1, 1) if g == CHANNEL else scale.float().reshape(1)
         choose = lambda w: (fixed, None)  # noqa: E731
     return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g))
+
+
+def fp8_block_grid(rows: int, cols: int) -> WeightGrid:
+    """FP8 E4M3 with one min-max scale per (rows x cols) block of W, as a group grid over `cols` input
+    columns whose per-row params are shared by each `rows` consecutive rows (`block_row_scale`): RTN
+    and GPTQ (lazy groups) then need no block-specific solver. W's row count must be a multiple of
+    `rows`; the per-row scales [out, in / cols] reduce to the block scales by taking every rows-th row."""
+    return WeightGrid(lambda w: (block_row_scale(w, rows), None), lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols)
 
 
 def int_grid(

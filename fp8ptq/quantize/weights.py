@@ -44,6 +44,24 @@ def _rtn(w: torch.Tensor, grid: WeightGrid) -> tuple[torch.Tensor, dict]:
     return q, _params(scale, zp)
 
 
+def check_block_size(shapes: dict[str, tuple[int, int]], b: tuple[int, int]) -> None:
+    """Every weight [out, in] of a block scheme must be whole blocks: vLLM quantizes its inputs in groups
+    of the block width (per_token_group_quant_fp8 asserts in % B == 0) and refuses fused shards whose
+    out is not a multiple of B (validate_fp8_block_shape). fp8ptq also asks it of unfused Linears, whose
+    partial edge block vLLM and compressed-tensors would pad, so that one rule covers every Linear."""
+    for name, (out_f, in_f) in shapes.items():
+        if out_f % b[0] or in_f % b[1]:
+            raise ValueError(
+                f"{name} [{out_f}, {in_f}] is not whole {b[0]}x{b[1]} blocks (block sizes that divide "
+                f"both: {', '.join(map(str, valid_block_sizes([out_f, in_f]))) or 'none'})"
+            )
+
+
+def valid_block_sizes(widths: list[int]) -> list[int]:
+    """Powers of two in 8..1024 dividing every width."""
+    return [b for b in (8 << i for i in range(8)) if all(w % b == 0 for w in widths)]
+
+
 def fake_quant_weight(w: torch.Tensor, args: QuantizationArgs, cal) -> torch.Tensor:
     """Round-to-nearest fake quantization of one weight [out, in] with the scheme's own grid."""
     return _rtn(w.float(), weight_grid(args, cal))[0]
@@ -69,6 +87,8 @@ def quantize_group(
     g = granularity(args)
     if g.kind == "group":
         check_group_size(w.shape[1], g.group_size)
+    if g.kind == "block":
+        check_block_size({n: tuple(weights[n].shape) for n in names}, g.block)
     grid = weight_grid(args, cal)
     if cal.weight_method == "gptq":
         assert H is not None, "GPTQ needs the input Hessian"
@@ -79,6 +99,8 @@ def quantize_group(
     out = {}
     for name, q_i, w_i, lo in zip(names, q.split(rows), w.split(rows), [sum(rows[:i]) for i in range(len(rows))]):
         p_i = {k: (v if g == TENSOR else v[lo : lo + w_i.shape[0]]).clone() for k, v in params.items()}
+        if g.kind == "block":  # the grid's per-row scales, one per row of each block -> one per block
+            p_i = {k: v[:: g.block[0]].contiguous() for k, v in p_i.items()}
         report = {"weight_rel_err": float((q_i - w_i).norm() / w_i.norm().clamp_min(1e-12))}
         if H is not None:
             d = q_i - w_i  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)
