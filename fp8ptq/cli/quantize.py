@@ -48,6 +48,9 @@ def quantize(
     offload_activations: bool = typer.Option(False, help="keep calibration activations on disk (RAM: one chunk)"),
     int4_fraction: Optional[float] = typer.Option(None, help="mixed recipes: share of linear FLOPs at 4 bit"),
     tp: Optional[int] = typer.Option(None, help="flatten recipes: tensor-parallel size the MLP width must divide"),
+    group_size: Optional[int] = typer.Option(
+        None, help="group-weight recipes (w4a16, w4a8-fp8): input channels per weight scale"
+    ),
     block_size: Optional[int] = typer.Option(
         None, help="block recipes: B of the [B, B] weight blocks and input groups (must divide every width)"
     ),
@@ -101,6 +104,7 @@ def quantize(
         int4_fraction=int4_fraction,
         tp=tp,
         block_size=block_size,
+        group_size=group_size,
         draft=draft,
         draft_trim=draft_trim,
         draft_steps=draft_steps,

@@ -37,6 +37,16 @@ def ct_scheme(scheme: LinearScheme, targets: list[str], with_format: bool = Fals
     )
 
 
+def _inferred_differs(scheme: LinearScheme) -> bool:
+    """Whether compressed-tensors would infer another format for a Linear of this scheme than the one we
+    write (W4A8-FP8: its int-quantized compressor claims any INT weights with input activations). Loaders
+    that infer per module (transformers' compressed-tensors integration) then need the group's `format`."""
+    from compressed_tensors.compressors.format import infer_module_format
+
+    inferred = infer_module_format(torch.nn.Linear, ct_scheme(scheme, ["Linear"]))
+    return inferred.value != export_format(scheme.weights, scheme.input_activations)
+
+
 def quantization_config(recipe: Recipe, groups: list[tuple[LinearScheme, list[str]]] | None = None) -> dict:
     """The `quantization_config` entry of config.json. groups: (scheme, targets) per config group; default
     one group with the recipe's scheme and targets. Several formats -> `mixed-precision` with a format
@@ -46,8 +56,9 @@ def quantization_config(recipe: Recipe, groups: list[tuple[LinearScheme, list[st
         groups = [(LinearScheme(s.weights, s.input_activations), list(s.targets))]
     formats = {export_format(sch.weights, sch.input_activations) for sch, _ in groups}
     mixed = len(formats) > 1
+    explicit = mixed or any(_inferred_differs(sch) for sch, _ in groups)
     cfg = QuantizationConfig(
-        config_groups={f"group_{i}": ct_scheme(sch, t, with_format=mixed) for i, (sch, t) in enumerate(groups)},
+        config_groups={f"group_{i}": ct_scheme(sch, t, with_format=explicit) for i, (sch, t) in enumerate(groups)},
         kv_cache_scheme=ct_args(recipe.scheme.kv_cache),
         format=MIXED if mixed else formats.pop(),
         quantization_status="compressed",

@@ -70,11 +70,15 @@ class WeightGrid:
     group_size None: one Params for the whole W, chosen once before solving (FP8/INT8 per-tensor or
     per-channel). group_size n: one Params per n consecutive input columns; `choose` must then be
     per-row ([out, 1]), and the result stacks them into [out, in / n].
+    refine: optional, for group grids whose params depend on a whole row of groups (e.g. group scales
+    an engine re-quantizes per row): all groups' params [out, in / n] -> the params to use. GPTQ then
+    chooses every group up front (static groups).
     """
 
     choose: Callable[[torch.Tensor], Params]
     fake_quant: Callable[[torch.Tensor, Params], torch.Tensor]
     group_size: int | None = None
+    refine: Callable[[Params], Params] | None = None
 
 
 def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
@@ -106,6 +110,7 @@ def int_grid(
     shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
     scale_dtype: torch.dtype | None = None,
     params: Params | None = None,
+    refine: Callable[[Params], Params] | None = None,
 ) -> WeightGrid:
     """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
 
@@ -122,7 +127,7 @@ def int_grid(
         choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
     else:
         choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
-    return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size)
+    return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size, refine)
 
 
 # --- Solver --------------------------------------------------------------------------------------
@@ -264,11 +269,13 @@ def gptq(
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
             Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
             scale, zero_point = params
-        elif act_order or static_groups:
+        elif act_order or static_groups or grid.refine is not None:
             # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
             s, z = grid.choose(W.reshape(-1, n_g))
             scale = s.reshape(W.shape[0], -1)
             zero_point = None if z is None else z.reshape(W.shape[0], -1)
+            if grid.refine is not None:
+                scale, zero_point = grid.refine((scale, zero_point))
             cols = [
                 (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1]) for k in range(n // n_g)
             ]

@@ -36,8 +36,14 @@ def _rtn(w: torch.Tensor, grid: WeightGrid) -> tuple[torch.Tensor, dict]:
     n = grid.group_size
     groups = w.reshape(w.shape[0], -1, n).transpose(0, 1).reshape(-1, n)  # [(in/n)*out, n]: rows per group
     scale, zp = grid.choose(groups)
-    q = grid.fake_quant(groups, (scale, zp))
     unflat = lambda t: t.reshape(-1, w.shape[0], t.shape[-1]).transpose(0, 1)  # noqa: E731
+    if grid.refine is not None:  # params that depend on the whole row: refine [out, in/n], then re-flatten
+        flat = lambda t: None if t is None else t.T.reshape(-1, 1)  # noqa: E731
+        refined = grid.refine(
+            (unflat(scale).reshape(w.shape[0], -1), None if zp is None else unflat(zp).reshape(w.shape[0], -1))
+        )
+        scale, zp = flat(refined[0]), flat(refined[1])
+    q = grid.fake_quant(groups, (scale, zp))
     q = unflat(q).reshape(w.shape)
     scale = unflat(scale).reshape(w.shape[0], -1)
     zp = None if zp is None else unflat(zp).reshape(w.shape[0], -1)

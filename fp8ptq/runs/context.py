@@ -53,6 +53,7 @@ class QuantizeConfig:
     draft_time_budget_s: float | None = 900.0
     tp: int | None = None  # flatten recipes: override the tensor-parallel size
     block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
+    group_size: int | None = None  # group-weight recipes: override the weights' group_size
 
 
 @dataclass
@@ -159,6 +160,15 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
         note=f"{uses} {recipe.mixed.int4_fraction}" if recipe.mixed else f"recipe '{recipe.name}' is not mixed",
     )
     check_option("--tp", cfg.tp, minimum=1, note=f"{uses} {recipe.flatten.tp}" if recipe.flatten else "")
+    gs = recipe.scheme.weights.group_size if recipe.scheme.weights.strategy == "group" else None
+    check_option(
+        "--group-size",
+        cfg.group_size,
+        minimum=8,
+        maximum=1024,
+        example=64,
+        note=f"{uses} {gs}" if gs else f"recipe '{recipe.name}' has no group weights",
+    )
     b = recipe.scheme.weights.block_structure
     check_option(
         "--block-size",
@@ -188,6 +198,14 @@ def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
                 fix=f"drop {flag} or use a recipe such as {'mixed-w4-w8' if section == 'mixed' else 'flatten-w8a8'}",
             )
         data[section][key] = value
+    if cfg.group_size is not None:
+        w = data["scheme"]["weights"]
+        if w.get("strategy") != "group":
+            raise RecipeError(
+                f"--group-size needs a recipe with group weights; '{recipe.name}' has {w.get('strategy')} weights",
+                fix="drop --group-size or use a recipe such as w4a16 or w4a8-fp8",
+            )
+        w["group_size"] = cfg.group_size
     if cfg.block_size is not None:
         w, a = data["scheme"]["weights"], data["scheme"]["input_activations"]
         if w.get("strategy") != "block":

@@ -28,10 +28,10 @@ from helpers import parse_configs_under, read_config
 
 pytestmark = pytest.mark.tiny
 CASES = [(t, r) for t in registered() for r in builtin_names()]
-_KL_BOUND = {"w4a16": 1.0, "w4a16-kv8": 1.0, "mixed-w4-w8": 1.0}  # 4-bit on a 64-wide random model
+_KL_BOUND = {"w4a16": 1.0, "w4a16-kv8": 1.0, "mixed-w4-w8": 1.0, "w4a8-fp8": 1.0}  # 4-bit on a 64-wide random model
 # Tiny models are 64 wide: a 128 block does not divide them (as on SmolLM2), so block recipes run with
 # the --block-size a user of such a model would pass.
-_OPTIONS = {"fp8-block": {"block_size": 32}}
+_OPTIONS = {"fp8-block": {"block_size": 32}, "w4a8-fp8": {"group_size": 32}}
 
 
 @pytest.fixture(scope="module")
