@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from fp8ptq.ops.fp4 import NVFP4_GROUP, fake_quant_nvfp4, nvfp4_group_scale
 from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
@@ -99,6 +100,14 @@ def fp8_block_grid(rows: int, cols: int) -> WeightGrid:
     and GPTQ (lazy groups) then need no block-specific solver. W's row count must be a multiple of
     `rows`; the per-row scales [out, in / cols] reduce to the block scales by taking every rows-th row."""
     return WeightGrid(lambda w: (block_row_scale(w, rows), None), lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols)
+
+
+def nvfp4_grid(global_scale: torch.Tensor) -> WeightGrid:
+    """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
+    input columns, per-row params eff = FP8 group scale / global scale [R, 1]."""
+    gs = global_scale.float().reshape(1)
+    choose = lambda w: (nvfp4_group_scale(w.abs().amax(dim=-1, keepdim=True), gs) / gs, None)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_nvfp4(w, p[0]), NVFP4_GROUP)
 
 
 def int_grid(

