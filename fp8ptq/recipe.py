@@ -102,8 +102,8 @@ class Scheme(_Frozen):
         handler(w).check_weights(w, "weights")
         if a is not None:
             handler(a).check_inputs(a, "input_activations")
-            if is_w4a8_fp8(w, a):
-                pass
+            if is_w4a8_fp8(w, a) or (w.type, w.num_bits, a.type, a.num_bits) == ("float", 4, "float", 4):
+                pass  # W4A8-FP8, NVFP4 W4A4
             elif w.num_bits == 4:
                 raise ValueError(
                     "4-bit weights are exported weight-only (W4A16: input_activations null) or as W4A8-FP8 "
@@ -275,7 +275,7 @@ class Recipe(_Frozen):
     @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
-        static_acts = a is not None and not a.dynamic
+        static_acts = a is not None and a.dynamic is not True  # "local" (NVFP4) has a calibrated global scale
         return (
             static_acts
             or self.scheme.kv_cache is not None

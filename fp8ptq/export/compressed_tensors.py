@@ -15,7 +15,7 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantize.schemes import LinearScheme, handler
 from fp8ptq.quantize.weights import export_format
 from fp8ptq.recipe import QuantArgs, Recipe
 
@@ -78,10 +78,11 @@ def compress_linear(
     `weight` is the fake-quantized fp32 weight; params hold weight_scale [, weight_zero_point][, input_scale]."""
     state = {"weight": weight}
     for k, v in params.items():
-        state[k] = v.reshape(1) if k == "input_scale" else v
+        if k == "input_scale":
+            state.update(handler(scheme.input_activations).input_scale_tensors(v))
+        else:
+            state[k] = v
     state["weight_scale"] = state["weight_scale"].float()
-    if "input_scale" in state:
-        state["input_scale"] = state["input_scale"].float()
     fmt = export_format(scheme.weights, scheme.input_activations)
     return BaseCompressor.get_value_from_registry(fmt).compress(state, ct_scheme(scheme, ["Linear"]))
 

@@ -54,6 +54,18 @@ def nvfp4_group_scale(amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.full_like(s, _ZERO_SCALE), s)
 
 
+def fake_quant_nvfp4_act(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 W4A4 activations x [..., K]: groups of 16 along K with dynamic FP8 group scales under the
+    static per-tensor scale (x ~= q * scale convention: scale = 1 / input_global_scale). Same dtype as x.
+    vLLM's scaled_fp4_quant computes the same values up to fp32 rounding order."""
+    gs = 1.0 / scale.float().reshape(1)
+    rows = x.reshape(-1, NVFP4_GROUP).float()
+    s = nvfp4_group_scale(rows.abs().amax(dim=-1, keepdim=True), gs)
+    eff = s / gs
+    q = cast_e2m1((rows / eff).clamp(-FP4_MAX, FP4_MAX))
+    return (q * eff).to(x.dtype).reshape(x.shape)
+
+
 def fake_quant_nvfp4(x: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
     """x [rows, n] with one effective scale per row eff [rows, 1] (= group scale / global scale): the
     dequantized E2M1 values rounded to bf16, returned as fp32 (compressed-tensors' decompression)."""

@@ -61,6 +61,16 @@ class SchemeHandler:
         """The per-tensor grid of static activations and KV (its scale comes from calibration)."""
         raise NotImplementedError
 
+    def input_scale_tensors(self, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of a calibrated static input scale (x ~= q * scale)."""
+        return {"input_scale": scale.float().reshape(1)}
+
+    def stored_input_scale(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Back from the checkpoint's tensors of one Linear to the static input scale (x ~= q * scale)."""
+        if "input_global_scale" in local:
+            return (1.0 / local["input_global_scale"].float()).reshape(1)
+        return local["input_scale"].float().reshape(1)
+
     def dynamic(self, args: QuantizationArgs) -> Callable[[torch.Tensor], torch.Tensor]:
         """The engine's dynamic activation quantizer (scale taken from x itself)."""
         raise NotImplementedError
