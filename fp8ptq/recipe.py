@@ -102,15 +102,47 @@ class Scheme(_Frozen):
         handler(w).check_weights(w, "weights")
         if a is not None:
             handler(a).check_inputs(a, "input_activations")
-            if w.num_bits == 4:
-                raise ValueError("4-bit weights are exported weight-only (W4A16): set input_activations to null")
-            if a.type != w.type:
+            if is_w4a8_fp8(w, a) or (w.type, w.num_bits, a.type, a.num_bits) == ("float", 4, "float", 4):
+                pass  # W4A8-FP8, NVFP4 W4A4
+            elif w.num_bits == 4:
+                raise ValueError(
+                    "4-bit weights are exported weight-only (W4A16: input_activations null) or as W4A8-FP8 "
+                    "(symmetric INT4 groups + {type: float, strategy: token, dynamic: true} inputs)"
+                )
+            elif a.type != w.type:
                 raise ValueError(
                     f"weights are {w.type} but input_activations {a.type}: vLLM runs W8A8 as FP8xFP8 or INT8xINT8 GEMMs"
                 )
+        _check_block_pairing(w, a)
         if kv is not None:
             handler(kv).check_kv(kv, "kv_cache")
         return self
+
+
+def is_w4a8_fp8(w: QuantizationArgs, a: QuantizationArgs | None) -> bool:
+    """INT4 symmetric group weights with FP8 dynamic per-token inputs: compressed-tensors' W4AFP8 preset,
+    vLLM's CompressedTensorsW4A8Fp8 (Hopper)."""
+    return (
+        a is not None
+        and (w.type, w.num_bits, w.strategy, w.symmetric) == ("int", 4, "group", True)
+        and (a.type, a.num_bits, a.strategy, a.dynamic) == ("float", 8, "token", True)
+    )
+
+
+def _check_block_pairing(w: QuantArgs, a: QuantArgs | None) -> None:
+    """Block weights run in vLLM only with dynamic per-token-group inputs of the block's width
+    (CompressedTensorsW8A8Fp8 asserts a non-static input scheme and quantizes activations in groups of
+    block_structure[0]); group-wise inputs only with block weights."""
+    if w.strategy == "block":
+        b = w.block_structure[0]
+        if a is None or a.strategy != "group" or a.group_size != b:
+            raise ValueError(
+                f"block_structure {list(w.block_structure)} weights need input_activations "
+                f"{{type: float, strategy: group, group_size: {b}, dynamic: true}} (vLLM quantizes "
+                "block-FP8 inputs per token-group of the block width)"
+            )
+    elif a is not None and a.strategy == "group":
+        raise ValueError("group-wise input activations go with block weights (strategy: block, block_structure)")
 
 
 class Smooth(_Frozen):
@@ -175,6 +207,10 @@ class Calibration(_Frozen):
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
     gptq_act_order: bool = False
+    # 4-bit integer group scales as stored (bf16, what vLLM's W4A16 kernels load) or, "fp8", moved onto
+    # the per-row FP8 grid vLLM's Hopper W4A8 kernel re-quantizes them to (ops.intq.fp8_row_group_scales),
+    # so that kernel computes exactly the simulated weights. Required by W4A8-FP8 schemes.
+    group_scales: Literal["bf16", "fp8"] = "bf16"
     # GPTQ Hessian from the quantized inputs the engine sees; costs one more pass per static group and
     # measured no better (fp8-kv8, 16x512: KL 0.03542 quantized vs 0.03497 unquantized inputs).
     gptq_quantized_inputs: bool = False
@@ -220,12 +256,29 @@ class Recipe(_Frozen):
             raise ValueError("flatten shrinks activation scales: it needs input_activations")
         if self.smooth is not None and self.scheme.input_activations is None:
             raise ValueError("smooth migrates activation outliers into weights: it needs input_activations")
+        w, a = self.scheme.weights, self.scheme.input_activations
+        if is_w4a8_fp8(w, a) and self.calibration.group_scales != "fp8":
+            raise ValueError(
+                "W4A8-FP8 needs calibration.group_scales: fp8 (vLLM's Hopper W4A8 kernel re-quantizes the group "
+                "scales to FP8 per row; fp8 scales make it compute exactly what is simulated)"
+            )
+        if self.calibration.group_scales == "fp8" and (w.type, w.num_bits, w.strategy, w.symmetric) != (
+            "int",
+            4,
+            "group",
+            True,
+        ):
+            raise ValueError("calibration.group_scales fp8 is for symmetric 4-bit integer group weights")
+        if self.scheme.weights.strategy == "block" and self.calibration.gptq_act_order:
+            raise ValueError(
+                "gptq_act_order with block weights: GPTQ solves blocks in column order (set gptq_act_order false)"
+            )
         return self
 
     @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
-        static_acts = a is not None and not a.dynamic
+        static_acts = a is not None and a.dynamic is not True  # "local" (NVFP4) has a calibrated global scale
         return (
             static_acts
             or self.scheme.kv_cache is not None

@@ -45,3 +45,35 @@ def test_recipe_is_frozen():
         r.name = "other"
     with pytest.raises(TypeError, match="frozen"):
         r.scheme.weights.num_bits = 4
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s["input_activations"].update(group_size=64), "need input_activations"),
+        (lambda s: s["input_activations"].update(strategy="token", group_size=None), "need input_activations"),
+        (lambda s: s["weights"].update(block_structure=[128, 64]), "must be square"),
+        (lambda s: s["input_activations"].update(dynamic=False), "dynamic"),
+        (lambda s: s["weights"].update(strategy="channel", block_structure=None), "go with block weights"),
+    ],
+)
+def test_block_fp8_pairing_is_checked(edit, match):
+    data = yaml.safe_load(recipe_yaml(load_recipe("fp8-block")))
+    edit(data["scheme"])
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe(data, "x.yaml")
+
+
+def test_w4a8_fp8_needs_fp8_group_scales_and_only_it_takes_them():
+    data = yaml.safe_load(recipe_yaml(load_recipe("w4a8-fp8")))
+    data["calibration"]["group_scales"] = "bf16"
+    with pytest.raises(RecipeError, match="W4A8-FP8 needs calibration.group_scales: fp8"):
+        parse_recipe(data, "x.yaml")
+    data = yaml.safe_load(recipe_yaml(load_recipe("w8a8-int8")))
+    data["calibration"]["group_scales"] = "fp8"
+    with pytest.raises(RecipeError, match="group_scales fp8 is for symmetric 4-bit"):
+        parse_recipe(data, "x.yaml")
+    data = yaml.safe_load(recipe_yaml(load_recipe("w4a16")))
+    data["scheme"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    with pytest.raises(RecipeError, match="W4A8-FP8"):  # asymmetric INT4 has no W4A8 kernel
+        parse_recipe(data, "x.yaml")

@@ -179,7 +179,7 @@ def _install_shared_inputs(cal, stage: ExpertStage, amax: dict) -> None:
         acts = cal.schemes[g].input_activations
         if acts is None:
             continue
-        if acts.dynamic:
+        if acts.dynamic is True:  # "local" (NVFP4 inputs): a calibrated global scale, like a static one
             cal._install_input_quant(g, input_quantizer(acts, None))
             continue
         key = acts.model_dump_json()

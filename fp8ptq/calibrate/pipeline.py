@@ -151,8 +151,8 @@ class LayerCalibrator:
         scheme = self.schemes[group]
         cal = self.recipe.calibration
         acts = scheme.input_activations
-        static = acts is not None and not acts.dynamic
-        quant = input_quantizer(acts, None) if acts is not None and acts.dynamic else None
+        static = acts is not None and acts.dynamic is not True  # "local" (NVFP4): a calibrated global scale
+        quant = input_quantizer(acts, None) if acts is not None and acts.dynamic is True else None
         # GPTQ's Hessian comes from the inputs the engine sees (quantized) when asked; a static scale
         # is only known after the stats pass, which then costs one more pass to the group's input.
         quant_h = cal.gptq_quantized_inputs and acts is not None

@@ -23,6 +23,7 @@ from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
+from fp8ptq.quantize.schemes import handler
 
 # Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
 _LINEAR_KEYS = (
@@ -34,6 +35,7 @@ _LINEAR_KEYS = (
     "weight_global_scale",
     "weight_g_idx",
     "input_scale",
+    "input_global_scale",
 )
 
 
@@ -122,9 +124,10 @@ def load_simulated(
             counts["quantized_linears"] += 1
             acts = _engine_inputs(scheme, engine)
             if acts is not None:
-                scale = None if acts.dynamic else local["input_scale"].float().reshape(1)
+                dynamic = acts.dynamic is True  # "local" (NVFP4): a stored global scale
+                scale = None if dynamic else handler(acts).stored_input_scale(local)
                 input_quant[name] = input_quantizer(acts, scale)
-                counts["dynamic_inputs" if acts.dynamic else "static_inputs"] += 1
+                counts["dynamic_inputs" if dynamic else "static_inputs"] += 1
             continue
         for pname in stored_names(module, recurse=False):
             full = f"{name}.{pname}" if name else pname

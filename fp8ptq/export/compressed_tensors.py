@@ -15,7 +15,7 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantize.schemes import LinearScheme, handler
 from fp8ptq.quantize.weights import export_format
 from fp8ptq.recipe import QuantArgs, Recipe
 
@@ -37,6 +37,16 @@ def ct_scheme(scheme: LinearScheme, targets: list[str], with_format: bool = Fals
     )
 
 
+def _inferred_differs(scheme: LinearScheme) -> bool:
+    """Whether compressed-tensors would infer another format for a Linear of this scheme than the one we
+    write (W4A8-FP8: its int-quantized compressor claims any INT weights with input activations). Loaders
+    that infer per module (transformers' compressed-tensors integration) then need the group's `format`."""
+    from compressed_tensors.compressors.format import infer_module_format
+
+    inferred = infer_module_format(torch.nn.Linear, ct_scheme(scheme, ["Linear"]))
+    return inferred.value != export_format(scheme.weights, scheme.input_activations)
+
+
 def quantization_config(
     recipe: Recipe, groups: list[tuple[LinearScheme, list[str]]] | None = None, keep_float: tuple[str, ...] = ()
 ) -> dict:
@@ -50,8 +60,9 @@ def quantization_config(
         groups = [(LinearScheme(s.weights, s.input_activations), list(s.targets))]
     formats = {export_format(sch.weights, sch.input_activations) for sch, _ in groups}
     mixed = len(formats) > 1
+    explicit = mixed or any(_inferred_differs(sch) for sch, _ in groups)
     cfg = QuantizationConfig(
-        config_groups={f"group_{i}": ct_scheme(sch, t, with_format=mixed) for i, (sch, t) in enumerate(groups)},
+        config_groups={f"group_{i}": ct_scheme(sch, t, with_format=explicit) for i, (sch, t) in enumerate(groups)},
         kv_cache_scheme=ct_args(recipe.scheme.kv_cache),
         format=MIXED if mixed else formats.pop(),
         quantization_status="compressed",
@@ -71,10 +82,11 @@ def compress_linear(
     `weight` is the fake-quantized fp32 weight; params hold weight_scale [, weight_zero_point][, input_scale]."""
     state = {"weight": weight}
     for k, v in params.items():
-        state[k] = v.reshape(1) if k == "input_scale" else v
+        if k == "input_scale":
+            state.update(handler(scheme.input_activations).input_scale_tensors(v))
+        else:
+            state[k] = v
     state["weight_scale"] = state["weight_scale"].float()
-    if "input_scale" in state:
-        state["input_scale"] = state["input_scale"].float()
     fmt = export_format(scheme.weights, scheme.input_activations)
     return BaseCompressor.get_value_from_registry(fmt).compress(state, ct_scheme(scheme, ["Linear"]))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.granularity import Granularity, expand_scale, reduce_amax
+from fp8ptq.ops.granularity import Granularity, block, expand_scale, reduce_amax
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -24,6 +24,15 @@ def scale_from_amax(amax: torch.Tensor, qmax: float = FP8_MAX) -> torch.Tensor:
 def choose_fp8_scale(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """Min-max FP8 scale of x at granularity g (see `reduce_amax` for the shape)."""
     return scale_from_amax(reduce_amax(x, g))
+
+
+def block_row_scale(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Min-max FP8 scale [R, 1] of w [R, k] with each `rows` consecutive rows sharing one scale: one
+    (rows x k) block per scale, repeated on every row of its block (so a per-row fake-quant applies
+    exactly the block scale). R must be a multiple of `rows`. Take every `rows`-th entry of a stack of
+    these to get compressed-tensors' block scale [R / rows, in / k]."""
+    assert w.shape[0] % rows == 0, (w.shape, rows)
+    return choose_fp8_scale(w, block(rows, w.shape[1])).repeat_interleave(rows, dim=0)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8
+from fp8ptq.ops.fp4 import NVFP4_GROUP, fake_quant_nvfp4, nvfp4_group_scale
+from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
 
@@ -70,11 +71,15 @@ class WeightGrid:
     group_size None: one Params for the whole W, chosen once before solving (FP8/INT8 per-tensor or
     per-channel). group_size n: one Params per n consecutive input columns; `choose` must then be
     per-row ([out, 1]), and the result stacks them into [out, in / n].
+    refine: optional, for group grids whose params depend on a whole row of groups (e.g. group scales
+    an engine re-quantizes per row): all groups' params [out, in / n] -> the params to use. GPTQ then
+    chooses every group up front (static groups).
     """
 
     choose: Callable[[torch.Tensor], Params]
     fake_quant: Callable[[torch.Tensor, Params], torch.Tensor]
     group_size: int | None = None
+    refine: Callable[[Params], Params] | None = None
 
 
 def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
@@ -89,6 +94,22 @@ def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> Weig
     return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g))
 
 
+def fp8_block_grid(rows: int, cols: int) -> WeightGrid:
+    """FP8 E4M3 with one min-max scale per (rows x cols) block of W, as a group grid over `cols` input
+    columns whose per-row params are shared by each `rows` consecutive rows (`block_row_scale`): RTN
+    and GPTQ (lazy groups) then need no block-specific solver. W's row count must be a multiple of
+    `rows`; the per-row scales [out, in / cols] reduce to the block scales by taking every rows-th row."""
+    return WeightGrid(lambda w: (block_row_scale(w, rows), None), lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols)
+
+
+def nvfp4_grid(global_scale: torch.Tensor) -> WeightGrid:
+    """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
+    input columns, per-row params eff = FP8 group scale / global scale [R, 1]."""
+    gs = global_scale.float().reshape(1)
+    choose = lambda w: (nvfp4_group_scale(w.abs().amax(dim=-1, keepdim=True), gs) / gs, None)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_nvfp4(w, p[0]), NVFP4_GROUP)
+
+
 def int_grid(
     bits: int,
     symmetric: bool,
@@ -98,6 +119,7 @@ def int_grid(
     shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
     scale_dtype: torch.dtype | None = None,
     params: Params | None = None,
+    refine: Callable[[Params], Params] | None = None,
 ) -> WeightGrid:
     """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
 
@@ -114,7 +136,7 @@ def int_grid(
         choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
     else:
         choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
-    return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size)
+    return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size, refine)
 
 
 # --- Solver --------------------------------------------------------------------------------------
@@ -256,11 +278,13 @@ def gptq(
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
             Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
             scale, zero_point = params
-        elif act_order or static_groups:
+        elif act_order or static_groups or grid.refine is not None:
             # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
             s, z = grid.choose(W.reshape(-1, n_g))
             scale = s.reshape(W.shape[0], -1)
             zero_point = None if z is None else z.reshape(W.shape[0], -1)
+            if grid.refine is not None:
+                scale, zero_point = grid.refine((scale, zero_point))
             cols = [
                 (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1]) for k in range(n // n_g)
             ]

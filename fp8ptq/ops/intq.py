@@ -209,6 +209,36 @@ def mse_int_qparams(
     return best_s, best_z
 
 
+# vLLM's dynamic FP8 quantizer floors its scale here (input_quant_fp8._FP8_MIN_SCALING_FACTOR).
+_VLLM_FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)
+
+
+def fp8_row_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [out, G] (fp32) moved onto the grid vLLM 0.32's Hopper W4A8 kernel keeps them on.
+
+    CutlassW4A8LinearKernel loads the bf16 group scales and re-quantizes them to FP8 E4M3 per output
+    row (quant_utils.convert_bf16_scales_to_fp8: r = rowmax / 448, codes fp8(s / r), then / 8 and
+    r * 8): a second rounding with a 3-bit mantissa. Here each row's r is rounded up to 4 significant
+    bits (so code * r is exact in bf16 and rowmax / 448 gives r back exactly) and every scale becomes
+    fp8(s / r) * r, with codes at least 1/8 (code / 8 must stay a normal FP8 number). vLLM then
+    recovers exactly these scales, and they are exact in bf16 for the Marlin W4A16 fallback.
+    So that rowmax / 448 is r again, each row's largest group keeps code 448: its scale moves by at
+    most 1/16 (r's rounding), the others by FP8's rounding (at most 1/16).
+    Rows whose r would fall below vLLM's scale floor (1 / (448 * 512): every group scale under ~2e-3)
+    keep r at that floor, where vLLM's re-quantization is exact only to bf16 rounding.
+    """
+    s = scale.float()
+    raw = s.amax(dim=-1, keepdim=True) / 448.0
+    step = torch.exp2(torch.floor(torch.log2(raw)) - 3)  # 4 significant bits
+    r = torch.where(
+        raw > _VLLM_FP8_MIN_SCALE, torch.round(raw / step) * step, torch.full_like(raw, _VLLM_FP8_MIN_SCALE)
+    )
+    codes = (s / r).clamp(0.125, 448.0).to(torch.float8_e4m3fn).float()
+    top = torch.zeros_like(codes, dtype=torch.bool).scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
+    codes = torch.where(top & (raw > _VLLM_FP8_MIN_SCALE), torch.full_like(codes, 448.0), codes)
+    return codes * r
+
+
 def valid_group_sizes(in_features: int) -> list[int]:
     """Group sizes we accept for a layer with `in_features` inputs: divisors d of in_features with
     8 <= d <= 1024 that are a power of two or a multiple of 32, ascending."""

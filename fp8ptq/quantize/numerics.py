@@ -61,7 +61,7 @@ def input_quantizer(args: QuantizationArgs, scale: torch.Tensor | None) -> Calla
     """What the engine does to a Linear input (or a key/value): static per-tensor with the stored scale,
     or dynamic (scale from x itself)."""
     h = handler(args)
-    if args.dynamic:
+    if args.dynamic is True:  # "local" (NVFP4 inputs): a static global scale, dynamic group scales
         fn = h.dynamic(args)
         return lambda x: chunked(fn, x)
     assert scale is not None

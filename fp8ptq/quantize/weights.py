@@ -25,8 +25,10 @@ def export_format(weights: QuantizationArgs, acts: QuantizationArgs | None) -> s
     return handler(weights).format(weights, acts)
 
 
-def weight_grid(args: QuantizationArgs, cal) -> WeightGrid:
-    return handler(args).weight_grid(args, cal)
+def weight_grid(args: QuantizationArgs, cal, w: torch.Tensor | None = None) -> WeightGrid:
+    """The scheme's grid for weight w (two-level formats take their global scale from w)."""
+    h = handler(args)
+    return h.weight_grid(args, cal, None if w is None else h.global_scale(args, w))
 
 
 def _rtn(w: torch.Tensor, grid: WeightGrid) -> tuple[torch.Tensor, dict]:
@@ -36,17 +38,41 @@ def _rtn(w: torch.Tensor, grid: WeightGrid) -> tuple[torch.Tensor, dict]:
     n = grid.group_size
     groups = w.reshape(w.shape[0], -1, n).transpose(0, 1).reshape(-1, n)  # [(in/n)*out, n]: rows per group
     scale, zp = grid.choose(groups)
-    q = grid.fake_quant(groups, (scale, zp))
     unflat = lambda t: t.reshape(-1, w.shape[0], t.shape[-1]).transpose(0, 1)  # noqa: E731
+    if grid.refine is not None:  # params that depend on the whole row: refine [out, in/n], then re-flatten
+        flat = lambda t: None if t is None else t.T.reshape(-1, 1)  # noqa: E731
+        refined = grid.refine(
+            (unflat(scale).reshape(w.shape[0], -1), None if zp is None else unflat(zp).reshape(w.shape[0], -1))
+        )
+        scale, zp = flat(refined[0]), flat(refined[1])
+    q = grid.fake_quant(groups, (scale, zp))
     q = unflat(q).reshape(w.shape)
     scale = unflat(scale).reshape(w.shape[0], -1)
     zp = None if zp is None else unflat(zp).reshape(w.shape[0], -1)
     return q, _params(scale, zp)
 
 
+def check_block_size(shapes: dict[str, tuple[int, int]], b: tuple[int, int]) -> None:
+    """Every weight [out, in] of a block scheme must be whole blocks: vLLM quantizes its inputs in groups
+    of the block width (per_token_group_quant_fp8 asserts in % B == 0) and refuses fused shards whose
+    out is not a multiple of B (validate_fp8_block_shape). fp8ptq also asks it of unfused Linears, whose
+    partial edge block vLLM and compressed-tensors would pad, so that one rule covers every Linear."""
+    for name, (out_f, in_f) in shapes.items():
+        if out_f % b[0] or in_f % b[1]:
+            raise ValueError(
+                f"{name} [{out_f}, {in_f}] is not whole {b[0]}x{b[1]} blocks (block sizes that divide "
+                f"both: {', '.join(map(str, valid_block_sizes([out_f, in_f]))) or 'none'})"
+            )
+
+
+def valid_block_sizes(widths: list[int]) -> list[int]:
+    """Powers of two in 8..1024 dividing every width."""
+    return [b for b in (8 << i for i in range(8)) if all(w % b == 0 for w in widths)]
+
+
 def fake_quant_weight(w: torch.Tensor, args: QuantizationArgs, cal) -> torch.Tensor:
     """Round-to-nearest fake quantization of one weight [out, in] with the scheme's own grid."""
-    return _rtn(w.float(), weight_grid(args, cal))[0]
+    return _rtn(w.float(), weight_grid(args, cal, w))[0]
 
 
 def _params(scale: torch.Tensor, zp: torch.Tensor | None) -> dict:
@@ -69,16 +95,25 @@ def quantize_group(
     g = granularity(args)
     if g.kind == "group":
         check_group_size(w.shape[1], g.group_size)
-    grid = weight_grid(args, cal)
+    if g.kind == "block":
+        check_block_size({n: tuple(weights[n].shape) for n in names}, g.block)
+    grid = weight_grid(args, cal, w)
     if cal.weight_method == "gptq":
         assert H is not None, "GPTQ needs the input Hessian"
         r = gptq(w, H, grid, block_size=cal.gptq_block_size, damp=cal.gptq_damp, act_order=cal.gptq_act_order)
         q, params = r.weight, _params(r.scale, r.zero_point)
     else:
         q, params = _rtn(w, grid)
+    gs = handler(args).global_scale(args, w)
+    if gs is not None:  # two-level: stored group scales are eff * global (exact: eff = s / global)
+        params["weight_scale"] = (params["weight_scale"] * gs).to(torch.float8_e4m3fn).float()
     out = {}
     for name, q_i, w_i, lo in zip(names, q.split(rows), w.split(rows), [sum(rows[:i]) for i in range(len(rows))]):
         p_i = {k: (v if g == TENSOR else v[lo : lo + w_i.shape[0]]).clone() for k, v in params.items()}
+        if g.kind == "block":  # the grid's per-row scales, one per row of each block -> one per block
+            p_i = {k: v[:: g.block[0]].contiguous() for k, v in p_i.items()}
+        if gs is not None:
+            p_i["weight_global_scale"] = gs.clone()  # one for every shard of a fused group (vLLM takes the max)
         report = {"weight_rel_err": float((q_i - w_i).norm() / w_i.norm().clamp_min(1e-12))}
         if H is not None:
             d = q_i - w_i  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)

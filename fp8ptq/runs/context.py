@@ -54,6 +54,8 @@ class QuantizeConfig:
     draft_steps: int = 400
     draft_time_budget_s: float | None = 900.0
     tp: int | None = None  # flatten recipes: override the tensor-parallel size
+    block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
+    group_size: int | None = None  # group-weight recipes: override the weights' group_size
 
 
 @dataclass
@@ -160,6 +162,24 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
         note=f"{uses} {recipe.mixed.int4_fraction}" if recipe.mixed else f"recipe '{recipe.name}' is not mixed",
     )
     check_option("--tp", cfg.tp, minimum=1, note=f"{uses} {recipe.flatten.tp}" if recipe.flatten else "")
+    gs = recipe.scheme.weights.group_size if recipe.scheme.weights.strategy == "group" else None
+    check_option(
+        "--group-size",
+        cfg.group_size,
+        minimum=8,
+        maximum=1024,
+        example=64,
+        note=f"{uses} {gs}" if gs else f"recipe '{recipe.name}' has no group weights",
+    )
+    b = recipe.scheme.weights.block_structure
+    check_option(
+        "--block-size",
+        cfg.block_size,
+        minimum=8,
+        maximum=1024,
+        example=128,
+        note=f"{uses} {b[0]}" if b else f"recipe '{recipe.name}' has no block weights",
+    )
     check_option("--draft-trim", cfg.draft_trim, minimum=1, example=8192)
     check_option("--draft-steps", cfg.draft_steps, minimum=1, example=400)
     check_option("--draft-time-budget", cfg.draft_time_budget_s, minimum=1e-3, example=900)
@@ -180,6 +200,24 @@ def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
                 fix=f"drop {flag} or use a recipe such as {'mixed-w4-w8' if section == 'mixed' else 'flatten-w8a8'}",
             )
         data[section][key] = value
+    if cfg.group_size is not None:
+        w = data["scheme"]["weights"]
+        if w.get("strategy") != "group":
+            raise RecipeError(
+                f"--group-size needs a recipe with group weights; '{recipe.name}' has {w.get('strategy')} weights",
+                fix="drop --group-size or use a recipe such as w4a16 or w4a8-fp8",
+            )
+        w["group_size"] = cfg.group_size
+    if cfg.block_size is not None:
+        w, a = data["scheme"]["weights"], data["scheme"]["input_activations"]
+        if w.get("strategy") != "block":
+            raise RecipeError(
+                f"--block-size needs a recipe with block weights; '{recipe.name}' has {w.get('strategy')} weights",
+                fix="drop --block-size or use the recipe fp8-block",
+            )
+        w["block_structure"] = [cfg.block_size, cfg.block_size]
+        if a is not None and a.get("strategy") == "group":
+            a["group_size"] = cfg.block_size
     return parse_recipe(data, f"{recipe.name} with command-line overrides")
 
 
@@ -253,17 +291,30 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     from fp8ptq.ops.intq import valid_group_sizes
     from fp8ptq.outliers.flatten import flattened_width
     from fp8ptq.quantize.plan import plan_layer
+    from fp8ptq.quantize.weights import check_block_size, valid_block_sizes
 
     args = [a for a in (recipe.scheme.weights, recipe.mixed.weights if recipe.mixed else None) if a is not None]
     sizes = {a.group_size for a in args if a.group_size}
-    if not sizes:
+    blocks = {tuple(a.block_structure) for a in args if a.block_structure}
+    if not sizes and not blocks:
         return
     arch = src.arch
-    widths = {}  # every kind of layer (DeepSeek: dense first layers, MoE after)
+    widths, outs = {}, {}  # every kind of layer (DeepSeek: dense first layers, MoE after)
     for i, layer in enumerate(arch.decoder_layers(build_skeleton(src.config))):
         plan = plan_layer(layer, arch.layer_prefix(i), recipe.scheme.targets, recipe.scheme.ignore, arch)
         modules = dict(layer.named_modules())
         widths.update({n: modules[n].in_features for n in plan.modules})
+        outs.update({n: modules[n].out_features for n in plan.modules})
+    for b in blocks:
+        shapes = {_EXPERT_INDEX.sub(".N.", n): (outs[n], w) for n, w in widths.items()}
+        try:
+            check_block_size(shapes, b)
+        except ValueError as err:
+            common = valid_block_sizes([x for shape in shapes.values() for x in shape])
+            raise RecipeError(
+                f"recipe '{recipe.name}': {err}",
+                fix=f"pass --block-size with a size dividing every quantized Linear: {', '.join(map(str, common))}",
+            ) from None
     if recipe.flatten is not None and arch.flatten is not None and arch.flatten.down in widths:
         f = recipe.flatten
         widths[arch.flatten.down] = flattened_width(widths[arch.flatten.down], f.extra_channels, f.multiple, f.tp)

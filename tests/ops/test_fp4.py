@@ -1,3 +1,94 @@
+"""NVFP4 (ops/fp4.py) against compressed-tensors' own pieces: its E2M1 rounding, its global / group
+scale conventions, and its nvfp4-pack-quantized compressor decompressing our fake-quant bit for bit."""
+
+import pytest
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+from fp8ptq.ops.fp4 import cast_e2m1, fake_quant_nvfp4, nvfp4_global_scale, nvfp4_group_scale
+from fp8ptq.ops.gptq import gptq, nvfp4_grid
+
+ARGS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True)
+
+
+def _rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fake, FP8 group scales as fp32 [out, in/16], global scale [1]), as quantize/weights.py runs it."""
+    gs = nvfp4_global_scale(w)
+    grid = nvfp4_grid(gs)
+    groups = w.reshape(-1, 16)
+    eff, _ = grid.choose(groups)
+    fake = grid.fake_quant(groups, (eff, None)).reshape(w.shape)
+    return fake, (eff * gs).to(torch.float8_e4m3fn).float().reshape(w.shape[0], -1), gs
+
+
+def _ct_round_trip(fake, scale, gs):
+    scheme = QuantizationScheme(targets=["Linear"], weights=ARGS)
+    comp = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+    packed = comp.compress({"weight": fake, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+    assert packed["weight_packed"].dtype == torch.uint8 and packed["weight_packed"].shape == (
+        fake.shape[0],
+        fake.shape[1] // 2,
+    )
+    assert packed["weight_scale"].dtype == torch.float8_e4m3fn
+    return comp.decompress(dict(packed), scheme)["weight"].float()
+
+
+def test_e2m1_rounding_is_compressed_tensors():
+    x = torch.cat([torch.linspace(-7, 7, 4001), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0])])
+    x = x.clamp(-6, 6)
+    assert torch.equal(cast_e2m1(x), FP4_E2M1_DATA.cast_to_fp4(x.clone()))
+
+
+def test_scales_follow_compressed_tensors():
+    torch.manual_seed(0)
+    w = torch.randn(32, 64) * 3
+    gs = nvfp4_global_scale(w)
+    assert torch.equal(gs, generate_gparam(w.amin().reshape(1), w.amax().reshape(1)))
+    lo, hi = w.reshape(32, 4, 16).amin(-1), w.reshape(32, 4, 16).amax(-1)
+    args = QuantizationArgs(**{**ARGS.model_dump(), "scale_dtype": torch.float8_e4m3fn})
+    ct_scale, _ = calculate_qparams(lo, hi, args, global_scale=gs)
+    assert torch.equal(nvfp4_group_scale(w.abs().reshape(32, 4, 16).amax(-1), gs), ct_scale.float())
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (48, 32), (8, 16)])
+def test_compressor_decompresses_our_weights_exactly(shape):
+    torch.manual_seed(1)
+    w = torch.randn(shape) * torch.logspace(-4, 1, shape[1])  # groups of very different size
+    w[0, :16] = 0.0  # an all-zero group: scale 0.125, decodes to 0
+    w[1, 16 % shape[1] :][:16] = 1e6  # saturating group
+    fake, scale, gs = _rtn(w)
+    assert torch.isfinite(scale).all() and (scale > 0).all() and torch.isfinite(gs).all()
+    assert torch.equal(fake[0, :16], torch.zeros(16))
+    assert torch.equal(_ct_round_trip(fake, scale, gs), fake)
+
+
+def test_all_zero_tensor_has_finite_scales_and_nan_is_visible():
+    fake, scale, gs = _rtn(torch.zeros(4, 32))
+    assert gs.item() == 1.0 and (scale == 0.125).all() and torch.equal(fake, torch.zeros(4, 32))
+    w = torch.randn(4, 32)
+    w[2, 3] = float("nan")
+    assert nvfp4_global_scale(w).item() == 1.0  # compressed-tensors' fallback; fp8ptq refuses NaN weights before
+    eff = nvfp4_group_scale(w.abs().reshape(-1, 16).amax(-1, keepdim=True), torch.ones(1))
+    assert torch.isnan(fake_quant_nvfp4(w.reshape(-1, 16), eff)).any()  # the broken group stays visible
+
+
+def test_gptq_on_the_fp4_grid_exports_exactly_and_helps():
+    torch.manual_seed(3)
+    W = torch.randn(64, 128)
+    X = torch.randn(1024, 128) @ (torch.eye(128) + 0.3 * torch.randn(128, 128))  # correlated inputs
+    H = 2 * X.T @ X
+    gs = nvfp4_global_scale(W)
+    r = gptq(W, H, nvfp4_grid(gs))
+    scale = (r.scale * gs).to(torch.float8_e4m3fn).float()
+    assert torch.equal(_ct_round_trip(r.weight, scale, gs), r.weight)
+    rtn, _, _ = _rtn(W)
+    err = lambda q: float((((q - W) @ H) * (q - W)).sum())  # noqa: E731
+    assert err(r.weight) < 0.9 * err(rtn)
+
+
 def test_w4a4_activation_grid():
     from fp8ptq.ops.grid import NVFP4_ACT_GRID
 

@@ -47,13 +47,29 @@ class SchemeHandler:
     def check_kv(self, args: QuantizationArgs, where: str) -> None:
         raise ValueError(f"{where}: {self.key} KV cache is not supported")
 
-    def weight_grid(self, args: QuantizationArgs, cal) -> WeightGrid:
-        """The RTN / GPTQ grid of a weight scheme (cal: the recipe's calibration section)."""
+    def weight_grid(self, args: QuantizationArgs, cal, global_scale: torch.Tensor | None = None) -> WeightGrid:
+        """The RTN / GPTQ grid of a weight scheme (cal: the recipe's calibration section; global_scale:
+        from `global_scale`, for two-level formats)."""
         raise NotImplementedError
+
+    def global_scale(self, args: QuantizationArgs, w: torch.Tensor) -> torch.Tensor | None:
+        """The per-tensor global scale of a two-level format (NVFP4) for the (stacked, fused) weight w,
+        stored as `weight_global_scale`; None for single-level formats."""
+        return None
 
     def act_grid(self, args: QuantizationArgs) -> Grid:
         """The per-tensor grid of static activations and KV (its scale comes from calibration)."""
         raise NotImplementedError
+
+    def input_scale_tensors(self, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of a calibrated static input scale (x ~= q * scale)."""
+        return {"input_scale": scale.float().reshape(1)}
+
+    def stored_input_scale(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Back from the checkpoint's tensors of one Linear to the static input scale (x ~= q * scale)."""
+        if "input_global_scale" in local:
+            return (1.0 / local["input_global_scale"].float()).reshape(1)
+        return local["input_scale"].float().reshape(1)
 
     def dynamic(self, args: QuantizationArgs) -> Callable[[torch.Tensor], torch.Tensor]:
         """The engine's dynamic activation quantizer (scale taken from x itself)."""

