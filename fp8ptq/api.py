@@ -20,7 +20,7 @@ from fp8ptq import data as data_mod
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import CalibrationSetup, Progress
 from fp8ptq.errors import ModelError, check_option
-from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.eval.stream import compare_streaming
 from fp8ptq.io import check_output
 from fp8ptq.manifest import MANIFEST, GateRecord, Manifest
 from fp8ptq.models.loader import convert_gguf, resolve_model
@@ -211,14 +211,13 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
     ids = data_mod.load_samples(
         cfg.data, tokenizer, cfg.num_samples, cfg.seq_len, "evaluation", cfg.seed, text_field=cfg.text_field
     )
-    cand = load_simulated(cand_src, simulate=cfg.simulate)
-    ref = load_simulated(ref_src, simulate=False)
-    result = compare(ref.model, cand.model, ids, progress=progress)
+    # layer by layer (memory flat in depth); the same numbers as compare() on the whole models
+    result, numerics = compare_streaming(ref_src, cand_src, ids, simulate=cfg.simulate, progress=progress)
     return {
         "model": cfg.model,
         "reference": cfg.reference,
         **result,
-        "numerics": cand.numerics,
+        "numerics": numerics,
         "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
         "config": {k: str(v) for k, v in asdict(cfg).items()},
     }
