@@ -49,6 +49,9 @@ def quantize(
     offload_activations: bool = typer.Option(False, help="keep calibration activations on disk (RAM: one chunk)"),
     int4_fraction: Optional[float] = typer.Option(None, help="mixed recipes: share of linear FLOPs at 4 bit"),
     tp: Optional[int] = typer.Option(None, help="flatten recipes: tensor-parallel size the MLP width must divide"),
+    weights: Optional[str] = typer.Option(
+        None, help="rtn (round to nearest: fastest) or gptq: override the recipe's weight rounding"
+    ),
     draft: str = typer.Option(
         "none",
         help="auto: also distil a draft from the quantized model, measure it and write "
@@ -72,6 +75,7 @@ def quantize(
       fp8ptq quantize ./my-model -r w4a16 -o out/w4a16 --device cuda
       fp8ptq quantize Qwen/Qwen3-30B-A3B -r fp8-kv8 -o out/qwen3-moe-fp8   # hub id
       fp8ptq quantize ./my-model -r fp8-dynamic -o out/fp8   # data-free, no calibration
+      fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
@@ -100,6 +104,7 @@ def quantize(
         offload_activations=offload_activations,
         int4_fraction=int4_fraction,
         tp=tp,
+        weights=weights,
         draft=draft,
         draft_trim=draft_trim,
         draft_steps=draft_steps,

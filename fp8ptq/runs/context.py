@@ -54,6 +54,7 @@ class QuantizeConfig:
     draft_steps: int = 400
     draft_time_budget_s: float | None = 900.0
     tp: int | None = None  # flatten recipes: override the tensor-parallel size
+    weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method
 
 
 @dataclass
@@ -165,9 +166,21 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
     check_option("--draft-time-budget", cfg.draft_time_budget_s, minimum=1e-3, example=900)
 
 
+WEIGHT_METHODS = ("rtn", "gptq")
+
+
 def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
-    """--int4-fraction / --tp change the recipe's mixed / flatten sections (validated like the YAML)."""
+    """--int4-fraction / --tp change the recipe's mixed / flatten sections, --weights its
+    calibration.weight_method (validated like the YAML)."""
     data = recipe.model_dump(mode="json")
+    if cfg.weights is not None:
+        if cfg.weights not in WEIGHT_METHODS:
+            raise RecipeError(
+                f"--weights '{cfg.weights}' is not one of {', '.join(WEIGHT_METHODS)} "
+                f"(recipe '{recipe.name}' uses {recipe.calibration.weight_method})",
+                fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
+            )
+        data["calibration"]["weight_method"] = cfg.weights
     for value, section, key, flag in (
         (cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
         (cfg.tp, "flatten", "tp", "--tp"),
