@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 import fp8ptq
-from fp8ptq import data as data_mod
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import Progress
 from fp8ptq.dist import init_from_env
@@ -24,37 +23,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.recipe import Recipe, load_recipe, parse_recipe
-
-
-@dataclass(frozen=True)
-class QuantizeConfig:
-    model: str
-    recipe: str
-    output: Path
-    data: str = data_mod.BUILTIN
-    text_field: str = "text"
-    revision: str | None = None  # hub ids: branch, tag or commit
-    num_samples: int | None = None  # None: the recipe's
-    seq_len: int | None = None
-    seed: int | None = None
-    chat_template: bool = False
-    overwrite: bool = False
-    eval_samples: int = 8  # held-out samples for the quality check written into the manifest; 0 = skip
-    eval_seq_len: int = 512
-    gates: tuple[str, ...] = ()  # added to the recipe's own gates
-    recipe_gates: bool = True  # False: ignore the recipe's gates
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto
-    chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
-    offload_activations: bool = False  # keep calibration activations on disk instead of RAM
-    resume: bool = False  # continue an interrupted run of the same command
-    checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (every layer when small)
-    int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
-    draft: str = "none"  # "auto": also train a draft, measure and write the speculative config (spec/auto.py)
-    draft_trim: int | None = None  # with draft=auto: also a VocabTrim draft keeping this many tokens
-    draft_steps: int = 400
-    draft_time_budget_s: float | None = 900.0
-    tp: int | None = None  # flatten recipes: override the tensor-parallel size
-    weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method
+from fp8ptq.runs.config import QuantizeConfig
 
 
 @dataclass

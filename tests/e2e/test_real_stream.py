@@ -20,7 +20,7 @@ def test_streaming_kl_equals_whole_model_on_smollm2(smol_kv8, smol_dir):
     streamed, numerics = compare_streaming(open_hf_dir(smol_dir), open_hf_dir(out), ids)
     assert numerics["kv_layers"] == 30 and numerics["static_inputs"] == 210
     assert whole["kl"] > 1e-4
-    assert f"{streamed['kl']:.4g}" == f"{whole['kl']:.4g}", (streamed, whole)
-    assert streamed["kl"] == pytest.approx(whole["kl"], rel=1e-5)
+    print(f"\nwhole-model: {whole}\nstreaming:   {streamed}")
+    assert streamed["kl"] == pytest.approx(whole["kl"], rel=1e-5)  # the issue asks for 4 significant digits
     assert streamed["ppl"] == pytest.approx(whole["ppl"], rel=1e-5)
     assert streamed["top1"] == pytest.approx(whole["top1"], abs=1.5 / whole["tokens"])
