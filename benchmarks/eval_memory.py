@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHOLE = (
     "import json, sys; from fp8ptq.api import EvalConfig; from fp8ptq import data; "
     "from fp8ptq.eval.quality import compare, load_simulated; from fp8ptq.models.loader import open_hf_dir; "
-    "c, r, n, L = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]); "
+    "from pathlib import Path; c, r = Path(sys.argv[1]), Path(sys.argv[2]); n, L = int(sys.argv[3]), int(sys.argv[4]); "
     "ids = data.load_samples(data.BUILTIN, open_hf_dir(r).tokenizer(), n, L, 'evaluation', 0); "
     "cand = load_simulated(open_hf_dir(c)); ref = load_simulated(open_hf_dir(r), simulate=False); "
     "print(json.dumps(compare(ref.model, cand.model, ids)))"
