@@ -13,22 +13,18 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from fp8ptq import data as data_mod
-from fp8ptq import gates as gates_mod
-from fp8ptq.calibrate.state import CalibrationSetup, Progress
 from fp8ptq.errors import ModelError, check_option
-from fp8ptq.eval.quality import compare, load_simulated
-from fp8ptq.io import check_output
-from fp8ptq.manifest import MANIFEST, GateRecord, Manifest
-from fp8ptq.models.loader import convert_gguf, resolve_model
-from fp8ptq.report import write_report
-from fp8ptq.runs.calibrated import calibrate_into
-from fp8ptq.runs.context import QuantizeConfig, check_group_sizes, chunk_samples, open_run, prepare_run, resolve_device
-from fp8ptq.runs.data_free import data_free_into
-from fp8ptq.runs.finish import finish
+from fp8ptq.runs.config import QuantizeConfig
+
+if TYPE_CHECKING:
+    from fp8ptq.calibrate.state import Progress
+    from fp8ptq.manifest import Manifest
+
+# torch, transformers and compressed-tensors (seconds to import) are imported by the entry points that
+# use them, not by `import fp8ptq.api`: the configs are plain dataclasses (issue 19: start-up).
 
 __all__ = [
     "QuantizeConfig",
@@ -92,11 +88,27 @@ class ConvertConfig:
     overwrite: bool = False
 
 
+def resolve_device(device: str) -> str:
+    """auto -> cuda when available, else cpu; a typed error for a device this torch cannot use."""
+    from fp8ptq.runs.context import resolve_device as resolve
+
+    return resolve(device)
+
+
 def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest | None:
     """Quantize cfg.model with cfg.recipe into cfg.output. Returns the manifest (also written to disk).
 
     Under torchrun (WORLD_SIZE > 1) every rank calibrates its share of the samples, statistics are
     combined exactly, and rank 0 writes the output; the manifest is returned on rank 0 (others: None)."""
+    from fp8ptq import gates as gates_mod
+    from fp8ptq.manifest import GateRecord
+    from fp8ptq.models.loader import resolve_model
+    from fp8ptq.report import write_report
+    from fp8ptq.runs.calibrated import calibrate_into
+    from fp8ptq.runs.context import check_group_sizes, open_run, prepare_run
+    from fp8ptq.runs.data_free import data_free_into
+    from fp8ptq.runs.finish import finish
+
     ctx = prepare_run(cfg, progress)
     t0 = time.perf_counter()
     ctx.src = resolve_model(cfg.model, cfg.revision)
@@ -138,8 +150,11 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
 def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
     """Outlier analysis of the float model into cfg.output (report.json, PNGs, summary.md), atomically."""
     from fp8ptq.calibrate.analyze import analyze_model
-    from fp8ptq.io import atomic_output_dir
+    from fp8ptq.calibrate.state import CalibrationSetup
+    from fp8ptq.io import atomic_output_dir, check_output
+    from fp8ptq.models.loader import resolve_model
     from fp8ptq.outliers.report import write_analysis
+    from fp8ptq.runs.context import chunk_samples
 
     check_option("--num-samples", cfg.num_samples, minimum=1, example=32)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
@@ -167,6 +182,8 @@ def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
 def verify(cfg: VerifyConfig) -> dict:
     """Run a checkpoint in vLLM and compare it with fp8ptq's simulation (eval/engine_check.py)."""
     from fp8ptq.eval.engine_check import EngineCheck, check_engine
+    from fp8ptq.manifest import MANIFEST, Manifest
+    from fp8ptq.models.loader import resolve_model
 
     check_option("--prompts", cfg.num_prompts, minimum=1, example=4)
     check_option("--max-tokens", cfg.max_tokens, minimum=1, example=32)
@@ -195,6 +212,11 @@ def verify(cfg: VerifyConfig) -> dict:
 
 def convert(cfg: ConvertConfig) -> Path:
     """GGUF -> HF safetensors (dequantized), written atomically."""
+    import torch
+
+    from fp8ptq.io import check_output
+    from fp8ptq.models.loader import convert_gguf
+
     if not cfg.source.exists():
         raise ModelError(f"'{cfg.source}' not found", fix="pass the path of an existing .gguf file")
     if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
@@ -204,6 +226,9 @@ def convert(cfg: ConvertConfig) -> Path:
 
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
+    from fp8ptq.eval.stream import compare_streaming
+    from fp8ptq.models.loader import resolve_model
+
     check_option("--num-samples", cfg.num_samples, minimum=1, example=16)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
@@ -211,14 +236,13 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
     ids = data_mod.load_samples(
         cfg.data, tokenizer, cfg.num_samples, cfg.seq_len, "evaluation", cfg.seed, text_field=cfg.text_field
     )
-    cand = load_simulated(cand_src, simulate=cfg.simulate)
-    ref = load_simulated(ref_src, simulate=False)
-    result = compare(ref.model, cand.model, ids, progress=progress)
+    # layer by layer (memory flat in depth); the same numbers as compare() on the whole models
+    result, numerics = compare_streaming(ref_src, cand_src, ids, simulate=cfg.simulate, progress=progress)
     return {
         "model": cfg.model,
         "reference": cfg.reference,
         **result,
-        "numerics": cand.numerics,
+        "numerics": numerics,
         "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
         "config": {k: str(v) for k, v in asdict(cfg).items()},
     }

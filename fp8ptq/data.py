@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from fp8ptq.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 Split = Literal["calibration", "evaluation"]
 BUILTIN = "builtin"
@@ -113,6 +114,8 @@ def pack_tokens(
             f"{source} has {len(stream)} tokens: {n_chunks} samples of {seq_len}, {num_samples} requested",
             fix="provide more text, or lower --num-samples / --seq-len",
         )
+    import torch  # here, not at import: `fp8ptq.api` and the CLI's help import this module without torch
+
     chunks = torch.tensor(stream[: n_chunks * seq_len], dtype=torch.long).view(n_chunks, seq_len)
     pick = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed))[:num_samples]
     return chunks[pick.sort().values]

@@ -119,6 +119,9 @@ def load_evals(out_dir: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))}
 
 
+_ROUNDING = {"rtn": "RTN (round to nearest)", "gptq": "GPTQ (error-compensating, calibrated)"}
+
+
 def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
     sizes = manifest.size_bytes.model_dump()
     scheme = manifest.recipe["scheme"]
@@ -135,6 +138,7 @@ def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
         "m": manifest,
         "scheme_rows": [
             ("weights", describe(scheme.get("weights"))),
+            ("weight rounding", _ROUNDING.get(manifest.recipe.get("calibration", {}).get("weight_method"), "n/a")),
             ("input activations", describe(scheme.get("input_activations"), activations=True)),
             ("KV cache", describe(scheme.get("kv_cache"))),
             ("targets", ", ".join(scheme["targets"])),

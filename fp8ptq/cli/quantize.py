@@ -55,6 +55,9 @@ def quantize(
     block_size: Optional[int] = typer.Option(
         None, help="block recipes: B of the [B, B] weight blocks and input groups (must divide every width)"
     ),
+    weights: Optional[str] = typer.Option(
+        None, help="rtn (round to nearest: fastest) or gptq: override the recipe's weight rounding"
+    ),
     draft: str = typer.Option(
         "none",
         help="auto: also distil a draft from the quantized model, measure it and write "
@@ -79,6 +82,7 @@ def quantize(
       fp8ptq quantize Qwen/Qwen3-30B-A3B -r fp8-kv8 -o out/qwen3-moe-fp8   # hub id
       fp8ptq quantize ./my-model -r fp8-dynamic -o out/fp8   # data-free, no calibration
       fp8ptq quantize smollm2-135m -r fp8-block --block-size 64 -o out/smol-fp8-block
+      fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
@@ -109,6 +113,7 @@ def quantize(
         tp=tp,
         block_size=block_size,
         group_size=group_size,
+        weights=weights,
         draft=draft,
         draft_trim=draft_trim,
         draft_steps=draft_steps,

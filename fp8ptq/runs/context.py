@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 import fp8ptq
-from fp8ptq import data as data_mod
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import Progress
 from fp8ptq.dist import init_from_env
@@ -24,38 +23,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.recipe import Recipe, load_recipe, parse_recipe
-
-
-@dataclass(frozen=True)
-class QuantizeConfig:
-    model: str
-    recipe: str
-    output: Path
-    data: str = data_mod.BUILTIN
-    text_field: str = "text"
-    revision: str | None = None  # hub ids: branch, tag or commit
-    num_samples: int | None = None  # None: the recipe's
-    seq_len: int | None = None
-    seed: int | None = None
-    chat_template: bool = False
-    overwrite: bool = False
-    eval_samples: int = 8  # held-out samples for the quality check written into the manifest; 0 = skip
-    eval_seq_len: int = 512
-    gates: tuple[str, ...] = ()  # added to the recipe's own gates
-    recipe_gates: bool = True  # False: ignore the recipe's gates
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto
-    chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
-    offload_activations: bool = False  # keep calibration activations on disk instead of RAM
-    resume: bool = False  # continue an interrupted run of the same command
-    checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (every layer when small)
-    int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
-    draft: str = "none"  # "auto": also train a draft, measure and write the speculative config (spec/auto.py)
-    draft_trim: int | None = None  # with draft=auto: also a VocabTrim draft keeping this many tokens
-    draft_steps: int = 400
-    draft_time_budget_s: float | None = 900.0
-    tp: int | None = None  # flatten recipes: override the tensor-parallel size
-    block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
-    group_size: int | None = None  # group-weight recipes: override the weights' group_size
+from fp8ptq.runs.config import QuantizeConfig
 
 
 @dataclass
@@ -185,9 +153,21 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
     check_option("--draft-time-budget", cfg.draft_time_budget_s, minimum=1e-3, example=900)
 
 
+WEIGHT_METHODS = ("rtn", "gptq")
+
+
 def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
-    """--int4-fraction / --tp change the recipe's mixed / flatten sections (validated like the YAML)."""
+    """--int4-fraction / --tp change the recipe's mixed / flatten sections, --weights its
+    calibration.weight_method (validated like the YAML)."""
     data = recipe.model_dump(mode="json")
+    if cfg.weights is not None:
+        if cfg.weights not in WEIGHT_METHODS:
+            raise RecipeError(
+                f"--weights '{cfg.weights}' is not one of {', '.join(WEIGHT_METHODS)} "
+                f"(recipe '{recipe.name}' uses {recipe.calibration.weight_method})",
+                fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
+            )
+        data["calibration"]["weight_method"] = cfg.weights
     for value, section, key, flag in (
         (cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
         (cfg.tp, "flatten", "tp", "--tp"),

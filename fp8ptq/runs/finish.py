@@ -12,7 +12,7 @@ import torch
 
 import fp8ptq
 from fp8ptq import data as data_mod
-from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.eval.stream import compare_streaming
 from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
 from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, Summary
@@ -120,11 +120,11 @@ def _quality(ctx: RunContext) -> Quality:
     eval_ids = data_mod.load_samples(
         data_mod.BUILTIN, ctx.tokenizer, cfg.eval_samples, cfg.eval_seq_len, "evaluation", 0
     )
-    quant = load_simulated(open_hf_dir(ctx.path, label=str(cfg.output)), device=ctx.device)
-    ref = load_simulated(ctx.src, device=ctx.device)
-    result = compare(ref.model, quant.model, eval_ids.to(ctx.device), progress=ctx.progress)
-    quality = Quality(**result, data="built-in evaluation split", numerics=quant.numerics)
-    del quant, ref
+    quant = open_hf_dir(ctx.path, label=str(cfg.output))
+    result, numerics = compare_streaming(
+        ctx.src, quant, eval_ids, device=ctx.device, simulate_reference=True, progress=ctx.progress
+    )
+    quality = Quality(**result, data="built-in evaluation split", numerics=numerics)
     ctx.timings["eval_s"] = time.perf_counter() - t
     return quality
 

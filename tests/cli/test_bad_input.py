@@ -90,6 +90,7 @@ def test_activations_that_overflow_are_refused(recipe, inf_model, tmp_path):
         ("--int4-fraction", "1.5", "--int4-fraction 1.5 is out of range (allowed: 0.0 to 1.0)"),
         ("--chunk-tokens", "0", "--chunk-tokens 0 is out of range"),
         ("--tp", "0", "--tp 0 is out of range"),
+        ("--weights", "round", "--weights 'round' is not one of rtn, gptq (recipe 'fp8-kv8' uses gptq)"),
     ],
 )
 def test_options_out_of_range_before_any_work(flag, value, phrase, tiny_dir, tmp_path):

@@ -123,3 +123,24 @@ def test_console_script_exit_code(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "not found" in r.stderr
+
+
+HELP_IMPORTS = (
+    "import sys\n"
+    "from typer.testing import CliRunner\n"
+    "from fp8ptq.cli import app\n"
+    "from fp8ptq.api import EvalConfig, QuantizeConfig\n"
+    "for cmd in ([], ['quantize'], ['eval', 'quality'], ['convert'], ['verify']):\n"
+    "    r = CliRunner().invoke(app, [*cmd, '--help'])\n"
+    "    assert r.exit_code == 0, r.output\n"
+    "heavy = sorted(m for m in ('torch', 'transformers', 'compressed_tensors') if m in sys.modules)\n"
+    "print(','.join(heavy) or 'none')\n"
+)
+
+
+def test_help_and_api_import_no_torch():
+    """`fp8ptq --help` and `import fp8ptq.api` stay fast (issue 19: under 1 s / 3 s): torch,
+    transformers and compressed-tensors are imported by the commands and entry points that use them."""
+    r = subprocess.run([sys.executable, "-c", HELP_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "none", r.stdout

@@ -1,0 +1,41 @@
+"""The quantize command as one typed value (no torch here: `import fp8ptq.api` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp8ptq import data as data_mod
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    model: str
+    recipe: str
+    output: Path
+    data: str = data_mod.BUILTIN
+    text_field: str = "text"
+    revision: str | None = None  # hub ids: branch, tag or commit
+    num_samples: int | None = None  # None: the recipe's
+    seq_len: int | None = None
+    seed: int | None = None
+    chat_template: bool = False
+    overwrite: bool = False
+    eval_samples: int = 8  # held-out samples for the quality check written into the manifest; 0 = skip
+    eval_seq_len: int = 512
+    gates: tuple[str, ...] = ()  # added to the recipe's own gates
+    recipe_gates: bool = True  # False: ignore the recipe's gates
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
+    offload_activations: bool = False  # keep calibration activations on disk instead of RAM
+    resume: bool = False  # continue an interrupted run of the same command
+    checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (every layer when small)
+    int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
+    draft: str = "none"  # "auto": also train a draft, measure and write the speculative config (spec/auto.py)
+    draft_trim: int | None = None  # with draft=auto: also a VocabTrim draft keeping this many tokens
+    draft_steps: int = 400
+    draft_time_budget_s: float | None = 900.0
+    tp: int | None = None  # flatten recipes: override the tensor-parallel size
+    block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
+    group_size: int | None = None  # group-weight recipes: override the weights' group_size
+    weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method

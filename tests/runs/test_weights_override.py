@@ -1,0 +1,48 @@
+"""`quantize --weights rtn|gptq` overrides the recipe's weight rounding, stated in manifest and report."""
+
+import pytest
+import torch
+
+from fp8ptq.api import QuantizeConfig, quantize
+from fp8ptq.models.loader import open_hf_dir
+
+pytestmark = pytest.mark.tiny
+O_PROJ = "model.layers.1.self_attn.o_proj"
+
+
+def _is_rtn(out, src) -> bool:
+    """Every FP8 weight is its source weight rounded to nearest with the stored scale."""
+    q = open_hf_dir(out)
+    packed, scale = q.tensor(f"{O_PROJ}.weight"), q.tensor(f"{O_PROJ}.weight_scale")
+    w = open_hf_dir(src).tensor(f"{O_PROJ}.weight").float()
+    rtn = (w / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return torch.equal(packed.view(torch.uint8), rtn.view(torch.uint8))
+
+
+def test_weights_rtn_overrides_gptq(tiny_dir, tmp_path):
+    runs = {}
+    for weights in (None, "rtn"):
+        out = tmp_path / f"q-{weights}"
+        cfg = QuantizeConfig(
+            model=str(tiny_dir),
+            recipe="fp8-kv8",
+            output=out,
+            num_samples=4,
+            seq_len=48,
+            eval_samples=0,
+            weights=weights,
+        )
+        runs[weights] = (out, quantize(cfg))
+    (gptq_out, gptq), (rtn_out, rtn) = runs[None], runs["rtn"]
+    assert gptq.recipe["calibration"]["weight_method"] == "gptq"
+    assert rtn.recipe["calibration"]["weight_method"] == "rtn"
+    assert rtn.calibration is not None  # static activations and the KV cache still calibrate
+    assert _is_rtn(rtn_out, tiny_dir) and not _is_rtn(gptq_out, tiny_dir)
+    assert "RTN (round to nearest)" in (rtn_out / "report.md").read_text()
+    assert "GPTQ" in (gptq_out / "report.md").read_text()
+
+
+def test_weights_rtn_makes_w4a16_data_free(tiny_dir, tmp_path):
+    out = tmp_path / "w4"
+    m = quantize(QuantizeConfig(model=str(tiny_dir), recipe="w4a16", output=out, eval_samples=0, weights="rtn"))
+    assert m.calibration is None and m.recipe["calibration"]["weight_method"] == "rtn"
