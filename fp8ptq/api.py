@@ -3,7 +3,7 @@
 quantize:         recipe + model + data -> compressed-tensors checkpoint (steps in fp8ptq/runs/).
 analyze:          outlier statistics of the float model -> report directory.
 verify:           a checkpoint in real vLLM vs fp8ptq's simulation.
-convert:          GGUF -> HF safetensors directory.
+convert:          GGUF -> HF safetensors directory or compressed-tensors (exact codes where they fit).
 evaluate_quality: any checkpoint vs a reference, under simulated engine numerics.
 (lm-eval runs are `fp8ptq.eval.harness.run`; speculative decoding is `fp8ptq.spec`.)
 """
@@ -84,11 +84,16 @@ class VerifyConfig:
     vllm_python: str | None = None
 
 
+CONVERT_TARGETS = ("hf", "compressed-tensors", "gguf")
+
+
 @dataclass(frozen=True)
 class ConvertConfig:
-    source: Path  # a .gguf file
-    output: Path
-    dtype: str = "bfloat16"
+    source: Path  # a .gguf file (to hf / compressed-tensors) or a compressed-tensors directory (to gguf)
+    output: Path  # a directory, or a .gguf file for --to gguf
+    to: str = "hf"  # hf: dequantized float; compressed-tensors / gguf: codes carried exactly (fp8ptq/convert/)
+    dtype: str = "bfloat16"  # of dequantized tensors (and the config's dtype)
+    recipe: str | None = None  # to compressed-tensors: re-quantize other GGML quant types with it (data-free)
     overwrite: bool = False
 
 
@@ -193,14 +198,65 @@ def verify(cfg: VerifyConfig) -> dict:
     )
 
 
-def convert(cfg: ConvertConfig) -> Path:
-    """GGUF -> HF safetensors (dequantized), written atomically."""
+def convert(cfg: ConvertConfig) -> dict:
+    """GGUF -> HF safetensors (dequantized) or compressed-tensors, written atomically. Returns the
+    conversion report ({"output", "to", ...}; for compressed-tensors also per-tensor actions and a
+    summary, written to OUT/conversion.json)."""
+    from fp8ptq.errors import OptionError
+
+    if cfg.to not in CONVERT_TARGETS:
+        raise OptionError(f"unknown --to '{cfg.to}'", fix=f"use one of: {', '.join(CONVERT_TARGETS)}")
+    if cfg.recipe is not None and cfg.to != "compressed-tensors":
+        raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
+    if cfg.to == "gguf":
+        return _convert_to_gguf(cfg)
     if not cfg.source.exists():
         raise ModelError(f"'{cfg.source}' not found", fix="pass the path of an existing .gguf file")
     if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
         raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
     check_output(cfg.output, cfg.overwrite)
-    return convert_gguf(cfg.source, cfg.output, getattr(torch, cfg.dtype))
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.to == "hf":
+        convert_gguf(cfg.source, cfg.output, dtype)
+        return {"output": str(cfg.output), "to": "hf"}
+    from fp8ptq.convert.gguf_ct import check_recipe, gguf_to_compressed_tensors
+    from fp8ptq.io import atomic_output_dir
+    from fp8ptq.models.gguf import open_gguf
+    from fp8ptq.recipe import load_recipe
+
+    recipe = None if cfg.recipe is None else load_recipe(cfg.recipe)
+    check_recipe(recipe)
+    model = open_gguf(cfg.source)
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report = gguf_to_compressed_tensors(model, tmp, dtype, recipe)
+    return {"output": str(cfg.output), **report}
+
+
+def _convert_to_gguf(cfg: ConvertConfig) -> dict:
+    """compressed-tensors directory -> one .gguf file, written to a temp sibling and renamed."""
+    from fp8ptq.convert.ct_gguf import ct_to_gguf
+    from fp8ptq.errors import OutputError
+    from fp8ptq.io import check_writable, write_atomic
+    from fp8ptq.models.loader import open_hf_dir
+
+    if not cfg.source.is_dir():
+        raise ModelError(
+            f"'{cfg.source}' is not a directory", fix="--to gguf converts a compressed-tensors checkpoint directory"
+        )
+    if cfg.output.suffix != ".gguf":
+        raise OutputError(f"output '{cfg.output}' does not end in .gguf", fix="pass -o NAME.gguf")
+    if cfg.output.exists() and not (cfg.overwrite and cfg.output.is_file()):
+        raise OutputError(f"output '{cfg.output}' already exists", fix="choose another -o path or pass --overwrite")
+    check_writable(cfg.output.parent)
+    src = open_hf_dir(cfg.source)
+    if getattr(src.config, "quantization_config", None) is None:
+        raise ModelError(
+            f"'{cfg.source}' has no quantization_config", fix="pass a compressed-tensors checkpoint (fp8ptq quantize)"
+        )
+    cfg.output.parent.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+    write_atomic(cfg.output, lambda tmp: report.update(ct_to_gguf(src, tmp, getattr(torch, cfg.dtype))))
+    return {"output": str(cfg.output), **report}
 
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:

@@ -11,18 +11,38 @@ from fp8ptq.cli.common import console, fail, offline, out, user_errors
 from fp8ptq.errors import Fp8ptqError
 
 
+def summary_line(report: dict) -> str:
+    """One line: what was carried exactly, re-quantized, dequantized or kept."""
+    s = report["summary"]
+    parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
+    if s["requantized"]:
+        parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
+    if s["dequantized"]:
+        parts.append(f"{s['dequantized']} dequantized (worst cast abs err {s['worst_dequantized_abs_err']:.3g})")
+    parts.append(f"{s['kept']} kept float")
+    return "tensors: " + ", ".join(parts)
+
+
 @app.command()
 def convert(
     gguf: Path = typer.Argument(..., help=".gguf file"),
     output: Path = typer.Option(..., "--output", "-o"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
+    to: str = typer.Option("hf", help="hf (dequantized float) or compressed-tensors (exact Q4_0/Q8_0 codes)"),
+    dtype: str = typer.Option("bfloat16", help="dtype of dequantized tensors: bfloat16, float16 or float32"),
+    recipe: str = typer.Option(
+        None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
+    ),
     overwrite: bool = typer.Option(False),
 ):
-    """Dequantize a GGUF file into a Hugging Face safetensors directory.
+    """Convert a GGUF file into a Hugging Face directory: float (--to hf), or compressed-tensors with
+    Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights (--to compressed-tensors;
+    report in OUT/conversion.json).
 
     \b
     Examples:
       fp8ptq convert model.Q4_0.gguf -o out/model-bf16
+      fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/model-w4a16
+      fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
     """
     offline()
     from fp8ptq.api import ConvertConfig
@@ -32,5 +52,9 @@ def convert(
         fail(Fp8ptqError(f"unknown --dtype '{dtype}'", fix="use bfloat16, float16 or float32"))
     with user_errors():
         with console.status(f"converting {gguf}"):
-            path = run(ConvertConfig(source=gguf, output=output, dtype=dtype, overwrite=overwrite))
-    out.print(f"wrote {path}")
+            report = run(
+                ConvertConfig(source=gguf, output=output, to=to, dtype=dtype, recipe=recipe, overwrite=overwrite)
+            )
+    if "summary" in report:
+        out.print(summary_line(report))
+    out.print(f"wrote {report['output']}")
