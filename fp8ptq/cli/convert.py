@@ -14,6 +14,12 @@ from fp8ptq.errors import Fp8ptqError
 def summary_line(report: dict) -> str:
     """One line: what was carried exactly, re-quantized, dequantized or kept."""
     s = report["summary"]
+    if report["to"] == "gguf":
+        return (
+            f"tensors: {s['exact']} exact codes (Q4_0: {s['exact_q4_0']}, Q8_0: {s['exact_q8_0']}; worst fp16 "
+            f"scale rounding {s['worst_scale_fp16_rel_err']:.3g}), {s['dequantized']} dequantized, {s['kept']} float"
+            + (f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else "")
+        )
     parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
     if s["requantized"]:
         parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
@@ -25,24 +31,29 @@ def summary_line(report: dict) -> str:
 
 @app.command()
 def convert(
-    gguf: Path = typer.Argument(..., help=".gguf file"),
-    output: Path = typer.Option(..., "--output", "-o"),
-    to: str = typer.Option("hf", help="hf (dequantized float) or compressed-tensors (exact Q4_0/Q8_0 codes)"),
-    dtype: str = typer.Option("bfloat16", help="dtype of dequantized tensors: bfloat16, float16 or float32"),
+    source: Path = typer.Argument(..., help=".gguf file, or a compressed-tensors directory for --to gguf"),
+    output: Path = typer.Option(..., "--output", "-o", help="a directory, or NAME.gguf for --to gguf"),
+    to: str = typer.Option(
+        "hf",
+        help="hf (dequantized float), compressed-tensors (exact Q4_0/Q8_0 codes) or gguf (from compressed-tensors)",
+    ),
+    dtype: str = typer.Option("bfloat16", help="dtype of dequantized / float matrices: bfloat16, float16 or float32"),
     recipe: str = typer.Option(
         None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
     ),
     overwrite: bool = typer.Option(False),
 ):
-    """Convert a GGUF file into a Hugging Face directory: float (--to hf), or compressed-tensors with
-    Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights (--to compressed-tensors;
-    report in OUT/conversion.json).
+    """Convert between GGUF and Hugging Face checkpoints: a GGUF to float (--to hf) or to
+    compressed-tensors with Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights
+    (--to compressed-tensors, report in OUT/conversion.json); a compressed-tensors checkpoint to GGUF
+    with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf).
 
     \b
     Examples:
       fp8ptq convert model.Q4_0.gguf -o out/model-bf16
       fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/model-w4a16
       fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
+      fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
     """
     offline()
     from fp8ptq.api import ConvertConfig
@@ -51,9 +62,9 @@ def convert(
     if dtype not in ("bfloat16", "float16", "float32"):
         fail(Fp8ptqError(f"unknown --dtype '{dtype}'", fix="use bfloat16, float16 or float32"))
     with user_errors():
-        with console.status(f"converting {gguf}"):
+        with console.status(f"converting {source}"):
             report = run(
-                ConvertConfig(source=gguf, output=output, to=to, dtype=dtype, recipe=recipe, overwrite=overwrite)
+                ConvertConfig(source=source, output=output, to=to, dtype=dtype, recipe=recipe, overwrite=overwrite)
             )
     if "summary" in report:
         out.print(summary_line(report))
