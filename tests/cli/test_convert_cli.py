@@ -4,10 +4,11 @@ bad input as one-line errors (exit 2) that leave no output."""
 from __future__ import annotations
 
 import pytest
-from helpers import write_gguf
 from typer.testing import CliRunner
 
 from fp8ptq.cli import app
+
+from helpers import write_gguf
 
 pytestmark = pytest.mark.tiny
 runner = CliRunner()
