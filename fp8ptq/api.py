@@ -5,6 +5,7 @@ analyze:          outlier statistics of the float model -> report directory.
 verify:           a checkpoint in real vLLM vs fp8ptq's simulation.
 convert:          GGUF -> HF safetensors directory or compressed-tensors (exact codes where they fit).
 evaluate_quality: any checkpoint vs a reference, under simulated engine numerics.
+inspect:          a checkpoint's format, schemes, size and a lint of what makes vLLM refuse it.
 (lm-eval runs are `fp8ptq.eval.harness.run`; speculative decoding is `fp8ptq.spec`.)
 """
 
@@ -41,6 +42,8 @@ __all__ = [
     "verify",
     "convert",
     "evaluate_quality",
+    "InspectConfig",
+    "inspect",
     "resolve_device",
 ]
 
@@ -230,6 +233,18 @@ def convert(cfg: ConvertConfig) -> dict:
     with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
         report = gguf_to_compressed_tensors(model, tmp, dtype, recipe)
     return {"output": str(cfg.output), **report}
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    path: Path  # a checkpoint directory or a .gguf file
+
+
+def inspect(cfg: InspectConfig) -> dict:
+    """Format, schemes, size and lint findings ({"findings": [...], "errors": N}); reads headers and scales."""
+    from fp8ptq.convert.inspect import inspect_checkpoint
+
+    return inspect_checkpoint(cfg.path)
 
 
 def _convert_to_gguf(cfg: ConvertConfig) -> dict:
