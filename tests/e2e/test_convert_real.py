@@ -60,3 +60,25 @@ def test_real_q4_1_gguf_is_requantized_with_a_recipe(tmp_path):
     q = evaluate_quality(EvalConfig(model=str(tmp_path / "fp8"), reference="smollm2-135m", num_samples=2, seq_len=128))
     assert q["kl"] < 0.1, q  # FP8-dynamic of the dequantized Q4_1 weights vs those weights
     assert torch.isfinite(torch.tensor(q["kl"]))
+
+
+def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path):
+    """quantize -r w4a16-gguf, convert --to gguf: transformers reads the GGUF back and its KL to the float
+    model equals the checkpoint's simulated KL within 2% (the codes are the same; only the scales are
+    rounded to fp16 and the GGUF goes through transformers' bf16 dequantization)."""
+    from fp8ptq.api import QuantizeConfig, quantize
+
+    ct, gguf = tmp_path / "w4g32", tmp_path / "smol.Q4_0.gguf"
+    quantize(
+        QuantizeConfig(
+            model="smollm2-135m", recipe="w4a16-gguf", output=ct, num_samples=8, seq_len=256, eval_samples=0,
+            recipe_gates=False,
+        )
+    )  # fmt: skip
+    report = convert(ConvertConfig(source=ct, output=gguf, to="gguf"))
+    s = report["summary"]
+    assert (s["exact"], s["exact_q4_0"], s["dequantized"]) == (210, 210, 0), s
+    assert s["worst_scale_fp16_rel_err"] <= 2**-11, s  # 0 measured: fp8ptq stores bf16-valued scales
+    q_ct = evaluate_quality(EvalConfig(model=str(ct), reference="smollm2-135m", num_samples=4, seq_len=256))
+    q_gguf = evaluate_quality(EvalConfig(model=str(gguf), reference="smollm2-135m", num_samples=4, seq_len=256))
+    assert abs(q_gguf["kl"] - q_ct["kl"]) <= 0.02 * q_ct["kl"], (q_ct["kl"], q_gguf["kl"])
