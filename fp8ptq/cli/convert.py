@@ -49,8 +49,9 @@ def convert(
 ):
     """Convert between GGUF and Hugging Face checkpoints: a GGUF to float (--to hf) or to
     compressed-tensors with Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights
-    (--to compressed-tensors, report in OUT/conversion.json); a compressed-tensors checkpoint to GGUF
-    with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf).
+    (--to compressed-tensors, report in OUT/conversion.json); a transformers block-FP8 directory to
+    compressed-tensors block FP8 with the same bytes (--to compressed-tensors); a compressed-tensors
+    checkpoint to GGUF with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf).
 
     \b
     Examples:

@@ -80,10 +80,11 @@ def _scheme_of(name, module, qcfg):
 
 def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
     """Findings for a compressed-tensors checkpoint; returns per-scheme module counts."""
-    from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.utils.match import is_match
 
-    qcfg = QuantizationConfig.model_validate(config["quantization_config"])
+    from fp8ptq.eval.quality import read_quantization_config
+
+    qcfg = read_quantization_config(src, config["quantization_config"])  # a ModelError if it does not parse
     names = set(src.weight_map)
     schemes: dict[str, int] = {}
     chosen: dict[str, object] = {}
