@@ -139,8 +139,25 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
         manifest.write(ctx.path)
         write_report(ctx.path, manifest, serve_path=str(cfg.output))
         ctx.writer.cleanup()
+        _lint_own_output(ctx.path)
         ctx.run.commit()
     return manifest
+
+
+def _lint_own_output(path: Path) -> None:
+    """`fp8ptq inspect`'s lint on a finished export before it is renamed into place: an error there is a
+    checkpoint vLLM would refuse, so it never becomes the output (a bug in fp8ptq if it ever fires)."""
+    from fp8ptq.convert.inspect import inspect_checkpoint
+    from fp8ptq.errors import OutputError
+
+    errors = [f for f in inspect_checkpoint(path)["findings"] if f["level"] == "error"]
+    if errors:
+        first = errors[0]
+        raise OutputError(
+            f"the export fails its own lint: {first['where']}: {first['message']} [{first['code']}]"
+            + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""),
+            fix="please report this as an fp8ptq bug, with the recipe and model",
+        )
 
 
 def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:

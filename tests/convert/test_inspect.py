@@ -139,3 +139,15 @@ def test_cli_lines_json_and_exit_codes(ct, tmp_path):
     assert r.exit_code == 1 and json.loads(r.output)["errors"] == 1
     with pytest.raises(ModelError, match="not found"):
         inspect(InspectConfig(path=tmp_path / "nope"))
+
+
+def test_quantize_lints_its_own_output(ct, tmp_path):
+    """`quantize` runs this lint before the final rename (api._lint_own_output): a clean export passes,
+    a broken one is refused with the first finding named."""
+    from fp8ptq.api import _lint_own_output
+    from fp8ptq.errors import OutputError
+
+    _lint_own_output(ct)
+    bad = _copy(ct, tmp_path / "bad", edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale"))
+    with pytest.raises(OutputError, match=r"up_proj: format pack-quantized needs weight_scale \[missing-tensors\]"):
+        _lint_own_output(bad)
