@@ -73,7 +73,7 @@ def parse_config_under(qc: dict, ct: str) -> str:
     return got[3:]
 
 
-def write_gguf(hf_dir: Path, out: Path, types: dict[str, str], default: str = "F16") -> Path:
+def write_gguf(hf_dir: Path, out: Path, types: dict[str, str], default: str = "F16", edit=None) -> Path:
     """A GGUF of the float HF model in `hf_dir`, written in-process with gguf-py's GGUFWriter and its own
     quantizers (gguf.quants.quantize): `types` maps a substring of an HF tensor name to a GGML type
     (first match wins; 1-D tensors are F32). Names, q/k row order, metadata and tokenizer come from
@@ -95,7 +95,10 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str], default: str = "F
             writer.add_tensor(to_gguf(name), t.astype(np.float32 if kind == "F32" else np.float16))
         else:
             qt = GGMLQuantizationType[kind]
-            writer.add_tensor(to_gguf(name), quants.quantize(t, qt), raw_dtype=qt)
+            blocks = quants.quantize(t, qt)
+            if edit is not None:  # plant a defect in the raw blocks: edit(name, blocks) in place
+                edit(name, blocks)
+            writer.add_tensor(to_gguf(name), blocks, raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

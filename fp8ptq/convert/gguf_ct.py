@@ -95,6 +95,7 @@ def check_recipe(recipe: Recipe | None) -> None:
 
 def _exact(g: GgufModel, t: GgufTensor, scheme: LinearScheme) -> tuple[dict, dict]:
     codes, scale = g.codes(t)
+    check_finite(f"{t.name} (its {t.ggml_type} block scales)", scale)
     weight = dequantize_groups(codes, scale)
     packed = compress_linear(weight, {"weight_scale": scale}, scheme)
     back = decompress_linear(packed, ct_scheme(scheme, ["Linear"]), export_format(scheme.weights, None))

@@ -52,3 +52,18 @@ def test_bad_convert_input(gguf_file, tiny_dir, tmp_path):
         "needs calibration data",
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_broken_gguf_sources(tiny_dir, gguf_file, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_file.read_bytes()[:20_000])
+    _one_line_error(*_run("convert", cut, "--to", "compressed-tensors", "-o", tmp_path / "o"), "truncated or corrupt")
+
+    def nan_scale(name, blocks):
+        if name == "model.layers.0.mlp.up_proj.weight":
+            blocks[0, :2] = [0x00, 0x7E]  # fp16 NaN as block 0's d (little-endian)
+
+    bad = write_gguf(tiny_dir, tmp_path / "nan.gguf", {}, default="Q4_0", edit=nan_scale)
+    rc, out = _run("convert", bad, "--to", "compressed-tensors", "-o", tmp_path / "o")
+    _one_line_error(rc, out, "model.layers.0.mlp.up_proj.weight (its Q4_0 block scales)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "nan.gguf"]
