@@ -107,7 +107,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
     combined exactly, and rank 0 writes the output; the manifest is returned on rank 0 (others: None)."""
     ctx = prepare_run(cfg, progress)
     t0 = time.perf_counter()
-    ctx.src = resolve_model(cfg.model)
+    ctx.src = resolve_model(cfg.model, cfg.revision)
     check_group_sizes(ctx.src, ctx.recipe)
     ctx.tokenizer = ctx.src.tokenizer()
     cal = ctx.recipe.calibration

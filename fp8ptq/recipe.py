@@ -178,6 +178,9 @@ class Calibration(_Frozen):
     # GPTQ Hessian from the quantized inputs the engine sees; costs one more pass per static group and
     # measured no better (fp8-kv8, 16x512: KL 0.03542 quantized vs 0.03497 unquantized inputs).
     gptq_quantized_inputs: bool = False
+    # MoE: an expert the router sends fewer (token, expert) pairs than this is calibrated on every token
+    # (its output still uses only its routed tokens); see calibrate/experts.py
+    moe_min_tokens: int = 64
 
     @model_validator(mode="after")
     def _check(self):

@@ -145,7 +145,29 @@ def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
         "serve": serve_commands(serve_path, manifest),
         "evals": load_evals(out_dir),
         "name": Path(serve_path).name,  # the output's final name (it is written inside a hidden temp dir)
+        "experts": expert_rows(manifest),
     }
+
+
+def expert_rows(manifest: Manifest) -> list[dict]:
+    """Per MoE block: how many calibration tokens the router sent each expert, and which experts were
+    calibrated on every token instead (calibrate/experts.py)."""
+    rows = []
+    for layer in manifest.layers:
+        for path, e in (layer.get("experts") or {}).items():
+            tokens = sorted(e["tokens"])
+            rows.append(
+                {
+                    "block": path,
+                    "experts": len(tokens),
+                    "min": tokens[0],
+                    "median": tokens[len(tokens) // 2],
+                    "max": tokens[-1],
+                    "all_tokens": e.get("all_tokens", []),
+                    "min_tokens": e["min_tokens"],
+                }
+            )
+    return rows
 
 
 def fmt_num(x, spec: str = ".1f") -> str:

@@ -42,7 +42,7 @@ def analyze_model(
             src.close()
             if not order:  # execution order of the inputs: the layer's module order
                 order = [input_kind(arch, n) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
-            stats = observe_layer(layer, i, state, ANALYSIS_SPEC, kv=True, massive=True, write=True)
+            stats = observe_layer(layer, i, state, ANALYSIS_SPEC, kv=arch.kv_cache, massive=True, write=True)
             entry = {"index": i, "inputs": {}, "kv": {}, "massive": stats.pop("massive", [])}
             for name, st in stats.items():
                 if name in ("k", "v"):

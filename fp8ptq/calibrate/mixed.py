@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8ptq.calibrate.pipeline import finite_stats
-from fp8ptq.calibrate.state import CalibrationSetup, Progress, prepare
+from fp8ptq.calibrate.state import CalibrationSetup, Progress, finite_stats, prepare
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import load_float, materialize, release

@@ -21,15 +21,14 @@ FlattenQuant channel splitting) run first, from an observe pass over the float l
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
+from fp8ptq.calibrate.experts import ExpertStage, merge_expert_stages, quantize_expert_stage
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
-from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, prepare
+from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, Stop, describe, finite_stats, prepare
 from fp8ptq.dist import TreeSum
-from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import materialize, release
@@ -40,10 +39,6 @@ from fp8ptq.quantize.plan import LayerPlan, plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
 from fp8ptq.quantize.schemes import LinearScheme, handler
 from fp8ptq.quantize.weights import quantize_group
-
-
-class _Stop(Exception):
-    """Raised by a stats hook once the stage's input was seen: the rest of the block is not needed."""
 
 
 class LayerCalibrator:
@@ -63,15 +58,16 @@ class LayerCalibrator:
         self.layer, self.index, self.plan, self.recipe = layer, index, plan, recipe
         self.schemes, self.state, self.result = schemes, state, result
         self.arch = state.arch
-        self.pos = state.positions(index)
+        self.inputs = state.inputs(index)
         self.modules = dict(layer.named_modules())
         self.attn_name = self.arch.attention
         self.handles: list = []
         self._last: tuple | None = None  # (input, quantized input): fused shards see the same tensor
         self._caching, self._cached = None, {}
+        self.routes: dict[str, list[int]] = {}  # experts path -> routed tokens per expert (calibrate/experts.py)
 
-    def _run_block(self, block: Block, x: torch.Tensor, pos=None) -> torch.Tensor:
-        return self.arch.run_block(self.layer, block, x, self.pos if pos is None else pos)
+    def _run_block(self, block: Block, x: torch.Tensor, inputs=None) -> torch.Tensor:
+        return self.arch.run_block(self.layer, block, x, self.inputs if inputs is None else inputs)
 
     # -- stage order ---------------------------------------------------------------------------------
     def stage_order(self) -> list[list]:
@@ -86,29 +82,29 @@ class LayerCalibrator:
         attn = self.modules[self.attn_name]
         attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
         x = self.state.store.read(0, 1)[:, :4].to(self.state.device)  # every rank owns samples (checked)
-        pos = tuple(t[:, :4] for t in self.pos)
+        head = self.inputs.head(4)
         try:
             with torch.inference_mode():
                 for b, block in enumerate(self.arch.blocks):
                     current["block"] = b
-                    self._run_block(block, x, pos)
+                    self._run_block(block, x, head)
         finally:
             for h in handles:
                 h.remove()
             attn.__dict__.pop("fp8ptq_kv_hook", None)
         if self.recipe.scheme.kv_cache is None:
             order = [[g for g in stages if g != "kv"] for stages in order]
-        return order
+        return merge_expert_stages(order, self.plan, self.arch)
 
     # -- passes --------------------------------------------------------------------------------------
     def _pass(self, block: Block, write: bool = False) -> None:
-        """Run `block` over every local chunk; a _Stop from a hook ends that chunk early."""
+        """Run `block` over every local chunk; a Stop from a hook ends that chunk early."""
         with torch.inference_mode():
             for c, first, x in self.state.each_chunk():
                 self.chunk = (c, first)
                 try:
                     y = self._run_block(block, x)
-                except _Stop:
+                except Stop:
                     continue
                 if write:
                     self.state.write(first, y)
@@ -128,7 +124,7 @@ class LayerCalibrator:
                 tree.add(c, hessian_partial(h_fn(args[0])))
             if keep:
                 self._cached[c] = args[0].clone()
-            raise _Stop
+            raise Stop
 
         self._run_hooked(block, group[0], hook)
         return stats.reduce(self.state.comm), (None if tree is None else tree.total(self.state.comm))
@@ -138,7 +134,7 @@ class LayerCalibrator:
 
         def hook(_m, args):
             tree.add(self.chunk[0], hessian_partial(quant(args[0])))
-            raise _Stop
+            raise Stop
 
         self._run_hooked(block, group[0], hook)
         return tree.total(self.state.comm)
@@ -205,7 +201,7 @@ class LayerCalibrator:
             for key, t in (("k", k), ("v", v)):  # [n, kv_heads, seq, head] -> [n, seq, kv_heads*head]
                 t = t.transpose(1, 2).flatten(2)
                 stats.setdefault(key, self.state.new_stats(t.shape[-1], StatsSpec())).update(c, first, t)
-            raise _Stop
+            raise Stop
 
         attn.fp8ptq_kv_hook = observe
         try:
@@ -240,6 +236,8 @@ class LayerCalibrator:
             for stage in stages:
                 if stage == "kv":
                     self.quantize_kv(block)
+                elif isinstance(stage, ExpertStage):
+                    quantize_expert_stage(self, block, stage)
                 else:
                     self.quantize_stage(block, stage)
             if self._caching is not None:
@@ -264,24 +262,6 @@ class LayerCalibrator:
             h.remove()
         self.modules[self.attn_name].__dict__.pop("fp8ptq_kv_hook", None)
         self._last = None
-
-
-def finite_stats(where: str, amax: float, H: torch.Tensor | None = None) -> None:
-    """Calibration statistics must be finite: a NaN/inf activation would become a NaN scale."""
-    if not math.isfinite(amax) or (H is not None and not bool(torch.isfinite(H).all())):
-        raise NonFiniteError(
-            f"the calibration activations at the input of {where} are not finite (abs-max {amax}): "
-            "the model overflows on this data in fp32",
-            fix="check the model's weights and the calibration data (a tensor with huge values?)",
-        )
-
-
-def describe(scheme: LinearScheme) -> str:
-    """'FP8 per-tensor, float acts static' and the like (manifest and report)."""
-    w, acts = scheme.weights, scheme.input_activations
-    kind = ("FP" if w.type == "float" else "INT") + str(w.num_bits)
-    text = f"{kind} per-{w.strategy}" + (f" g{w.group_size}" if w.group_size else "") + ("" if w.symmetric else " asym")
-    return text + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}")
 
 
 def calibrate(

@@ -8,6 +8,7 @@ FlattenQuant all read it). The layout of a layer comes from the model's architec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ from fp8ptq.calibrate.store import ActivationStore
 from fp8ptq.dist import ChunkPlan, LocalComm
 from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Arch
+from fp8ptq.models.arch.base import LayerInputs
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
@@ -24,6 +26,10 @@ from fp8ptq.quantize.numerics import register_attention
 from fp8ptq.quantize.plan import plan_layer
 
 Progress = Callable[[str, int, int], None]
+
+
+class Stop(Exception):
+    """Raised by a stats hook once a stage's input was seen: the rest of the block is not needed."""
 
 
 @dataclass
@@ -36,7 +42,7 @@ class RunState:
     device: torch.device
     seq_len: int
     arch: Arch
-    positions: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer index -> (cos, sin)
+    inputs: Callable[[int], LayerInputs]  # layer index -> its position embeddings and attention mask
     cache_bytes: int = 0  # budget for keeping a block's final Linear input between passes (0: recompute)
 
     @property
@@ -58,9 +64,9 @@ class RunState:
 
     def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
         """Every block of a decoder layer, in order."""
-        pos = self.positions(index)
+        inputs = self.inputs(index)
         for block in self.arch.blocks:
-            x = self.arch.run_block(layer, block, x, pos)
+            x = self.arch.run_block(layer, block, x, inputs)
         return x
 
 
@@ -84,9 +90,9 @@ def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, 
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
     local = chunks.local_samples()
     store = ActivationStore(len(local), input_ids.shape[1], src.config.hidden_size, setup.offload_dir)
-    positions = arch.position_embeddings(model, input_ids.shape[1], device)
+    inputs = arch.layer_inputs(model, input_ids.shape[1], device)
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
-    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, positions, cache)
+    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache)
     if setup.restore is not None:
         store.load(setup.restore)
     else:
@@ -172,3 +178,21 @@ def observe_layer(
         merged = [m for part in state.comm.gather_objects(found) for m in part]
         out["massive"] = sorted(merged, key=lambda m: -m["abs"])[:8]
     return out
+
+
+def finite_stats(where: str, amax: float, H: torch.Tensor | None = None) -> None:
+    """Calibration statistics must be finite: a NaN/inf activation would become a NaN scale."""
+    if not math.isfinite(amax) or (H is not None and not bool(torch.isfinite(H).all())):
+        raise NonFiniteError(
+            f"the calibration activations at the input of {where} are not finite (abs-max {amax}): "
+            "the model overflows on this data in fp32",
+            fix="check the model's weights and the calibration data (a tensor with huge values?)",
+        )
+
+
+def describe(scheme) -> str:
+    """'FP8 per-tensor, float acts static' and the like (manifest and report)."""
+    w, acts = scheme.weights, scheme.input_activations
+    kind = ("FP" if w.type == "float" else "INT") + str(w.num_bits)
+    text = f"{kind} per-{w.strategy}" + (f" g{w.group_size}" if w.group_size else "") + ("" if w.symmetric else " asym")
+    return text + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}")

@@ -27,8 +27,9 @@ from fp8ptq.cli.common import (
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="HF model dir, .gguf file, or alias (smollm2-135m)"),
+    model: str = typer.Argument(..., help="HF model dir, hub id (org/name), .gguf file, or alias (smollm2-135m)"),
     recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help="built-in recipe name or YAML path"),
+    revision: Optional[str] = typer.Option(None, help="hub ids: branch, tag or commit (default: main)"),
     output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
     data: str = typer.Option("builtin", help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
     text_field: str = typer.Option("text", help="field holding the text in .jsonl/.parquet/datasets"),
@@ -60,7 +61,8 @@ def quantize(
 ):
     """Calibrate, quantize and export a compressed-tensors checkpoint.
 
-    MODEL is a Hugging Face directory, a .gguf file or an alias (smollm2-135m). The output directory
+    MODEL is a Hugging Face directory, a hub id (downloaded, or read from the local Hugging Face cache
+    when offline: HF_HUB_OFFLINE=1), a .gguf file or an alias (smollm2-135m). The output directory
     appears only when complete. Under `torchrun --nproc-per-node N -m fp8ptq quantize ...` the
     calibration samples are split over N processes and the result equals a one-process run.
 
@@ -68,6 +70,7 @@ def quantize(
     Examples:
       fp8ptq quantize smollm2-135m -r fp8-kv8 -o out/smol-fp8-kv8
       fp8ptq quantize ./my-model -r w4a16 -o out/w4a16 --device cuda
+      fp8ptq quantize Qwen/Qwen3-30B-A3B -r fp8-kv8 -o out/qwen3-moe-fp8   # hub id
       fp8ptq quantize ./my-model -r fp8-dynamic -o out/fp8   # data-free, no calibration
       fp8ptq recipes list                                    # what each recipe does
     """
@@ -78,6 +81,7 @@ def quantize(
 
     cfg = QuantizeConfig(
         model=model,
+        revision=revision,
         recipe=recipe,
         output=output,
         data=data,

@@ -21,7 +21,7 @@ from compressed_tensors.utils.match import is_match
 from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
-from fp8ptq.models.skeleton import build_skeleton, source_name
+from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
 
 # Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
@@ -126,7 +126,7 @@ def load_simulated(
                 input_quant[name] = input_quantizer(acts, scale)
                 counts["dynamic_inputs" if acts.dynamic else "static_inputs"] += 1
             continue
-        for pname, _ in module.named_parameters(recurse=False):
+        for pname in stored_names(module, recurse=False):
             full = f"{name}.{pname}" if name else pname
             if full not in state:
                 state[full] = src.tensor(source_name(src, full)).float()

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +31,50 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def ensure_offline() -> None:
-    """No network at run time: never let transformers / datasets / lm-eval reach for a hub."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(var, "1")
+    """Evaluation data is local: keep `datasets` (under lm-eval) from reaching for the hub. Models are
+    not forced offline: a hub id downloads when the network is there (resolve_model); set
+    HF_HUB_OFFLINE=1 to use only the local Hugging Face cache."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What a model needs from a hub repository: never pickle weights (*.bin, *.pt), never remote code.
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
+
+
+def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
+    """A hub id -> its local snapshot directory: downloaded when the network is there (safetensors,
+    configs and tokenizer files only), else the local Hugging Face cache (HF_HUB_OFFLINE=1: cache only)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"'{repo_id}'" + (f" at revision '{revision}'" if revision else "")
+    try:
+        return Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_FILES))
+    except GatedRepoError:
+        raise ModelError(
+            f"model {where} is gated on the Hugging Face hub",
+            fix="accept its licence on the hub and log in (`hf auth login` or HF_TOKEN), or pass a local directory",
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelError(f"model {where}: no such revision on the hub", fix="check --revision") from None
+    except RepositoryNotFoundError:
+        raise ModelError(
+            f"model {where} not found on the Hugging Face hub (or it is private)",
+            fix="check the id, log in for a private repository (`hf auth login`), or pass a local directory",
+        ) from None
+    except LocalEntryNotFoundError:
+        raise ModelError(
+            f"model {where} is not in the local Hugging Face cache and the hub cannot be reached"
+            + (" (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") else ""),
+            fix="download it on a machine with a network (`hf download ID`), unset HF_HUB_OFFLINE, "
+            "or pass a local directory",
+        ) from None
 
 
 def cache_root() -> Path:
@@ -266,8 +308,9 @@ def _gguf_cache_dir(gguf: Path, label: str) -> Path:
     return cache_root() / "models" / f"{label}-{key}"
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """MODEL argument -> ModelSource. GGUF files and aliases are converted once into the cache."""
+def resolve_model(spec: str, revision: str | None = None) -> ModelSource:
+    """MODEL argument -> ModelSource: a local directory, a .gguf file, an alias (GGUF files and aliases
+    are converted once into the cache) or a Hugging Face hub id (resolve_hub)."""
     if spec in ALIASES:
         gguf = alias_gguf(spec)
         cached = _gguf_cache_dir(gguf, spec)
@@ -275,10 +318,13 @@ def resolve_model(spec: str) -> ModelSource:
             convert_gguf(gguf, cached)
         return open_hf_dir(cached, label=spec)
     path = Path(spec).expanduser()
+    if not path.exists() and HUB_ID.fullmatch(spec) and not spec.startswith("."):
+        return open_hf_dir(resolve_hub(spec, revision), label=spec + (f"@{revision}" if revision else ""))
     if not path.exists():
         raise ModelError(
             f"model '{spec}' not found",
-            fix=f"pass an existing directory, a .gguf file or one of the aliases: {', '.join(ALIASES)}",
+            fix="pass an existing directory, a .gguf file, a hub id (org/name) or one of the aliases: "
+            + ", ".join(ALIASES),
         )
     if path.is_file():
         if path.suffix == ".gguf":

@@ -31,9 +31,13 @@ def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module
         )
     rotary = model.get_submodule(arch.rotary)
     model.set_submodule(arch.rotary, type(rotary)(config=model.config))  # real inv_freq buffer on the CPU
+    embed = model.get_submodule(arch.embed)
+    if arch.embed_scale is not None and "embed_scale" in embed._buffers:  # Gemma's scaled embedding
+        embed.embed_scale = torch.tensor(arch.embed_scale(model.config))
     if arch.prepare_layer is not None:
-        for layer in arch.decoder_layers(model):
-            arch.prepare_layer(layer, model.config)
+        with torch.device("meta"):  # new modules (one Linear per expert) hold no memory until materialized
+            for layer in arch.decoder_layers(model):
+                arch.prepare_layer(layer, model.config)
     return model
 
 
@@ -45,10 +49,21 @@ def source_name(src: ModelSource, name: str) -> str:
     return name
 
 
+def stored_names(module: torch.nn.Module, recurse: bool = True) -> list[str]:
+    """What a checkpoint holds for a module: its parameters and persistent buffers (e.g. DeepSeek's
+    router score-correction bias)."""
+    names = [n for n, _ in module.named_parameters(recurse=recurse)]
+    for owner_name, owner in module.named_modules() if recurse else [("", module)]:
+        for b in owner._buffers:
+            if b not in owner._non_persistent_buffers_set and owner._buffers[b] is not None:
+                names.append(f"{owner_name}.{b}" if owner_name else b)
+    return names
+
+
 def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: torch.dtype, device="cpu") -> None:
-    """Load module's parameters (names under `prefix`) from the source shards, in place."""
+    """Load module's parameters and persistent buffers (names under `prefix`) from the source shards."""
     state = {}
-    for name, _ in module.named_parameters():
+    for name in stored_names(module):
         full = source_name(src, prefix + name)
         if not src.has(full):
             raise KeyError(f"tensor '{full}' missing from {src.path}")
@@ -59,7 +74,7 @@ def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: t
 def load_float(src: ModelSource, device="cpu", attn_implementation: str = "sdpa") -> torch.nn.Module:
     """The whole model of an unquantized source in fp32 (eval mode), e.g. a reference."""
     model = build_skeleton(src.config, attn_implementation=attn_implementation)
-    state = {n: src.tensor(source_name(src, n)).float() for n, _ in model.named_parameters()}
+    state = {n: src.tensor(source_name(src, n)).float() for n in stored_names(model)}
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -138,6 +138,7 @@ def write_random(
     shards: int = 1,
     seed: int = 0,
     outlier: float = 8.0,
+    init_bf16: bool = False,
     **config,
 ) -> Path:
     """A random model of a registered family, from transformers' own config class with the adapter's
@@ -150,11 +151,15 @@ def write_random(
 
     arch = ARCHS[model_type]
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
     cfg = AutoConfig.for_model(
-        model_type, **{**arch.tiny, "num_hidden_layers": layers, "vocab_size": len(tok), **config}
+        model_type, **{**arch.tiny, **ids, "num_hidden_layers": layers, "vocab_size": len(tok), **config}
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    if init_bf16:  # large benchmark models: never a full fp32 copy
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for layer in arch.decoder_layers(model):
             norm = layer.get_submodule(arch.blocks[0].norm).weight

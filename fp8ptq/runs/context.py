@@ -5,6 +5,7 @@ no model weights happens in `prepare_run`, before the model is read."""
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class QuantizeConfig:
     output: Path
     data: str = data_mod.BUILTIN
     text_field: str = "text"
+    revision: str | None = None  # hub ids: branch, tag or commit
     num_samples: int | None = None  # None: the recipe's
     seq_len: int | None = None
     seed: int | None = None
@@ -236,9 +238,17 @@ def open_run(ctx: RunContext):
         run.__exit__(None, None, None)
 
 
+_EXPERT_INDEX = re.compile(r"[.][0-9]+[.]")  # experts.7.w2 -> experts.N.w2: each expert weight named once
+
+
 def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
-    """Before any work: a group size must divide the input width of every Linear it will quantize
-    (after flattening, for the MLP's down projection)."""
+    """Before any work: the model's family takes the recipe, and a group size divides the input width of
+    every Linear it will quantize (after flattening, for the MLP's down projection)."""
+    why = src.arch.refuses(recipe)
+    if why is not None:
+        raise RecipeError(
+            why, fix="use a recipe without that section (`fp8ptq recipes list`: e.g. fp8-dynamic or w4a16)"
+        )
     from fp8ptq.models.skeleton import build_skeleton
     from fp8ptq.ops.intq import valid_group_sizes
     from fp8ptq.outliers.flatten import flattened_width
@@ -249,16 +259,17 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     if not sizes:
         return
     arch = src.arch
-    layer = arch.decoder_layers(build_skeleton(src.config))[0]
-    plan = plan_layer(layer, arch.layer_prefix(0), recipe.scheme.targets, recipe.scheme.ignore, arch)
-    modules = dict(layer.named_modules())
-    widths = {n: modules[n].in_features for n in plan.modules}
+    widths = {}  # every kind of layer (DeepSeek: dense first layers, MoE after)
+    for i, layer in enumerate(arch.decoder_layers(build_skeleton(src.config))):
+        plan = plan_layer(layer, arch.layer_prefix(i), recipe.scheme.targets, recipe.scheme.ignore, arch)
+        modules = dict(layer.named_modules())
+        widths.update({n: modules[n].in_features for n in plan.modules})
     if recipe.flatten is not None and arch.flatten is not None and arch.flatten.down in widths:
         f = recipe.flatten
         widths[arch.flatten.down] = flattened_width(widths[arch.flatten.down], f.extra_channels, f.multiple, f.tp)
     common = sorted(set.intersection(*(set(valid_group_sizes(w)) for w in widths.values())))
     for size in sizes:
-        bad = sorted({f"{n} ({w})" for n, w in widths.items() if w % size})
+        bad = sorted({f"{_EXPERT_INDEX.sub('.N.', n)} ({w})" for n, w in widths.items() if w % size})
         if bad:
             raise RecipeError(
                 f"group_size {size} does not divide the input width of {', '.join(bad)}",

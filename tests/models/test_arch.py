@@ -43,11 +43,11 @@ def test_adapter_describes_the_layer(model_type, tiny_model):
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         hidden = model(ids, output_hidden_states=True).hidden_states
-        pos = arch.position_embeddings(model, ids.shape[1], "cpu")
+        inputs = arch.layer_inputs(model, ids.shape[1], "cpu")
         x = hidden[0]
         for i, layer in enumerate(layers[:-1]):  # the last hidden state is after the final norm
             for block in arch.blocks:
-                x = arch.run_block(layer, block, x, pos(i))
+                x = arch.run_block(layer, block, x, inputs(i))
             torch.testing.assert_close(x, hidden[i + 1], rtol=1e-5, atol=1e-5)
 
 

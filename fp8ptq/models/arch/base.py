@@ -56,9 +56,6 @@ class FlattenTarget:
     down: str
 
 
-PositionEmbeddings = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer index -> (cos, sin)
-
-
 @dataclass(frozen=True)
 class Arch:
     """An architecture adapter. Everything is data; the hooks default to the common decoder layout."""
@@ -73,6 +70,7 @@ class Arch:
     norm_offset: float = 0.0  # RMSNorm computes norm(x) * (norm_offset + w): 1.0 for Gemma
     expert_lists: tuple[str, ...] = ()  # ModuleLists of experts (their groups are calibrated together)
     keep_float: tuple[str, ...] = ()  # re: patterns never quantized whatever a recipe targets (routers)
+    kv_cache: bool = True  # per-head post-RoPE KV scales describe the engine's cache (False: MLA's latent)
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     rotary: str = "model.rotary_emb"
@@ -90,6 +88,20 @@ class Arch:
     def is_layer_tensor(self, name: str) -> bool:
         return name.startswith(self.layers + ".")
 
+    def refuses(self, recipe) -> str | None:
+        """Why this family cannot take `recipe` (checked before any work), or None."""
+        if recipe.scheme.kv_cache is not None and not self.kv_cache:
+            return (
+                f"recipe '{recipe.name}' quantizes the KV cache, which the {self.name} adapter does not support "
+                "(the engine caches a compressed latent, not per-head keys/values)"
+            )
+        if recipe.flatten is not None and self.flatten is None:
+            return (
+                f"recipe '{recipe.name}' flattens the MLP, which the {self.name} adapter does not support "
+                "(no separate gate/up/down Linears in every layer)"
+            )
+        return None
+
     def check_layer(self, layer: torch.nn.Module, index: int) -> None:
         """A typed error when a decoder layer lacks what this adapter runs."""
         names = dict(layer.named_modules())
@@ -102,22 +114,69 @@ class Arch:
             )
 
     # -- running a layer block by block ---------------------------------------------------------------
-    def position_embeddings(self, model: torch.nn.Module, seq_len: int, device) -> PositionEmbeddings:
-        """(cos, sin) for positions 0..seq_len-1, per decoder layer (one rotary for all layers here)."""
-        rotary = model.get_submodule(self.rotary).to(device)
-        hidden = model.config.hidden_size
-        with torch.inference_mode():
-            pos = rotary(torch.zeros(1, 1, hidden, device=device), torch.arange(seq_len, device=device).unsqueeze(0))
-        return lambda _i: pos
+    def layer_inputs(self, model: torch.nn.Module, seq_len: int, device) -> Callable[[int], LayerInputs]:
+        """What the model's own forward passes each decoder layer for positions 0..seq_len-1 (batch 1):
+        its position embeddings (per layer type where a family has several, e.g. Gemma 3's local and
+        global RoPE) and attention mask (None: plain causal; sliding-window layers get theirs). Captured
+        by running the model's decoder stack on a zero input with the layers replaced by recording
+        stubs, so no family's rotary or mask rules are re-derived here."""
+        layers = self.decoder_layers(model)
+        stack = model.get_submodule(self.layers.rpartition(".")[0])
+        rotary = model.get_submodule(self.rotary)
+        rotary.to(device)
+        seen: dict[int, LayerInputs] = {}
+        stubs = torch.nn.ModuleList(_Recorder(i, seen, len(layers)) for i in range(len(layers)))
+        stack.layers = stubs
+        try:
+            with torch.inference_mode():
+                stack(inputs_embeds=torch.zeros(1, seq_len, model.config.hidden_size, device=device), use_cache=False)
+        except _Recorded:
+            pass
+        finally:
+            stack.layers = layers
+        assert len(seen) == len(layers), f"captured inputs of {len(seen)} of {len(layers)} layers"
+        return seen.__getitem__
 
-    def run_block(self, layer: torch.nn.Module, block: Block, x: torch.Tensor, pos: tuple) -> torch.Tensor:
-        """x + post_norm(module(norm(x))) for one block of a layer (causal attention, no cache)."""
+    def run_block(self, layer: torch.nn.Module, block: Block, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """x + post_norm(module(norm(x))) for one block of a layer (no KV cache)."""
         h = layer.get_submodule(block.norm)(x)
         module = layer.get_submodule(block.module)
         if block.kind == "attention":
-            out = module(hidden_states=h, position_embeddings=pos, attention_mask=None)[0]
+            out = module(
+                hidden_states=h, position_embeddings=inputs.position_embeddings, attention_mask=inputs.attention_mask
+            )[0]
         else:
             out = module(h)
         if block.post_norm is not None:
             out = layer.get_submodule(block.post_norm)(out)
         return x + out
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """The per-layer arguments of a decoder layer besides its hidden states (batch 1, broadcast)."""
+
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    attention_mask: torch.Tensor | None
+
+    def head(self, n: int) -> LayerInputs:
+        """The same for the first n positions (tracing on a short slice)."""
+        pos = None if self.position_embeddings is None else tuple(t[:, :n] for t in self.position_embeddings)
+        mask = None if self.attention_mask is None else self.attention_mask[..., :n, :n]
+        return LayerInputs(pos, mask)
+
+
+class _Recorded(Exception):
+    """Raised by the last recording stub: the rest of the model (final norm, head) is not needed."""
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self, index: int, seen: dict, total: int):
+        super().__init__()
+        self.index, self.seen, self.total = index, seen, total
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.seen[self.index] = LayerInputs(kwargs.get("position_embeddings"), kwargs.get("attention_mask"))
+        if self.index + 1 == self.total:
+            raise _Recorded
+        return hidden_states
