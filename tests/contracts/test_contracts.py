@@ -7,7 +7,8 @@ family (models/arch/) or scheme (quantize/schemes/ + a recipe) is tested here by
 3. HF transformers reloads it (asymmetric INT4 excepted: transformers 5.x cannot load packed zero
    points, an upstream bug, vllm-project/llm-compressor#1618; vLLM loads them; and INT-weight MoE
    exports: transformers 5.23 fuses per-expert tensors into 3-D experts on load and its
-   compressed-tensors conversion of them fails for INT formats (FP8 ones load) -- vLLM reads the
+   compressed-tensors conversion of them fails for INT formats with zero points or INT8 activations
+   (FP8 and symmetric weight-only INT4 ones load) -- vLLM reads the
    per-expert names itself), and fp8ptq's simulated
    evaluation runs on it with a finite, small KL.
 """
@@ -130,8 +131,11 @@ def _packed_zero_points(recipe: str) -> bool:
 def _hf_cannot_reload(model_type: str, recipe: str) -> str | None:
     """The error transformers 5.23 raises on a known upstream limitation, else None."""
     r = load_recipe(recipe)
-    int_weights = any(a.type == "int" for a in [r.scheme.weights] + ([r.mixed.weights] if r.mixed else []))
-    if ARCHS[model_type].expert_lists and int_weights:
+    schemes = [(r.scheme.weights, r.scheme.input_activations)] + ([(r.mixed.weights, None)] if r.mixed else [])
+    # measured: symmetric weight-only INT4 (pack-quantized, w4a16-gguf) experts reload; zero points or
+    # int-quantized W8A8 experts do not
+    hard = any(w.type == "int" and (a is not None or not w.symmetric) for w, a in schemes)
+    if ARCHS[model_type].expert_lists and hard:
         return "automatic conversion"
     return "ignore_mismatched_sizes" if _packed_zero_points(recipe) else None
 
