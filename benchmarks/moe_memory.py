@@ -98,6 +98,24 @@ def main() -> None:
     llmc = HERE / ".venv-llmc" / "bin" / "python"
     if not llmc.is_file():
         print("\nllm-compressor: not run (no benchmarks/.venv-llmc; run benchmarks/setup_llmc_venv.sh)")
+        return
+    from safetensors.torch import save_file
+
+    from fp8ptq.data import load_samples
+    from fp8ptq.models.loader import open_hf_dir
+
+    ids = load_samples("builtin", open_hf_dir(model).tokenizer(), a.samples, a.seq, "calibration", 0)
+    calib = a.work / "calib.safetensors"
+    save_file({"input_ids": ids.contiguous()}, str(calib))
+    cmd = [str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model), "--calib", str(calib)]
+    meta, lines, err = child([*cmd, "--scheme", "fp8-kv8", "--out", str(a.work / "llmc-out")])
+    if meta["rc"] != 0:
+        print(f"\nllm-compressor 0.14 fp8-kv8 failed (peak RSS {meta['rss']:.0f} MiB, {meta['wall']:.0f} s):")
+        print(err[-1500:])
+        return
+    info = json.loads(lines[-1])
+    print(f"| llm-compressor 0.14 fp8-kv8 | {meta['rss']:.0f} | {meta['wall']:.0f} | | |")
+    print(f"llm-compressor oneshot s: {info['quantize_wall_s']:.0f}")
 
 
 if __name__ == "__main__":

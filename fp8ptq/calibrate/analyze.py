@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8ptq.calibrate.experts import expert_of
 from fp8ptq.calibrate.state import CalibrationSetup, Progress, observe_layer, prepare
 from fp8ptq.models.arch import Arch
 from fp8ptq.models.loader import ModelSource
@@ -44,13 +45,18 @@ def analyze_model(
                 order = [input_kind(arch, n) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
             stats = observe_layer(layer, i, state, ANALYSIS_SPEC, kv=arch.kv_cache, massive=True, write=True)
             entry = {"index": i, "inputs": {}, "kv": {}, "massive": stats.pop("massive", [])}
+            layer_cmax: dict[str, torch.Tensor] = {}
             for name, st in stats.items():
                 if name in ("k", "v"):
                     entry["kv"][name] = st.summary()
                     continue
                 kind = input_kind(arch, name)
-                entry["inputs"][kind] = st.summary()
-                cmax.setdefault(kind, []).append(st.channel_amax.float().cpu())
+                expert = expert_of(name, arch)  # per expert in the tables; all experts as one heatmap row
+                entry["inputs"][kind if expert is None else f"expert {expert[1]} {kind}"] = st.summary()
+                c = st.channel_amax.float().cpu()
+                layer_cmax[kind] = c if kind not in layer_cmax else torch.maximum(layer_cmax[kind], c)
+            for kind, c in layer_cmax.items():
+                cmax.setdefault(kind, []).append(c)
             rows.append(entry)
             release(layer)
             if progress:

@@ -130,6 +130,8 @@ def observe_layer(
     def hook(name):
         def fn(_m, args):
             x = args[0]
+            if x.dim() == 2:  # an expert's routed tokens [n, channels]: one pseudo-sample
+                x = x.unsqueeze(0)
             if name not in stats:
                 stats[name] = state.new_stats(x.shape[-1], spec)
             stats[name].update(current["chunk"], current["first"], x)

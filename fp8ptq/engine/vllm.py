@@ -160,6 +160,15 @@ class VllmRun:
         return {k: v for k, v in self.__dict__.items() if k not in ("log_tail", "layer_outputs", "probed")}
 
 
+def _max_positions(model: Path) -> int | None:
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 def run_vllm(
     model: Path,
     prompts: list[list[int]],
@@ -181,6 +190,9 @@ def run_vllm(
     """Generate from token-id prompts with vLLM in its own venv. Never raises for engine failures: a
     failed load is a result (ok=False, error=root cause) so callers can report or assert on it."""
     py = vllm_python(python)
+    positions = _max_positions(Path(model))
+    if positions:  # vLLM refuses a max_model_len beyond the model's (small test models: 512)
+        max_model_len = min(max_model_len, positions)
     req = dict(
         model=str(Path(model).resolve()),
         prompts=prompts,

@@ -37,10 +37,14 @@ def ct_scheme(scheme: LinearScheme, targets: list[str], with_format: bool = Fals
     )
 
 
-def quantization_config(recipe: Recipe, groups: list[tuple[LinearScheme, list[str]]] | None = None) -> dict:
+def quantization_config(
+    recipe: Recipe, groups: list[tuple[LinearScheme, list[str]]] | None = None, keep_float: tuple[str, ...] = ()
+) -> dict:
     """The `quantization_config` entry of config.json. groups: (scheme, targets) per config group; default
     one group with the recipe's scheme and targets. Several formats -> `mixed-precision` with a format
-    per group (how compressed-tensors and vLLM express per-layer schemes)."""
+    per group (how compressed-tensors and vLLM express per-layer schemes). keep_float: the architecture's
+    never-quantized patterns (MoE routers), added to `ignore`: engines build routers as Linears (vLLM's
+    ReplicatedLinear gate) and would otherwise expect quantized tensors for them."""
     if groups is None:
         s = recipe.scheme
         groups = [(LinearScheme(s.weights, s.input_activations), list(s.targets))]
@@ -51,7 +55,7 @@ def quantization_config(recipe: Recipe, groups: list[tuple[LinearScheme, list[st
         kv_cache_scheme=ct_args(recipe.scheme.kv_cache),
         format=MIXED if mixed else formats.pop(),
         quantization_status="compressed",
-        ignore=list(recipe.scheme.ignore),
+        ignore=list(recipe.scheme.ignore) + [p for p in keep_float if p not in recipe.scheme.ignore],
     )
     return {
         "quant_method": "compressed-tensors",

@@ -87,7 +87,7 @@ def write_metadata(ctx: RunContext, config_updates: dict, groups) -> None:
     src, out = ctx.src, ctx.path
     config = json.loads((src.path / "config.json").read_text())
     config.update(config_updates)
-    config["quantization_config"] = quantization_config(ctx.recipe, groups)
+    config["quantization_config"] = quantization_config(ctx.recipe, groups, ctx.src.arch.keep_float)
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     for extra in ("generation_config.json",):
         if (src.path / extra).is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -137,3 +138,15 @@ def test_experts_container_ignores_padding_routes():
     with torch.inference_mode():
         out = experts(h, idx, w)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_analyze_reports_outliers_per_expert(tiny_model, tmp_path):
+    from fp8ptq.api import AnalyzeConfig, analyze
+
+    report = analyze(
+        AnalyzeConfig(model=str(tiny_model("qwen3_moe")), output=tmp_path / "a", num_samples=4, seq_len=64)
+    )
+    for layer in report["layers"]:
+        experts = {k.split()[1] for k in layer["inputs"] if k.startswith("expert ")}
+        assert len(experts) >= 2  # every expert the router used has its own row
+        assert all(np.isfinite(s["amax"]) for s in layer["inputs"].values())

