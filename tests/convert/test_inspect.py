@@ -108,7 +108,7 @@ def test_planted_defects_are_flagged(ct, kv8, tmp_path):
     def ghost(c):
         c["quantization_config"]["ignore"] = ["re:.*no_such_module$"]
 
-    assert _codes(_copy(ct, tmp_path / "ghost", ghost))["ignore-unmatched"] == "warning"
+    assert _codes(_copy(ct, tmp_path / "ghost", ghost))["ignore-unmatched"] == "info"
 
     def skew(t):
         t[lm + "self_attn.k_proj.input_scale"] = t[lm + "self_attn.k_proj.input_scale"] * 2
