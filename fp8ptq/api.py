@@ -3,8 +3,9 @@
 quantize:         recipe + model + data -> compressed-tensors checkpoint (steps in fp8ptq/runs/).
 analyze:          outlier statistics of the float model -> report directory.
 verify:           a checkpoint in real vLLM vs fp8ptq's simulation.
-convert:          GGUF -> HF safetensors directory.
+convert:          GGUF -> HF safetensors directory or compressed-tensors (exact codes where they fit).
 evaluate_quality: any checkpoint vs a reference, under simulated engine numerics.
+inspect:          a checkpoint's format, schemes, size and a lint of what makes vLLM refuse it.
 (lm-eval runs are `fp8ptq.eval.harness.run`; speculative decoding is `fp8ptq.spec`.)
 """
 
@@ -37,6 +38,8 @@ __all__ = [
     "verify",
     "convert",
     "evaluate_quality",
+    "InspectConfig",
+    "inspect",
     "resolve_device",
 ]
 
@@ -80,11 +83,16 @@ class VerifyConfig:
     vllm_python: str | None = None
 
 
+CONVERT_TARGETS = ("hf", "compressed-tensors", "gguf")
+
+
 @dataclass(frozen=True)
 class ConvertConfig:
-    source: Path  # a .gguf file
-    output: Path
-    dtype: str = "bfloat16"
+    source: Path  # .gguf (to hf / compressed-tensors), block-FP8 HF dir (to compressed-tensors), CT dir (to gguf)
+    output: Path  # a directory, or a .gguf file for --to gguf
+    to: str = "hf"  # hf: dequantized float; compressed-tensors / gguf: codes carried exactly (fp8ptq/convert/)
+    dtype: str = "bfloat16"  # of dequantized tensors (and the config's dtype)
+    recipe: str | None = None  # to compressed-tensors: re-quantize other GGML quant types with it (data-free)
     overwrite: bool = False
 
 
@@ -143,8 +151,25 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
         manifest.write(ctx.path)
         write_report(ctx.path, manifest, serve_path=str(cfg.output))
         ctx.writer.cleanup()
+        _lint_own_output(ctx.path)
         ctx.run.commit()
     return manifest
+
+
+def _lint_own_output(path: Path) -> None:
+    """`fp8ptq inspect`'s lint on a finished export before it is renamed into place: an error there is a
+    checkpoint vLLM would refuse, so it never becomes the output (a bug in fp8ptq if it ever fires)."""
+    from fp8ptq.convert.inspect import inspect_checkpoint
+    from fp8ptq.errors import OutputError
+
+    errors = [f for f in inspect_checkpoint(path)["findings"] if f["level"] == "error"]
+    if errors:
+        first = errors[0]
+        raise OutputError(
+            f"the export fails its own lint: {first['where']}: {first['message']} [{first['code']}]"
+            + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""),
+            fix="please report this as an fp8ptq bug, with the recipe and model",
+        )
 
 
 def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
@@ -210,8 +235,18 @@ def verify(cfg: VerifyConfig) -> dict:
     )
 
 
-def convert(cfg: ConvertConfig) -> Path:
-    """GGUF -> HF safetensors (dequantized), written atomically."""
+def convert(cfg: ConvertConfig) -> dict:
+    """GGUF -> HF safetensors (dequantized) or compressed-tensors, written atomically. Returns the
+    conversion report ({"output", "to", ...}; for compressed-tensors also per-tensor actions and a
+    summary, written to OUT/conversion.json)."""
+    from fp8ptq.errors import OptionError
+
+    if cfg.to not in CONVERT_TARGETS:
+        raise OptionError(f"unknown --to '{cfg.to}'", fix=f"use one of: {', '.join(CONVERT_TARGETS)}")
+    if cfg.recipe is not None and cfg.to != "compressed-tensors":
+        raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
+    if cfg.to == "gguf":
+        return _convert_to_gguf(cfg)
     import torch
 
     from fp8ptq.io import check_output
@@ -219,10 +254,80 @@ def convert(cfg: ConvertConfig) -> Path:
 
     if not cfg.source.exists():
         raise ModelError(f"'{cfg.source}' not found", fix="pass the path of an existing .gguf file")
+    if cfg.to == "compressed-tensors" and cfg.source.is_dir():
+        return _convert_hf_fp8(cfg)
     if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
         raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
     check_output(cfg.output, cfg.overwrite)
-    return convert_gguf(cfg.source, cfg.output, getattr(torch, cfg.dtype))
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.to == "hf":
+        convert_gguf(cfg.source, cfg.output, dtype)
+        return {"output": str(cfg.output), "to": "hf"}
+    from fp8ptq.convert.gguf_ct import check_recipe, gguf_to_compressed_tensors
+    from fp8ptq.io import atomic_output_dir
+    from fp8ptq.models.gguf import open_gguf
+    from fp8ptq.recipe import load_recipe
+
+    recipe = None if cfg.recipe is None else load_recipe(cfg.recipe)
+    check_recipe(recipe)
+    model = open_gguf(cfg.source)
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report = gguf_to_compressed_tensors(model, tmp, dtype, recipe)
+    return {"output": str(cfg.output), **report}
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    path: Path  # a checkpoint directory or a .gguf file
+
+
+def inspect(cfg: InspectConfig) -> dict:
+    """Format, schemes, size and lint findings ({"findings": [...], "errors": N}); reads headers and scales."""
+    from fp8ptq.convert.inspect import inspect_checkpoint
+
+    return inspect_checkpoint(cfg.path)
+
+
+def _convert_hf_fp8(cfg: ConvertConfig) -> dict:
+    """transformers' block-FP8 directory -> compressed-tensors block FP8 (same codes and scales)."""
+    from fp8ptq.convert.hf_fp8 import hf_fp8_to_ct, read_fp8_config
+    from fp8ptq.io import atomic_output_dir
+
+    if cfg.recipe is not None:
+        raise ModelError("--recipe applies to GGUF sources only", fix="drop --recipe: block FP8 is carried as is")
+    if not (cfg.source / "config.json").is_file():
+        raise ModelError(f"'{cfg.source}' has no config.json", fix="pass a .gguf file or a block-FP8 HF directory")
+    read_fp8_config(cfg.source)  # a typed error before any output exists
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report = hf_fp8_to_ct(cfg.source, tmp)
+    return {"output": str(cfg.output), **report}
+
+
+def _convert_to_gguf(cfg: ConvertConfig) -> dict:
+    """compressed-tensors directory -> one .gguf file, written to a temp sibling and renamed."""
+    from fp8ptq.convert.ct_gguf import ct_to_gguf
+    from fp8ptq.errors import OutputError
+    from fp8ptq.io import check_writable, write_atomic
+    from fp8ptq.models.loader import open_hf_dir
+
+    if not cfg.source.is_dir():
+        raise ModelError(
+            f"'{cfg.source}' is not a directory", fix="--to gguf converts a compressed-tensors checkpoint directory"
+        )
+    if cfg.output.suffix != ".gguf":
+        raise OutputError(f"output '{cfg.output}' does not end in .gguf", fix="pass -o NAME.gguf")
+    if cfg.output.exists() and not (cfg.overwrite and cfg.output.is_file()):
+        raise OutputError(f"output '{cfg.output}' already exists", fix="choose another -o path or pass --overwrite")
+    check_writable(cfg.output.parent)
+    src = open_hf_dir(cfg.source)
+    if getattr(src.config, "quantization_config", None) is None:
+        raise ModelError(
+            f"'{cfg.source}' has no quantization_config", fix="pass a compressed-tensors checkpoint (fp8ptq quantize)"
+        )
+    cfg.output.parent.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+    write_atomic(cfg.output, lambda tmp: report.update(ct_to_gguf(src, tmp, getattr(torch, cfg.dtype))))
+    return {"output": str(cfg.output), **report}
 
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:

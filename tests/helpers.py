@@ -71,3 +71,36 @@ def parse_config_under(qc: dict, ct: str) -> str:
     got = parse_configs_under({"c": qc}, ct)["c"]
     assert got.startswith("ok "), got
     return got[3:]
+
+
+def write_gguf(hf_dir: Path, out: Path, types: dict[str, str], default: str = "F16", edit=None) -> Path:
+    """A GGUF of the float HF model in `hf_dir`, written in-process with gguf-py's GGUFWriter and its own
+    quantizers (gguf.quants.quantize): `types` maps a substring of an HF tensor name to a GGML type
+    (first match wins; 1-D tensors are F32). Names, q/k row order, metadata and tokenizer come from
+    fp8ptq.convert.gguf_meta; transformers reading the file back checks them independently."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from fp8ptq.convert.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
+    from fp8ptq.models.loader import open_hf_dir
+
+    src = open_hf_dir(hf_dir)
+    to_gguf = name_map(src.config)
+    writer = GGUFWriter(str(out), gguf_arch(src.config))
+    add_metadata(writer, src.config, hf_dir, "tiny")
+    for name in src.weight_map:
+        t = to_gguf_rows(name, src.tensor(name).float(), src.config).numpy()
+        kind = "F32" if t.ndim == 1 else next((v for k, v in types.items() if k in name), default)
+        if kind in ("F32", "F16"):
+            writer.add_tensor(to_gguf(name), t.astype(np.float32 if kind == "F32" else np.float16))
+        else:
+            qt = GGMLQuantizationType[kind]
+            blocks = quants.quantize(t, qt)
+            if edit is not None:  # plant a defect in the raw blocks: edit(name, blocks) in place
+                edit(name, blocks)
+            writer.add_tensor(to_gguf(name), blocks, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("quantize", "outliers", "manifest"),  # scheme handlers and numerics, statistics, the run record
     ("recipe", "calibrate"),  # user configuration; the sequential pipeline
     ("export", "engine"),  # checkpoint writing; real engines out of process
-    ("eval",),  # simulated and engine-checked quality
+    ("eval", "convert"),  # simulated and engine-checked quality; checkpoint conversion and inspection
     ("spec",),  # speculative decoding
     ("report", "runs"),  # rendering; the steps of a quantize run
     ("api",),  # the library's entry points

@@ -11,6 +11,7 @@ imports (torch, transformers) happen inside the commands, so `fp8ptq --help` sta
 # isort: off
 from fp8ptq.cli import quantize  # noqa: F401
 from fp8ptq.cli import convert  # noqa: F401
+from fp8ptq.cli import inspect  # noqa: F401
 from fp8ptq.cli import eval  # noqa: F401
 from fp8ptq.cli import misc  # noqa: F401
 from fp8ptq.cli import draft  # noqa: F401

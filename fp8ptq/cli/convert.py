@@ -11,18 +11,55 @@ from fp8ptq.cli.common import console, fail, offline, out, user_errors
 from fp8ptq.errors import Fp8ptqError
 
 
+def summary_line(report: dict) -> str:
+    """One line: what was carried exactly, re-quantized, dequantized or kept."""
+    s = report["summary"]
+    if report["to"] == "gguf":
+        return (
+            f"tensors: {s['exact']} exact codes (Q4_0: {s['exact_q4_0']}, Q8_0: {s['exact_q8_0']}; worst fp16 "
+            f"scale rounding {s['worst_scale_fp16_rel_err']:.3g}), {s['dequantized']} dequantized, {s['kept']} float"
+            + (f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else "")
+        )
+    if report.get("from") == "hf-fp8":
+        return f"tensors: {s['exact']} exact (FP8 block {s['block']}: same codes, weight_scale_inv -> weight_scale)"
+    parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
+    if s["requantized"]:
+        parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
+    if s["dequantized"]:
+        parts.append(f"{s['dequantized']} dequantized (worst cast abs err {s['worst_dequantized_abs_err']:.3g})")
+    parts.append(f"{s['kept']} kept float")
+    return "tensors: " + ", ".join(parts)
+
+
 @app.command()
 def convert(
-    gguf: Path = typer.Argument(..., help=".gguf file"),
-    output: Path = typer.Option(..., "--output", "-o"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
+    source: Path = typer.Argument(
+        ..., help=".gguf file; a block-FP8 HF dir (to compressed-tensors); a compressed-tensors dir (--to gguf)"
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="a directory, or NAME.gguf for --to gguf"),
+    to: str = typer.Option(
+        "hf",
+        help="hf (dequantized float), compressed-tensors (exact Q4_0/Q8_0 codes) or gguf (from compressed-tensors)",
+    ),
+    dtype: str = typer.Option("bfloat16", help="dtype of dequantized / float matrices: bfloat16, float16 or float32"),
+    recipe: str = typer.Option(
+        None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
+    ),
     overwrite: bool = typer.Option(False),
 ):
-    """Dequantize a GGUF file into a Hugging Face safetensors directory.
+    """Convert between GGUF and Hugging Face checkpoints: a GGUF to float (--to hf) or to
+    compressed-tensors with Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights
+    (--to compressed-tensors, report in OUT/conversion.json); a transformers block-FP8 directory to
+    compressed-tensors block FP8 with the same bytes (--to compressed-tensors); a compressed-tensors
+    checkpoint to GGUF with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf).
 
     \b
     Examples:
       fp8ptq convert model.Q4_0.gguf -o out/model-bf16
+      fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/model-w4a16
+      fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
+      fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
+      fp8ptq convert ./Qwen3-0.6B-FP8 --to compressed-tensors -o out/qwen3-fp8-block
     """
     offline()
     from fp8ptq.api import ConvertConfig
@@ -31,6 +68,10 @@ def convert(
     if dtype not in ("bfloat16", "float16", "float32"):
         fail(Fp8ptqError(f"unknown --dtype '{dtype}'", fix="use bfloat16, float16 or float32"))
     with user_errors():
-        with console.status(f"converting {gguf}"):
-            path = run(ConvertConfig(source=gguf, output=output, dtype=dtype, overwrite=overwrite))
-    out.print(f"wrote {path}")
+        with console.status(f"converting {source}"):
+            report = run(
+                ConvertConfig(source=source, output=output, to=to, dtype=dtype, recipe=recipe, overwrite=overwrite)
+            )
+    if "summary" in report:
+        out.print(summary_line(report))
+    out.print(f"wrote {report['output']}")

@@ -112,6 +112,10 @@ class ModelSource:
         """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
         return ST_DTYPES[self._handle(name).get_slice(name).get_dtype()]
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a tensor, from the safetensors header."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
     def tensor_bytes(self, name: str) -> int:
         """Stored size of a tensor, from the safetensors header."""
         sl = self._handle(name).get_slice(name)

@@ -207,6 +207,7 @@ def test_report_is_titled_with_the_final_name(kv8_export):
     [
         ["quantize"],
         ["convert"],
+        ["inspect"],
         ["eval", "quality"],
         ["eval", "mmlu_pro"],
         ["verify"],

@@ -184,3 +184,14 @@ def test_reloads_and_simulates(model_type, recipe, exported):
             assert torch.isfinite(hf(ids).logits).all()
     q = compare(load_simulated(open_hf_dir(source), simulate=False).model, load_simulated(open_hf_dir(out)).model, ids)
     assert math.isfinite(q["kl"]) and 0 <= q["kl"] < _KL_BOUND.get(recipe, 0.2), q
+
+
+@pytest.mark.parametrize("model_type, recipe", CASES)
+def test_inspect_passes_every_export(model_type, recipe, exported):
+    """`fp8ptq inspect` finds neither errors nor warnings in anything fp8ptq writes."""
+    from fp8ptq.api import InspectConfig, inspect
+
+    _, out, _ = exported(model_type, recipe)
+    report = inspect(InspectConfig(path=out))
+    assert report["format"] == "compressed-tensors"
+    assert [f for f in report["findings"] if f["level"] != "info"] == []

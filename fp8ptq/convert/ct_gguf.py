@@ -1,0 +1,188 @@
+"""compressed-tensors -> GGUF (docs/formats.md).
+
+Per Linear, by the config group vLLM would pick:
+  exact (codes)  symmetric INT4 / INT8 weights in groups of a multiple of 32 (or per channel, rows a multiple
+                 of 32) -> Q4_0 / Q8_0 with the same codes; each group's scale is repeated over its 32-blocks
+                 and rounded to fp16 (GGUF's d), the only change (max relative scale error reported: 0 when
+                 the scales came from a GGUF). Input-activation quantization has no GGUF form and is dropped.
+  dequantized    any other scheme (FP8, asymmetric INT, odd group sizes): compressed-tensors' decompression
+                 written as a float matrix (`dtype`).
+Float tensors: 1-D (norms, biases) as F32, matrices in `dtype`. KV-cache scales are dropped (reported).
+Tensors are planned from headers first (GGUF writes its tensor table before the data), then written one at
+a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp8ptq.convert.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
+from fp8ptq.eval.quality import _scheme_for, read_quantization_config
+from fp8ptq.export.compressed_tensors import decompress_linear
+from fp8ptq.models.loader import ModelSource, check_finite
+from fp8ptq.models.skeleton import build_skeleton
+from fp8ptq.ops.ggml import BLOCK, Q4_0_BYTES, Q8_0_BYTES, pack_q4_0, pack_q8_0
+
+LINEAR_KEYS = (
+    "weight",
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "input_scale",
+    "weight_g_idx",
+)
+FLOAT_GGML = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+@dataclass
+class Planned:
+    name: str  # HF tensor name (a quantized Linear: its module name + ".weight")
+    shape: tuple[int, ...]
+    ggml_type: str
+    action: str  # exact | dequantized | kept
+    scheme: object = None
+    fmt: str | None = None  # compressed-tensors format of a quantized Linear
+    why: str = ""
+    record: dict = field(default_factory=dict)
+
+
+def _exact_bits(scheme, shape) -> int | None:
+    """4 or 8 when the weights are a symmetric INT grid GGUF's Q4_0 / Q8_0 hold code for code."""
+    w = scheme.weights
+    if w is None or w.type != "int" or not w.symmetric or w.num_bits not in (4, 8) or w.dynamic:
+        return None
+    if str(getattr(w, "actorder", None) or "") == "group":  # g_idx reorders groups: not contiguous blocks
+        return None
+    group = shape[1] if w.strategy == "channel" else w.group_size if w.strategy == "group" else None
+    return w.num_bits if group and group % BLOCK == 0 and shape[1] % BLOCK == 0 else None
+
+
+def plan(src: ModelSource, dtype: torch.dtype) -> tuple[list[Planned], list[str]]:
+    """What each tensor becomes, from the config and headers only; plus the tensors dropped."""
+    qcfg = read_quantization_config(src, src.config.quantization_config)
+    model = build_skeleton(src.config)
+    planned, dropped, done = [], [], set()
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        scheme = _scheme_for(name, module, qcfg) if isinstance(module, torch.nn.Linear) else None
+        if scheme is None:
+            continue
+        shape = (module.out_features, module.in_features)
+        bits = _exact_bits(scheme, shape)
+        why = "" if scheme.input_activations is None else "input-activation quantization dropped (GGUF is weight-only)"
+        fmt = getattr(scheme, "format", None) or qcfg.format
+        if bits:
+            planned.append(Planned(f"{name}.weight", shape, {4: "Q4_0", 8: "Q8_0"}[bits], "exact", scheme, fmt, why))
+        else:
+            planned.append(
+                Planned(f"{name}.weight", shape, FLOAT_GGML[dtype], "dequantized", scheme, fmt, "no GGUF form")
+            )
+        done.update(f"{name}.{k}" for k in LINEAR_KEYS)
+    for name in src.weight_map:
+        if name in done:
+            continue
+        base = name.rpartition(".")[0]
+        if base in modules and name.endswith(("k_scale", "v_scale", "input_scale")):
+            dropped.append(name)
+            continue
+        shape = src.tensor_shape(name)
+        kind = "F32" if len(shape) == 1 else FLOAT_GGML[dtype]
+        planned.append(Planned(name, shape, kind, "kept"))
+    order = {n: i for i, n in enumerate(model.state_dict())}  # the model's own order: layer by layer
+    planned.sort(key=lambda p: order.get(p.name, len(order)))
+    return planned, dropped
+
+
+def _data(src: ModelSource, p: Planned, dtype: torch.dtype) -> np.ndarray:
+    """The GGUF bytes (Q4_0 / Q8_0 blocks) or float array of one planned tensor, in llama.cpp's row order."""
+    module = p.name.removesuffix(".weight")
+    if p.action == "kept":
+        t = check_finite(p.name, src.tensor(p.name))
+        t = t.float() if p.ggml_type == "F32" else t.to(dtype)
+        p.record = {"max_abs_err": float((t.float() - src.tensor(p.name).float()).abs().max())}
+        return _np(to_gguf_rows(p.name, t, src.config))
+    local = {k: src.tensor(f"{module}.{k}") for k in LINEAR_KEYS if src.has(f"{module}.{k}")}
+    weight = check_finite(p.name, decompress_linear(local, p.scheme, p.fmt))
+    if p.action == "dequantized":
+        t = weight.to(dtype)
+        p.record = {"max_abs_err": float((t.float() - weight).abs().max())}
+        return _np(to_gguf_rows(p.name, t, src.config))
+    bits = p.scheme.weights.num_bits
+    codes = _codes(local, bits, p.shape)
+    scale = local["weight_scale"].float().reshape(p.shape[0], -1)
+    scale = scale.repeat_interleave(p.shape[1] // BLOCK // scale.shape[1], dim=1)  # one scale per 32-block
+    d = scale.to(torch.float16).float()
+    rel = ((d - scale).abs() / scale.abs().clamp_min(torch.finfo(torch.float32).tiny)).max()
+    check_finite(p.name + " (fp16 scale)", d)
+    back = (codes.float().reshape(p.shape[0], -1, BLOCK) * scale.reshape(p.shape[0], -1, 1)).reshape(p.shape)
+    if not torch.equal(back, weight):  # an invariant: the codes are what compressed-tensors decompresses
+        raise AssertionError(f"{p.name}: unpacked codes do not reproduce the decompressed weight")
+    p.record = {"bits": bits, "scale_fp16_rel_err": float(rel)}
+    codes, d = to_gguf_rows(p.name, codes, src.config), to_gguf_rows(p.name, d, src.config)
+    return (pack_q4_0 if bits == 4 else pack_q8_0)(codes, d).numpy()
+
+
+def _codes(local: dict, bits: int, shape) -> torch.Tensor:
+    if "weight_packed" in local:
+        from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
+        return unpack_from_int32(local["weight_packed"], bits, torch.Size(shape))
+    return local["weight"].to(torch.int8)  # int-quantized: int8 codes as they are
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.uint16).numpy()  # gguf takes BF16 as raw 16-bit words
+    return t.contiguous().numpy()
+
+
+def _nbytes(p: Planned) -> int:
+    if p.ggml_type in ("Q4_0", "Q8_0"):
+        return p.shape[0] * p.shape[1] // BLOCK * (Q4_0_BYTES if p.ggml_type == "Q4_0" else Q8_0_BYTES)
+    return int(np.prod(p.shape)) * (4 if p.ggml_type == "F32" else 2)
+
+
+def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype) -> dict:
+    """Write `src` (a compressed-tensors checkpoint) as one GGUF file at `out` (the caller makes it atomic)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    gguf_arch(src.config)  # a typed error for a family or RoPE GGUF cannot take, before any work
+    planned, dropped = plan(src, dtype)
+    to_gguf = name_map(src.config)
+    writer = GGUFWriter(str(out), gguf_arch(src.config))
+    add_metadata(writer, src.config, src.path, src.label)
+    writer.add_quantization_version(2)
+    for p in planned:
+        qtype = GGMLQuantizationType[p.ggml_type]
+        if p.ggml_type in ("Q4_0", "Q8_0"):
+            nb = Q4_0_BYTES if p.ggml_type == "Q4_0" else Q8_0_BYTES
+            writer.add_tensor_info(to_gguf(p.name), (p.shape[0], p.shape[1] // BLOCK * nb), np.uint8, _nbytes(p), qtype)
+        else:
+            np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[p.ggml_type]
+            writer.add_tensor_info(
+                to_gguf(p.name), p.shape, np_dtype, _nbytes(p), None if p.ggml_type != "BF16" else qtype
+            )
+    writer.write_header_to_file(path=Path(out))
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    records = []
+    for p in planned:
+        writer.write_tensor_data(_data(src, p, dtype))
+        src.close()
+        records.append({"tensor": p.name, "gguf_type": p.ggml_type, "action": p.action, **p.record, "why": p.why})
+    writer.close()
+    exact = [r for r in records if r["action"] == "exact"]
+    summary = {
+        "exact": len(exact),
+        "exact_q4_0": sum(r["bits"] == 4 for r in exact),
+        "exact_q8_0": sum(r["bits"] == 8 for r in exact),
+        "worst_scale_fp16_rel_err": max((r["scale_fp16_rel_err"] for r in exact), default=0.0),
+        "dequantized": sum(r["action"] == "dequantized" for r in records),
+        "kept": sum(r["action"] == "kept" for r in records),
+    }
+    return {"source": str(src.path), "to": "gguf", "dropped": dropped, "summary": summary, "tensors": records}

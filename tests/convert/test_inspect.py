@@ -1,0 +1,153 @@
+"""`fp8ptq inspect`: one checkpoint per planted defect, each flagged by its code; clean checkpoints pass
+(every built-in recipe's output is also inspected in tests/contracts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from fp8ptq.api import ConvertConfig, InspectConfig, QuantizeConfig, convert, inspect, quantize
+from fp8ptq.cli import app
+from fp8ptq.errors import ModelError
+
+from helpers import write_gguf
+
+pytestmark = pytest.mark.tiny
+
+
+@pytest.fixture(scope="module")
+def ct(tiny_dir, tmp_path_factory):
+    """A W4A16 g32 checkpoint (a Q4_0 GGUF of the tiny Llama, converted)."""
+    base = tmp_path_factory.mktemp("insp")
+    g = write_gguf(tiny_dir, base / "t.gguf", {"embed": "Q8_0"}, default="Q4_0")
+    convert(ConvertConfig(source=g, output=base / "ct", to="compressed-tensors"))
+    return base / "ct"
+
+
+@pytest.fixture(scope="module")
+def kv8(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("insp-kv8") / "q"
+    quantize(
+        QuantizeConfig(
+            model=str(tiny_dir), recipe="fp8-kv8", output=out, num_samples=2, seq_len=32, eval_samples=0,
+            recipe_gates=False,
+        )
+    )  # fmt: skip
+    return out
+
+
+def _copy(src, dst, edit_config=None, edit_tensors=None):
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        shards = sorted(dst.glob("*.safetensors"))
+        tensors = {}
+        for f in shards:
+            tensors.update(load_file(str(f)))
+            f.unlink()
+        (dst / "model.safetensors.index.json").unlink(missing_ok=True)
+        edit_tensors(tensors)
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _codes(path) -> dict[str, str]:
+    r = inspect(InspectConfig(path=path))
+    return {f["code"]: f["level"] for f in r["findings"]}
+
+
+def test_clean_checkpoints_pass(ct, kv8, tiny_dir):
+    for path in (ct, kv8, tiny_dir):
+        r = inspect(InspectConfig(path=path))
+        assert r["errors"] == 0 and not [f for f in r["findings"] if f["level"] == "warning"], r["findings"]
+    r = inspect(InspectConfig(path=ct))
+    assert r["format"] == "compressed-tensors" and r["schemes"] == {"INT4 per-group g32": 14}
+    assert 4 < r["bits_per_param"] < 12
+    assert inspect(InspectConfig(path=tiny_dir))["format"] == "float"
+
+
+def _group(cfg):
+    return cfg["quantization_config"]["config_groups"]["group_0"]
+
+
+def test_planted_defects_are_flagged(ct, kv8, tmp_path):
+    lm = "model.layers.0."
+    router = _copy(
+        ct, tmp_path / "router", edit_tensors=lambda t: t.update({lm + "mlp.gate.weight_scale": torch.ones(1)})
+    )
+    assert _codes(router)["quantized-router"] == "error"
+    missing = _copy(ct, tmp_path / "missing", edit_tensors=lambda t: t.pop(lm + "mlp.up_proj.weight_scale"))
+    assert _codes(missing)["missing-tensors"] == "error"
+
+    def ignore_down(c):
+        c["quantization_config"]["ignore"] = ["re:.*down_proj$"]
+
+    assert _codes(_copy(ct, tmp_path / "extra", ignore_down))["extra-scales"] == "error"
+
+    def group48(c):
+        _group(c)["weights"]["group_size"] = 48
+
+    assert _codes(_copy(ct, tmp_path / "g48", group48))["group-size"] == "error"
+
+    def split_q(c):
+        g = json.loads(json.dumps(_group(c)))
+        g["weights"]["num_bits"], g["targets"] = 8, [lm + "self_attn.q_proj"]
+        _group(c)["targets"].remove(lm + "self_attn.q_proj")  # the converter targets modules by name
+        c["quantization_config"]["config_groups"]["group_1"] = g
+
+    assert _codes(_copy(ct, tmp_path / "fused", split_q))["fused-schemes"] == "error"
+
+    def ghost(c):
+        c["quantization_config"]["ignore"] = ["re:.*no_such_module$"]
+
+    assert _codes(_copy(ct, tmp_path / "ghost", ghost))["ignore-unmatched"] == "info"
+
+    def skew(t):
+        t[lm + "self_attn.k_proj.input_scale"] = t[lm + "self_attn.k_proj.input_scale"] * 2
+
+    assert _codes(_copy(kv8, tmp_path / "skew", edit_tensors=skew))["fused-scales"] == "warning"
+
+    def no_kv(t):
+        for k in [k for k in t if k.endswith(("k_scale", "v_scale"))]:
+            t.pop(k)
+
+    assert _codes(_copy(kv8, tmp_path / "nokv", edit_tensors=no_kv))["kv-scales"] == "warning"
+
+    def d2t(t):
+        t["d2t"] = torch.full((8,), 5000, dtype=torch.int64)  # the tiny vocabulary has 1024 tokens
+
+    assert _codes(_copy(ct, tmp_path / "d2t", edit_tensors=d2t))["d2t-range"] == "error"
+
+
+def test_cli_lines_json_and_exit_codes(ct, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["inspect", str(ct)])
+    assert r.exit_code == 0 and "14 Linears INT4 per-group g32" in r.output, r.output
+    bad = _copy(ct, tmp_path / "bad", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
+    r = runner.invoke(app, ["inspect", str(bad)])
+    assert r.exit_code == 1
+    assert "error: model.layers.1.mlp.up_proj: format pack-quantized needs weight_scale [missing-tensors]" in r.output
+    r = runner.invoke(app, ["inspect", str(bad), "--json"])
+    assert r.exit_code == 1 and json.loads(r.output)["errors"] == 1
+    with pytest.raises(ModelError, match="not found"):
+        inspect(InspectConfig(path=tmp_path / "nope"))
+
+
+def test_quantize_lints_its_own_output(ct, tmp_path):
+    """`quantize` runs this lint before the final rename (api._lint_own_output): a clean export passes,
+    a broken one is refused with the first finding named."""
+    from fp8ptq.api import _lint_own_output
+    from fp8ptq.errors import OutputError
+
+    _lint_own_output(ct)
+    bad = _copy(ct, tmp_path / "bad", edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale"))
+    with pytest.raises(OutputError, match=r"up_proj: format pack-quantized needs weight_scale \[missing-tensors\]"):
+        _lint_own_output(bad)
