@@ -305,6 +305,8 @@ def _convert_hf_fp8(cfg: ConvertConfig) -> dict:
 
 def _convert_to_gguf(cfg: ConvertConfig) -> dict:
     """compressed-tensors directory -> one .gguf file, written to a temp sibling and renamed."""
+    import torch
+
     from fp8ptq.convert.ct_gguf import ct_to_gguf
     from fp8ptq.errors import OutputError
     from fp8ptq.io import check_writable, write_atomic

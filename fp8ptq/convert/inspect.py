@@ -29,8 +29,21 @@ import torch
 
 from fp8ptq.errors import ModelError
 
-PACKED = {"pack-quantized": ("weight_packed", "weight_scale", "weight_shape")}
-SCALE_KEYS = ("weight_scale", "weight_zero_point", "input_scale", "weight_packed", "weight_shape", "weight_scale_inv")
+PACKED = {  # compressed-tensors' compressors: the tensors each writes (compression_param_names, CT 0.20)
+    "pack-quantized": ("weight_packed", "weight_scale", "weight_shape"),
+    "nvfp4-pack-quantized": ("weight_packed", "weight_scale", "weight_global_scale"),
+    "mxfp4-pack-quantized": ("weight_packed", "weight_scale"),
+}
+SCALE_KEYS = (
+    "weight_scale",
+    "weight_zero_point",
+    "input_scale",
+    "weight_packed",
+    "weight_shape",
+    "weight_scale_inv",
+    "weight_global_scale",
+    "input_global_scale",
+)
 ROUTER = re.compile(r"(^|\.)(router|gate)$")
 
 
@@ -111,8 +124,11 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
         need = list(PACKED.get(fmt, ("weight", "weight_scale")))
         if not w.symmetric:
             need.append("weight_zero_point")
-        if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+        acts = scheme.input_activations
+        if acts is not None and acts.dynamic is False:
             need.append("input_scale")
+        elif acts is not None and acts.dynamic == "local":  # NVFP4 inputs: a stored per-tensor global scale
+            need.append("input_global_scale")
         missing = [k for k in need if f"{name}.{k}" not in names]
         if missing:
             out.append(Finding("error", "missing-tensors", name, f"format {fmt} needs {', '.join(missing)}"))
