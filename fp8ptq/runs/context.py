@@ -279,14 +279,15 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     if not sizes and not blocks:
         return
     arch = src.arch
-    widths, outs = {}, {}  # every kind of layer (DeepSeek: dense first layers, MoE after)
+    widths, outs, first = {}, {}, {}  # every kind of layer (DeepSeek: dense first layers, MoE after)
     for i, layer in enumerate(arch.decoder_layers(build_skeleton(src.config))):
         plan = plan_layer(layer, arch.layer_prefix(i), recipe.scheme.targets, recipe.scheme.ignore, arch)
         modules = dict(layer.named_modules())
         widths.update({n: modules[n].in_features for n in plan.modules})
         outs.update({n: modules[n].out_features for n in plan.modules})
-    for b in blocks:
-        shapes = {_EXPERT_INDEX.sub(".N.", n): (outs[n], w) for n, w in widths.items()}
+        first.update({n: arch.layer_prefix(i) for n in plan.modules if n not in first})
+    for b in blocks:  # named by the first layer that has the Linear, every expert once
+        shapes = {first[n] + _EXPERT_INDEX.sub(".N.", n): (outs[n], w) for n, w in widths.items()}
         try:
             check_block_size(shapes, b)
         except ValueError as err:
