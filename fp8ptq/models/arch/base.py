@@ -20,6 +20,16 @@ import torch
 
 from fp8ptq.errors import ModelError
 
+# The small decoder every adapter's `tiny` config starts from (tests, examples): 2 layers, 64 wide.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
 
 @dataclass(frozen=True)
 class Block:

@@ -15,7 +15,7 @@ score-correction bias; never quantized) + routed `experts.{e}.{gate,up,down}_pro
 from transformers.activations import ACT2FN
 
 from fp8ptq.models.arch import register
-from fp8ptq.models.arch.base import Arch, Block, SmoothGroup
+from fp8ptq.models.arch.base import TINY, Arch, Block, SmoothGroup
 from fp8ptq.models.moe import GATE_UP_DOWN, replace_experts
 
 
@@ -43,8 +43,7 @@ DEEPSEEK_V3 = register(
         kv_cache=False,
         prepare_layer=_prepare,
         tiny=dict(
-            hidden_size=64,
-            intermediate_size=128,
+            TINY,
             moe_intermediate_size=64,
             n_routed_experts=8,
             num_experts_per_tok=2,
@@ -54,7 +53,6 @@ DEEPSEEK_V3 = register(
             first_k_dense_replace=1,
             topk_method="noaux_tc",  # as DeepSeek-V3's config.json: vLLM then builds the router's correction bias
             scoring_func="sigmoid",
-            num_attention_heads=4,
             num_key_value_heads=4,
             q_lora_rank=64,
             kv_lora_rank=64,
@@ -62,7 +60,6 @@ DEEPSEEK_V3 = register(
             qk_nope_head_dim=16,
             v_head_dim=16,
             head_dim=32,
-            max_position_embeddings=512,
             tie_word_embeddings=False,
         ),
     )

@@ -5,7 +5,7 @@ and global layers with their own RoPE (captured by Arch.layer_inputs); embedding
 sqrt(hidden_size) (Gemma3TextScaledWordEmbedding). vLLM: Gemma3ForCausalLM, q/k/v and gate/up fused."""
 
 from fp8ptq.models.arch import register
-from fp8ptq.models.arch.base import Arch, Block, FlattenTarget, SmoothGroup
+from fp8ptq.models.arch.base import TINY, Arch, Block, FlattenTarget, SmoothGroup
 
 GEMMA3 = register(
     Arch(
@@ -32,16 +32,11 @@ GEMMA3 = register(
         norm_offset=1.0,
         embed_scale=lambda config: config.hidden_size**0.5,
         tiny=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            TINY,
             head_dim=16,
             query_pre_attn_scalar=16,
             sliding_window=16,  # shorter than the tests' sequences: the sliding masks matter
             sliding_window_pattern=2,  # layer 0 sliding, layer 1 global
-            max_position_embeddings=512,
             tie_word_embeddings=True,
         ),
     )

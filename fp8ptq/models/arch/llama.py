@@ -4,7 +4,7 @@ and gate/up fused by vLLM (its LlamaForCausalLM.packed_modules_mapping). Qwen3's
 the attention and change nothing here; Qwen2's q/k/v biases are carried as float tensors."""
 
 from fp8ptq.models.arch import register
-from fp8ptq.models.arch.base import Arch, Block, FlattenTarget, SmoothGroup
+from fp8ptq.models.arch.base import TINY, Arch, Block, FlattenTarget, SmoothGroup
 
 LLAMA = register(
     Arch(
@@ -21,12 +21,7 @@ LLAMA = register(
         ),
         flatten=FlattenTarget("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
         tiny=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
+            TINY,
             tie_word_embeddings=True,
         ),
     )

@@ -6,7 +6,7 @@ Phi-3's)"), so per-tensor, per-channel and group scales all load as written. Fla
 offered: widening the intermediate would split rows inside the fused gate_up weight."""
 
 from fp8ptq.models.arch import register
-from fp8ptq.models.arch.base import Arch, Block, SmoothGroup
+from fp8ptq.models.arch.base import TINY, Arch, Block, SmoothGroup
 
 PHI3 = register(
     Arch(
@@ -22,12 +22,7 @@ PHI3 = register(
             SmoothGroup("gate_up", "post_attention_layernorm", ("mlp.gate_up_proj",)),
         ),
         tiny=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
+            TINY,
             original_max_position_embeddings=512,
             tie_word_embeddings=False,
         ),

@@ -7,7 +7,7 @@ MLP. transformers' fused 3-D experts are replaced by per-expert Linears named as
 from transformers.activations import ACT2FN
 
 from fp8ptq.models.arch import register
-from fp8ptq.models.arch.base import Arch, Block, SmoothGroup
+from fp8ptq.models.arch.base import TINY, Arch, Block, SmoothGroup
 from fp8ptq.models.moe import GATE_UP_DOWN, replace_experts
 
 
@@ -33,17 +33,12 @@ QWEN3_MOE = register(
         keep_float=("re:.*mlp\\.gate$", "re:.*shared_expert_gate$"),
         prepare_layer=_prepare,
         tiny=dict(
-            hidden_size=64,
-            intermediate_size=128,
+            TINY,
             moe_intermediate_size=64,
             num_experts=8,
             num_experts_per_tok=2,
             norm_topk_prob=True,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=16,
-            max_position_embeddings=512,
             tie_word_embeddings=True,
         ),
     )
