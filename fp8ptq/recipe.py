@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from fp8ptq.errors import RecipeError
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantize.schemes import calibrated_inputs, handler
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 
@@ -278,7 +278,7 @@ class Recipe(_Frozen):
     @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
-        static_acts = a is not None and a.dynamic is not True  # "local" (NVFP4) has a calibrated global scale
+        static_acts = calibrated_inputs(a)
         return (
             static_acts
             or self.scheme.kv_cache is not None

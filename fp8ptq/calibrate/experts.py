@@ -36,7 +36,7 @@ from fp8ptq.ops.gptq import hessian_partial
 from fp8ptq.outliers.stats import ActStats, StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.results import QuantizedLinear
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantize.schemes import dynamic_inputs, handler
 from fp8ptq.quantize.weights import quantize_group
 
 HESSIAN_BUDGET = 512 << 20  # bytes of expert Hessians (with their tree partials) held at once
@@ -65,25 +65,27 @@ def merge_expert_stages(order: list[list], plan, arch) -> list[list]:
     first of them ran; experts the trace did not reach are included (the stage holds every planned one)."""
     if not arch.expert_lists:
         return order
+
+    def key(g) -> tuple | None:  # (experts path, leaves) of an expert's group, else None
+        where = expert_of(g[0], arch) if isinstance(g, tuple) else None
+        return None if where is None else (where[0], tuple(expert_of(n, arch)[2] for n in g))
+
     stages: dict[tuple, list] = {}
     for g in plan.groups:
-        where = expert_of(g[0], arch)
-        if where is not None:
-            key = (where[0], tuple(expert_of(n, arch)[2] for n in g))
-            stages.setdefault(key, []).append((where[1], g))
+        if (k := key(g)) is not None:
+            stages.setdefault(k, []).append((expert_of(g[0], arch)[1], g))
     out = []
     for block in order:
         merged, placed = [], set()
         for g in block:
-            where = expert_of(g[0], arch) if isinstance(g, tuple) else None
-            if where is None:
+            k = key(g)
+            if k is None:
                 merged.append(g)
                 continue
-            key = (where[0], tuple(expert_of(n, arch)[2] for n in g))
-            if key not in placed:
-                placed.add(key)
-                members = sorted(stages[key])
-                merged.append(ExpertStage(key[0], tuple(e for e, _ in members), tuple(g for _, g in members)))
+            if k not in placed:
+                placed.add(k)
+                members = sorted(stages[k])
+                merged.append(ExpertStage(k[0], tuple(e for e, _ in members), tuple(g for _, g in members)))
         out.append(merged)
     return out
 
@@ -179,7 +181,7 @@ def _install_shared_inputs(cal, stage: ExpertStage, amax: dict) -> None:
         acts = cal.schemes[g].input_activations
         if acts is None:
             continue
-        if acts.dynamic is True:  # "local" (NVFP4 inputs): a calibrated global scale, like a static one
+        if dynamic_inputs(acts):
             cal._install_input_quant(g, input_quantizer(acts, None))
             continue
         key = acts.model_dump_json()

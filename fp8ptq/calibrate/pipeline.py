@@ -37,7 +37,7 @@ from fp8ptq.outliers.stats import ActStats, StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
-from fp8ptq.quantize.schemes import LinearScheme, handler
+from fp8ptq.quantize.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
 from fp8ptq.quantize.weights import quantize_group
 
 
@@ -151,8 +151,8 @@ class LayerCalibrator:
         scheme = self.schemes[group]
         cal = self.recipe.calibration
         acts = scheme.input_activations
-        static = acts is not None and acts.dynamic is not True  # "local" (NVFP4): a calibrated global scale
-        quant = input_quantizer(acts, None) if acts is not None and acts.dynamic is True else None
+        static = calibrated_inputs(acts)
+        quant = input_quantizer(acts, None) if dynamic_inputs(acts) else None
         # GPTQ's Hessian comes from the inputs the engine sees (quantized) when asked; a static scale
         # is only known after the stats pass, which then costs one more pass to the group's input.
         quant_h = cal.gptq_quantized_inputs and acts is not None

@@ -20,7 +20,7 @@ from fp8ptq.outliers.smooth import choose_alpha, fold, smooth_scales
 from fp8ptq.outliers.stats import StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.results import LayerResult
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantize.schemes import dynamic_inputs, handler
 from fp8ptq.quantize.weights import fake_quant_weight
 
 SMOOTH_ROWS = 2048  # calibration rows for the alpha search
@@ -54,7 +54,7 @@ def make_transforms(recipe, src: ModelSource) -> Callable | None:
 def _act_quant(recipe):
     acts = recipe.scheme.input_activations
     grid = handler(acts).act_grid(acts)
-    if acts.dynamic:
+    if dynamic_inputs(acts):
         q = input_quantizer(acts, None)
         return lambda x, _amax: q(x)
     return lambda x, amax: grid.fake_quant(x, grid.scale(amax))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fp8ptq.errors import ModelError
+from fp8ptq.quantize.schemes import calibrated_inputs
 
 PACKED = {  # compressed-tensors' compressors: the tensors each writes (compression_param_names, CT 0.20)
     "pack-quantized": ("weight_packed", "weight_scale", "weight_shape"),
@@ -125,10 +126,8 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
         if not w.symmetric:
             need.append("weight_zero_point")
         acts = scheme.input_activations
-        if acts is not None and acts.dynamic is False:
-            need.append("input_scale")
-        elif acts is not None and acts.dynamic == "local":  # NVFP4 inputs: a stored per-tensor global scale
-            need.append("input_global_scale")
+        if calibrated_inputs(acts):  # NVFP4 stores its per-tensor input scale as a global scale
+            need.append("input_global_scale" if fmt == "nvfp4-pack-quantized" else "input_scale")
         missing = [k for k in need if f"{name}.{k}" not in names]
         if missing:
             out.append(Finding("error", "missing-tensors", name, f"format {fmt} needs {', '.join(missing)}"))

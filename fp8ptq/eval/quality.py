@@ -23,7 +23,7 @@ from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantize.schemes import dynamic_inputs, handler
 
 # Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
 _LINEAR_KEYS = (
@@ -135,7 +135,7 @@ class SimLoader:
                 self.counts["quantized_linears"] += 1
                 acts = _engine_inputs(scheme, self.engine)
                 if acts is not None:
-                    dynamic = acts.dynamic is True  # "local" (NVFP4): a stored global scale
+                    dynamic = dynamic_inputs(acts)
                     scale = None if dynamic else handler(acts).stored_input_scale(local)
                     input_quant[name] = input_quantizer(acts, scale)
                     self.counts["dynamic_inputs" if dynamic else "static_inputs"] += 1

@@ -45,7 +45,13 @@ def open_reader(path: Path):
 
 
 def gguf_architecture(reader) -> str:
-    return str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ModelError(
+            "the GGUF file has no general.architecture: not a model GGUF",
+            fix="pass a .gguf file written by llama.cpp's converter",
+        )
+    return str(bytes(field.parts[-1]), "utf-8")
 
 
 @dataclass

@@ -270,22 +270,9 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from fp8ptq.io import atomic_output_dir
+    from fp8ptq.models.gguf import gguf_architecture, open_reader
 
-    try:
-        from gguf import GGUFReader
-
-        arch = str(bytes(GGUFReader(str(gguf)).fields["general.architecture"].parts[-1]), "utf-8")
-    except PermissionError:
-        raise ModelError(f"cannot read '{gguf}' (permission denied)", fix="make it readable by this user") from None
-    except ValueError as err:  # the header promises more tensor data than the file holds
-        raise ModelError(
-            f"'{gguf}' is truncated or corrupt (its tensor data do not fit the file: {err})", fix="re-download it"
-        ) from None
-    except Exception as err:  # gguf raises assorted errors on a file that is not GGUF at all
-        raise ModelError(
-            f"'{gguf}' is not a readable GGUF file ({type(err).__name__}: {err})",
-            fix="pass a .gguf file written by llama.cpp's converter",
-        ) from None
+    arch = gguf_architecture(open_reader(gguf))
     if arch not in registered():
         raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(registered())}")
     with atomic_output_dir(out, overwrite=True) as tmp:

@@ -10,9 +10,10 @@ or `w1/w3/w2` -> w13/w2; checked in vLLM 0.32). An adapter's `prepare_layer` cal
 
 `Experts.forward` keeps transformers' experts interface (hidden_states [T, H], top_k_index [T, k],
 top_k_weights [T, k]) and its math: each token's output is the sum over its k experts of
-weight * expert(token). Two calibration hooks: `observe_all` (experts that run on every token, while
-the output still uses only the tokens routed to them: the fallback for experts the router starves) and
-`on_route` (sees top_k_index: token counts).
+weight * expert(token). Two calibration switches: `observe_all` (experts that run on every token,
+while the output still uses only the tokens routed to them: the fallback for experts the router
+starves) and `only` (a stats pass over a batch of experts runs just those: an expert's inputs never
+depend on other experts' weights).
 """
 
 from __future__ import annotations
@@ -48,11 +49,8 @@ class Experts(torch.nn.ModuleList):
         super().__init__(experts)
         self.observe_all: frozenset[int] = frozenset()
         self.only: frozenset[int] | None = None  # stats passes: run just these experts (output incomplete)
-        self.on_route: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.on_route is not None:
-            self.on_route(top_k_index)
         out = torch.zeros_like(hidden_states)
         hit = set(torch.unique(top_k_index).tolist())
         for e in sorted(hit | self.observe_all):

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantize.schemes import dynamic_inputs, handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
 _CHUNK_ROWS = 8192  # bounds the fp32 temporaries of fake-quant on large calibration batches
@@ -61,7 +61,7 @@ def input_quantizer(args: QuantizationArgs, scale: torch.Tensor | None) -> Calla
     """What the engine does to a Linear input (or a key/value): static per-tensor with the stored scale,
     or dynamic (scale from x itself)."""
     h = handler(args)
-    if args.dynamic is True:  # "local" (NVFP4 inputs): a static global scale, dynamic group scales
+    if dynamic_inputs(args):
         fn = h.dynamic(args)
         return lambda x: chunked(fn, x)
     assert scale is not None

@@ -17,6 +17,8 @@ from fp8ptq.quantize.schemes.base import (  # noqa: F401
     SCHEMES,
     LinearScheme,
     SchemeHandler,
+    calibrated_inputs,
+    dynamic_inputs,
     granularity,
     handler,
     handler_key,

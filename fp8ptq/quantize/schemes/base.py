@@ -112,3 +112,15 @@ def handler(args: QuantizationArgs) -> SchemeHandler:
             f"no scheme handler for {args.type} {args.num_bits}-bit ('{key}'); fp8ptq has {', '.join(sorted(SCHEMES))}"
         )
     return h
+
+
+def dynamic_inputs(args: QuantizationArgs | None) -> bool:
+    """Inputs whose whole scale the engine takes from x itself. NVFP4's `dynamic: "local"` is not: its
+    per-tensor global scale is calibrated and stored like a static scale (only its group scales are
+    dynamic), so everything that calibrates, stores or reads an input scale treats it as static."""
+    return args is not None and args.dynamic is True
+
+
+def calibrated_inputs(args: QuantizationArgs | None) -> bool:
+    """Inputs with a scale fp8ptq calibrates and the checkpoint stores (static, or NVFP4's global scale)."""
+    return args is not None and args.dynamic is not True
