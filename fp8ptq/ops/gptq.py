@@ -16,7 +16,14 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.ops.fp4 import NVFP4_GROUP, fake_quant_nvfp4, nvfp4_group_scale
+from fp8ptq.ops.fp4 import (
+    MX_GROUP,
+    NVFP4_GROUP,
+    choose_mxfp4_scale,
+    fake_quant_mxfp4,
+    fake_quant_nvfp4,
+    nvfp4_group_scale,
+)
 from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
@@ -108,6 +115,11 @@ def nvfp4_grid(global_scale: torch.Tensor) -> WeightGrid:
     gs = global_scale.float().reshape(1)
     choose = lambda w: (nvfp4_group_scale(w.abs().amax(dim=-1, keepdim=True), gs) / gs, None)  # noqa: E731
     return WeightGrid(choose, lambda w, p: fake_quant_nvfp4(w, p[0]), NVFP4_GROUP)
+
+
+def mxfp4_grid(mse: bool = False) -> WeightGrid:
+    """MXFP4 (ops.fp4): groups of 32 input columns, per-row power-of-two scales [R, 1]."""
+    return WeightGrid(lambda w: (choose_mxfp4_scale(w, mse), None), lambda w, p: fake_quant_mxfp4(w, p[0]), MX_GROUP)
 
 
 def int_grid(
