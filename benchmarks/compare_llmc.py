@@ -29,7 +29,8 @@ from probe import child
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
-LLMC_PY = HERE / ".venv-llmc" / "bin" / "python"
+# LLMC_PYTHON overrides (e.g. a git worktree using the main checkout's venv)
+LLMC_PY = Path(os.environ.get("LLMC_PYTHON", HERE / ".venv-llmc" / "bin" / "python"))
 
 
 def child_run(cmd: list[str], env=None) -> tuple[float, float, str]:
