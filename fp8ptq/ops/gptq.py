@@ -109,11 +109,25 @@ def fp8_block_grid(rows: int, cols: int) -> WeightGrid:
     return WeightGrid(lambda w: (block_row_scale(w, rows), None), lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols)
 
 
-def nvfp4_grid(global_scale: torch.Tensor) -> WeightGrid:
+def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False) -> WeightGrid:
     """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
-    input columns, per-row params eff = FP8 group scale / global scale [R, 1]."""
+    input columns, per-row params eff = FP8 group scale / global scale [R, 1]. mse: each group's FP8
+    scale from a clip search (amax shrunk by DEFAULT_SHRINK_GRID, min-max first, ties keep it) by the
+    group's squared error; the scales stay FP8 values, so the export is as exact as min-max's."""
     gs = global_scale.float().reshape(1)
-    choose = lambda w: (nvfp4_group_scale(w.abs().amax(dim=-1, keepdim=True), gs) / gs, None)  # noqa: E731
+
+    def choose(w):
+        amax = w.abs().amax(dim=-1, keepdim=True)
+        best = nvfp4_group_scale(amax, gs) / gs
+        if not mse:
+            return best, None
+        err = (fake_quant_nvfp4(w, best) - w.float()).square().sum(-1, keepdim=True)
+        for shrink in DEFAULT_SHRINK_GRID:
+            eff = nvfp4_group_scale(amax * shrink, gs) / gs
+            e = (fake_quant_nvfp4(w, eff) - w.float()).square().sum(-1, keepdim=True)
+            best, err = torch.where(e < err, eff, best), torch.minimum(e, err)
+        return best, None
+
     return WeightGrid(choose, lambda w, p: fake_quant_nvfp4(w, p[0]), NVFP4_GROUP)
 
 

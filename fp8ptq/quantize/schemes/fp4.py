@@ -66,7 +66,7 @@ class FP4(SchemeHandler):
         if args.strategy == "group":  # MXFP4: `weight_observer: mse` picks each group's exponent by error
             return mxfp4_grid(mse=cal.weight_observer == "mse")
         assert global_scale is not None, "NVFP4 grids need the weight's global scale"
-        return nvfp4_grid(global_scale)
+        return nvfp4_grid(global_scale, mse=cal.weight_observer == "mse")
 
     def global_scale(self, args, w):
         return nvfp4_global_scale(w) if args.strategy == "tensor_group" else None
