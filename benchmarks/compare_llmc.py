@@ -29,7 +29,8 @@ from probe import child
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
-LLMC_PY = HERE / ".venv-llmc" / "bin" / "python"
+# LLMC_PYTHON overrides (e.g. a git worktree using the main checkout's venv)
+LLMC_PY = Path(os.environ.get("LLMC_PYTHON", HERE / ".venv-llmc" / "bin" / "python"))
 
 
 def child_run(cmd: list[str], env=None) -> tuple[float, float, str]:
@@ -57,6 +58,7 @@ def main():
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-samples", type=int, default=32)
+    ap.add_argument("--eval-seq-len", type=int, help="evaluation sequence length (default: --seq-len)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-bench"))
     ap.add_argument("--skip-floor", action="store_true")
     ap.add_argument("--skip-llmc", action="store_true")
@@ -80,7 +82,8 @@ def main():
     calib = load_samples("builtin", tok, args.num_samples, args.seq_len, "calibration", seed=0)
     calib_file = args.work / "calib.safetensors"
     save_file({"input_ids": calib.contiguous()}, str(calib_file))
-    eval_ids = load_samples("builtin", tok, args.eval_samples, args.seq_len, "evaluation", seed=0)
+    eval_len = args.eval_seq_len or args.seq_len
+    eval_ids = load_samples("builtin", tok, args.eval_samples, eval_len, "evaluation", seed=0)
     rows = []
     if not args.skip_floor:
         for dt in (torch.float32, torch.bfloat16):
@@ -152,7 +155,7 @@ def main():
             results[("llm-compressor", llmc_scheme)] = dict(**meta, **q)
     print(
         f"\ncalibration: {args.num_samples}x{args.seq_len} tokens (built-in split, seed 0); "
-        f"eval: {args.eval_samples}x{args.seq_len} held-out tokens; threads={torch.get_num_threads()}\n"
+        f"eval: {args.eval_samples}x{eval_len} held-out tokens; threads={torch.get_num_threads()}\n"
     )
     for name, dt, secs, _, _ in rows:
         print(f"- {name} {dt}: {secs:.1f} s")

@@ -18,6 +18,16 @@ Schemes:
   w8a8-int8      SmoothQuantModifier(0.8) then GPTQModifier preset "W8A8"
                  (per-channel int8 weights, dynamic per-token int8 activations),
                  as in llm-compressor's examples/quantization_w8a8_int8; lm_head ignored.
+  fp8-block      QuantizationModifier, preset "FP8_BLOCK" (FP8 weights per 128x128
+                 block, dynamic FP8 inputs per group of 128); data-free. Widths that
+                 128 does not divide get a partial last block (ceil, with a warning).
+  fp8-block-b64  FP8_BLOCK with block_structure [64, 64] and input groups of 64.
+  w4afp8-g64-gptq  GPTQModifier with the "W4AFP8" preset (int4 symmetric weights,
+                 dynamic per-token FP8 inputs), weight group size 64 instead of 128.
+  nvfp4 / nvfp4a16 / mxfp4a16  QuantizationModifier with that preset (RTN weights,
+                 as in llm-compressor's examples/quantization_w4a4_fp4 and
+                 examples/quantization_w4a16_fp4); nvfp4 calibrates its input global scale.
+  nvfp4-gptq / nvfp4a16-gptq  GPTQModifier with the "NVFP4" / "NVFP4A16" preset.
 
 Timings: quantize_wall_s covers only the oneshot() call (calibration +
 quantization); model load and compressed save are reported separately.
@@ -40,7 +50,21 @@ import json
 import resource
 import sys
 
-SCHEMES = ("fp8-kv8", "fp8-dynamic", "w4a16-g64-gptq", "w8a8-int8")
+SCHEMES = (
+    "fp8-kv8",
+    "fp8-dynamic",
+    "w4a16-g64-gptq",
+    "w8a8-int8",
+    "fp8-block",
+    "fp8-block-b64",
+    "w4afp8-g64-gptq",
+    "nvfp4",
+    "nvfp4-gptq",
+    "nvfp4a16",
+    "nvfp4a16-gptq",
+    "mxfp4a16",
+)
+DATA_FREE = ("fp8-dynamic", "fp8-block", "fp8-block-b64", "nvfp4a16", "mxfp4a16")
 
 
 def parse_args(argv=None):
@@ -53,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--scheme", required=True, choices=SCHEMES)
     p.add_argument("--out", required=True, help="output directory")
     args = p.parse_args(argv)
-    if args.scheme != "fp8-dynamic" and not args.calib:
+    if args.scheme not in DATA_FREE and not args.calib:
         p.error(f"--calib is required for scheme {args.scheme}")
     return args
 
@@ -87,7 +111,33 @@ def build_recipe(scheme):
             SmoothQuantModifier(smoothing_strength=0.8),
             GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
         ]
-    raise ValueError(scheme)
+    return build_format_recipe(scheme)
+
+
+def build_format_recipe(scheme):
+    """The issue-17 formats: llm-compressor's presets (block / group size reduced where named)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    def preset(name, **weights):
+        p = PRESET_SCHEMES[name]
+        kw = {k: v.model_copy(deep=True) for k, v in p.items()}
+        for k, v in weights.items():
+            setattr(kw["weights"], k, v)
+        return QuantizationScheme(targets=["Linear"], **kw)
+
+    if scheme == "fp8-block-b64":
+        s = preset("FP8_BLOCK", block_structure=[64, 64])
+        s.input_activations.group_size = 64
+        return QuantizationModifier(config_groups={"group_0": s}, ignore=["lm_head"])
+    if scheme == "w4afp8-g64-gptq":
+        return GPTQModifier(config_groups={"group_0": preset("W4AFP8", group_size=64)}, ignore=["lm_head"])
+    if scheme.endswith("-gptq"):
+        return GPTQModifier(targets="Linear", scheme=scheme[: -len("-gptq")].upper(), ignore=["lm_head"])
+    names = {"fp8-block": "FP8_BLOCK", "nvfp4": "NVFP4", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16"}
+    return QuantizationModifier(targets="Linear", scheme=names[scheme], ignore=["lm_head"])
 
 
 def load_calibration(path):
@@ -134,7 +184,7 @@ def main(argv=None):
 
     kwargs = {}
     n = seq_len = None
-    if args.scheme != "fp8-dynamic":
+    if args.scheme not in DATA_FREE:
         loader, n, seq_len = load_calibration(args.calib)
         kwargs = dict(
             dataset=loader,

@@ -29,7 +29,7 @@ class _Frozen(BaseModel):
 
 # The QuantizationArgs keys a recipe may set, in the order recipes are written back (recipe.yaml).
 ARG_KEYS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")
-OPTIONAL_ARG_KEYS = ("block_structure",)  # written only when set
+OPTIONAL_ARG_KEYS = ("block_structure", "scale_dtype")  # written only when set
 
 
 class QuantArgs(QuantizationArgs):
@@ -74,6 +74,8 @@ class QuantArgs(QuantizationArgs):
     def _dump(self) -> dict:
         out = {k: getattr(self, k) for k in ARG_KEYS}
         out.update({k: getattr(self, k) for k in OPTIONAL_ARG_KEYS if getattr(self, k) is not None})
+        if "scale_dtype" in out:  # a torch dtype: written as its name (`uint8`), which compressed-tensors parses
+            out["scale_dtype"] = str(out["scale_dtype"]).removeprefix("torch.")
         return out
 
     def ct(self) -> QuantizationArgs:
@@ -99,9 +101,17 @@ class Scheme(_Frozen):
     @model_validator(mode="after")
     def _check(self):
         w, a, kv = self.weights, self.input_activations, self.kv_cache
+        for where, x in (("input_activations", a), ("kv_cache", kv)) + ((("weights", w),) if w.num_bits != 4 else ()):
+            if x is not None and x.scale_dtype is not None:
+                raise ValueError(f"{where}: scale_dtype is only for 4-bit float weights (MXFP4: uint8)")
         handler(w).check_weights(w, "weights")
         if a is not None:
             handler(a).check_inputs(a, "input_activations")
+            if (w.type, w.num_bits, w.strategy) == ("float", 4, "group"):
+                raise ValueError(
+                    "MXFP4 weights are exported weight-only (mxfp4a16: input_activations null); fp8ptq does "
+                    "not simulate MX activations"
+                )
             if is_w4a8_fp8(w, a) or (w.type, w.num_bits, a.type, a.num_bits) == ("float", 4, "float", 4):
                 pass  # W4A8-FP8, NVFP4 W4A4
             elif w.num_bits == 4:

@@ -258,4 +258,6 @@ def verify(
     if not res["ok"]:
         v = res["vllm"]
         console.print(f"[bold red]vLLM could not run {model}[/] ({v.get('stage')}): {v.get('error')}", highlight=False)
+        if v.get("why"):
+            console.print(f"why: {v['why']}", highlight=False)
         raise typer.Exit(code=ENGINE_FAILED_EXIT)

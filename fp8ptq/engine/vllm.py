@@ -95,6 +95,35 @@ def vllm_cpu_limits() -> dict[str, str]:
     return out
 
 
+# Schemes vLLM 0.32 has no CPU kernel for (read in compressed_tensors.py `_get_scheme_from_parts` and the
+# kernel lists of kernels/linear/__init__.py; the failures measured with vLLM-cpu 0.32 are in docs/formats.md).
+GPU_ONLY = {
+    "w4a8-fp8": "W4A8-FP8 runs only on Hopper (vLLM 0.32's CompressedTensorsW4A8Fp8 needs capability exactly 9.0 "
+    "and group 128); vLLM-cpu matches no scheme for it",
+    "nvfp4-pack-quantized": "NVFP4 runs on CUDA GPUs only (vLLM 0.32: Blackwell natively, capability >= 7.5 "
+    "through Marlin for weight-only); vLLM-cpu has no NVFP4 kernel",
+    "mxfp4-pack-quantized": "MXFP4 runs on CUDA (capability >= 8.0), ROCm and XPU only; vLLM 0.32 lists no CPU "
+    "MXFP4 kernel",
+}
+
+
+def gpu_only_reason(model: Path) -> str | None:
+    """Why vLLM-cpu cannot run this compressed-tensors checkpoint at all (one line), or None."""
+    try:
+        qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None
+    groups = list((qc.get("config_groups") or {}).values())
+    for g in groups:
+        fmt = g.get("format") or qc.get("format")
+        if fmt in GPU_ONLY:
+            return GPU_ONLY[fmt]
+        w, a = g.get("weights") or {}, g.get("input_activations") or {}
+        if (w.get("type"), w.get("num_bits"), a.get("type"), a.get("num_bits")) == ("int", 4, "float", 8):
+            return GPU_ONLY["w4a8-fp8"]
+    return None
+
+
 def engine_dtype(model: Path, limits: dict[str, str] | None = None) -> str:
     """The compute dtype vLLM-cpu can run a checkpoint in on this CPU: float32 (it isolates quantization
     from bf16 rounding) unless one of its quantized kernels takes bf16 only."""

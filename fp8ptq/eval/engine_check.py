@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fp8ptq.engine.vllm import VllmRun, cpu_engine_numerics, run_vllm
+from fp8ptq.engine.vllm import VllmRun, cpu_engine_numerics, gpu_only_reason, run_vllm
 from fp8ptq.eval.quality import load_simulated
 from fp8ptq.models.loader import resolve_model
 
@@ -158,6 +158,9 @@ def check_engine(cfg: EngineCheck) -> dict:
     )
     out = {"model": cfg.model, "engine": "vllm", "ok": run.ok, "vllm": run.as_dict()}
     if not run.ok:
+        why = gpu_only_reason(Path(cfg.model))
+        if why:  # vLLM's own error names the layer and args, not that the format needs a GPU
+            out["vllm"]["why"] = why
         return out
     engine = cpu_engine_numerics() if run.platform == "cpu" else {}
     sim = load_simulated(src, simulate=True, kv=cfg.simulate_kv, engine=engine)

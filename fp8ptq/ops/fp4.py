@@ -71,3 +71,48 @@ def fake_quant_nvfp4(x: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
     dequantized E2M1 values rounded to bf16, returned as fp32 (compressed-tensors' decompression)."""
     q = cast_e2m1((x.float() / eff).clamp(-FP4_MAX, FP4_MAX))
     return (q * eff).to(torch.bfloat16).float()
+
+
+# --- MXFP4 (OCP Microscaling): E2M1 values in groups of 32 with one E8M0 (power-of-two) scale each ---
+
+MX_GROUP = 32
+_MX_OFFSET = 2  # floor(log2(6)): the E2M1 exponent offset of the OCP MX shared exponent
+_E8M0_MIN, _E8M0_MAX = -127, 127  # E8M0 stores 2^(e) as e + 127 in a byte (255 is NaN)
+
+
+def mxfp4_exponent(amax: torch.Tensor, round_up: bool | torch.Tensor = False) -> torch.Tensor:
+    """Scale exponents e (scale 2^e, fp32 tensor of integers) for group abs-maxima amax: the OCP MX
+    shared exponent floor(log2(amax)) - 2 (largest value lands in [4, 8): values above 6 saturate),
+    plus one where round_up (largest in [2, 4): no saturation, half the resolution). An all-zero or
+    non-finite amax gets the smallest exponent; every exponent is clamped to E8M0's [-127, 127]."""
+    a = amax.float()
+    ok = torch.isfinite(a) & (a > 0)
+    e = torch.frexp(torch.where(ok, a, torch.ones_like(a)))[1].float() - 1 - _MX_OFFSET
+    e = e + torch.as_tensor(round_up, dtype=torch.float32)
+    return torch.where(ok, e, torch.full_like(e, _E8M0_MIN)).clamp(_E8M0_MIN, _E8M0_MAX)
+
+
+def compressed_tensors_mx_round_up(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own choice (`generate_mx_scales`: amax rounded to a power of two, up when its
+    mantissa is at least 1.75): True where it takes the larger exponent."""
+    return torch.frexp(amax.float())[0] >= 0.875  # frexp's mantissa is in [0.5, 1)
+
+
+def fake_quant_mxfp4(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, 32] with one power-of-two scale per row [rows, 1]: E2M1 codes times the scale, rounded
+    to bf16 (exact: compressed-tensors' MXFP4 decompressor multiplies bf16 codes by a bf16 power of
+    two), returned as fp32. A NaN stays NaN (fp8ptq refuses non-finite weights at load; never hide one)."""
+    q = cast_e2m1((x.float() / scale).clamp(-FP4_MAX, FP4_MAX))
+    return torch.where(torch.isnan(x), x.float(), q * scale).to(torch.bfloat16).float()
+
+
+def choose_mxfp4_scale(x: torch.Tensor, mse: bool = False) -> torch.Tensor:
+    """Power-of-two scales [rows, 1] for groups x [rows, 32]. minmax: compressed-tensors' rule; mse:
+    of the two exponents around the OCP one (saturate the top vs halve the resolution), the one with
+    the smaller squared error on x."""
+    amax = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1, keepdim=True)
+    if not mse:
+        return torch.exp2(mxfp4_exponent(amax, compressed_tensors_mx_round_up(amax)))
+    lo, hi = torch.exp2(mxfp4_exponent(amax)), torch.exp2(mxfp4_exponent(amax, True))
+    err = lambda s: (fake_quant_mxfp4(x, s) - x.float()).square().nansum(dim=-1, keepdim=True)  # noqa: E731
+    return torch.where(err(hi) < err(lo), hi, lo)

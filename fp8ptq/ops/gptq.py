@@ -16,7 +16,14 @@ from typing import Callable
 
 import torch
 
-from fp8ptq.ops.fp4 import NVFP4_GROUP, fake_quant_nvfp4, nvfp4_group_scale
+from fp8ptq.ops.fp4 import (
+    MX_GROUP,
+    NVFP4_GROUP,
+    choose_mxfp4_scale,
+    fake_quant_mxfp4,
+    fake_quant_nvfp4,
+    nvfp4_group_scale,
+)
 from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
@@ -102,12 +109,31 @@ def fp8_block_grid(rows: int, cols: int) -> WeightGrid:
     return WeightGrid(lambda w: (block_row_scale(w, rows), None), lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols)
 
 
-def nvfp4_grid(global_scale: torch.Tensor) -> WeightGrid:
+def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False) -> WeightGrid:
     """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
-    input columns, per-row params eff = FP8 group scale / global scale [R, 1]."""
+    input columns, per-row params eff = FP8 group scale / global scale [R, 1]. mse: each group's FP8
+    scale from a clip search (amax shrunk by DEFAULT_SHRINK_GRID, min-max first, ties keep it) by the
+    group's squared error; the scales stay FP8 values, so the export is as exact as min-max's."""
     gs = global_scale.float().reshape(1)
-    choose = lambda w: (nvfp4_group_scale(w.abs().amax(dim=-1, keepdim=True), gs) / gs, None)  # noqa: E731
+
+    def choose(w):
+        amax = w.abs().amax(dim=-1, keepdim=True)
+        best = nvfp4_group_scale(amax, gs) / gs
+        if not mse:
+            return best, None
+        err = (fake_quant_nvfp4(w, best) - w.float()).square().sum(-1, keepdim=True)
+        for shrink in DEFAULT_SHRINK_GRID:
+            eff = nvfp4_group_scale(amax * shrink, gs) / gs
+            e = (fake_quant_nvfp4(w, eff) - w.float()).square().sum(-1, keepdim=True)
+            best, err = torch.where(e < err, eff, best), torch.minimum(e, err)
+        return best, None
+
     return WeightGrid(choose, lambda w, p: fake_quant_nvfp4(w, p[0]), NVFP4_GROUP)
+
+
+def mxfp4_grid(mse: bool = False) -> WeightGrid:
+    """MXFP4 (ops.fp4): groups of 32 input columns, per-row power-of-two scales [R, 1]."""
+    return WeightGrid(lambda w: (choose_mxfp4_scale(w, mse), None), lambda w, p: fake_quant_mxfp4(w, p[0]), MX_GROUP)
 
 
 def int_grid(

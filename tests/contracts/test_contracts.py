@@ -40,6 +40,7 @@ _KL_BOUND = {
     "mixed-w4-w8": 1.0,
     "w4a8-fp8": 1.0,
     "nvfp4a16": 1.0,
+    "mxfp4a16": 1.0,
 }  # 4-bit on a 64-wide random model
 # Tiny models are 64 wide: a 128 block does not divide them (as on SmolLM2), so block recipes run with
 # the --block-size a user of such a model would pass.

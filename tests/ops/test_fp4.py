@@ -104,3 +104,21 @@ def test_w4a4_activation_grid():
     assert torch.equal(NVFP4_ACT_GRID.fake_quant(torch.zeros(2, 32), s), torch.zeros(2, 32))
     x[0, 0, 3] = float("nan")
     assert torch.isnan(NVFP4_ACT_GRID.fake_quant(x, s)).any()
+
+
+def test_mse_group_scales_export_exactly_and_never_lose():
+    torch.manual_seed(5)
+    W = torch.randn(64, 128) * torch.rand(64, 1) * 4
+    W[0, :16] = 0.0
+    gs = nvfp4_global_scale(W)
+    groups = W.reshape(-1, 16)
+    errs = {}
+    for mse in (False, True):
+        grid = nvfp4_grid(gs, mse=mse)
+        eff, _ = grid.choose(groups)
+        fake = grid.fake_quant(groups, (eff, None)).reshape(W.shape)
+        scale = (eff * gs).to(torch.float8_e4m3fn).float().reshape(64, -1)
+        assert torch.isfinite(scale).all() and (scale > 0).all()
+        assert torch.equal(_ct_round_trip(fake, scale, gs), fake)
+        errs[mse] = (fake - W).reshape(-1, 16).square().sum(-1)
+    assert (errs[True] <= errs[False]).all() and errs[True].sum() < 0.95 * errs[False].sum()

@@ -4,12 +4,18 @@ scale (compressed-tensors `strategy: tensor_group, group_size: 16`, format `nvfp
 [1]). Weight-only (NVFP4A16) or W4A4 with NVFP4 inputs: a calibrated per-tensor global scale
 (`input_global_scale`, the divisor) and dynamic FP8 group scales (`dynamic: local`). Conventions in
 ops/fp4.py; the weight global scale is taken over the stacked shards of a fused group, so q/k/v and
-gate/up share it (vLLM 0.32 takes the max of the shards'), as do their input scales."""
+gate/up share it (vLLM 0.32 takes the max of the shards'), as do their input scales.
+
+MXFP4 (OCP Microscaling, weight-only: compressed-tensors' `MXFP4A16` preset): `strategy: group,
+group_size: 32, scale_dtype: uint8`, format `mxfp4-pack-quantized`: `weight_packed` as NVFP4's,
+`weight_scale` uint8 [out, in / 32] holding E8M0 exponents (scale 2^(e - 127)), no global scale."""
 
 from __future__ import annotations
 
-from fp8ptq.ops.fp4 import NVFP4_GROUP, nvfp4_global_scale
-from fp8ptq.ops.gptq import nvfp4_grid
+import torch
+
+from fp8ptq.ops.fp4 import MX_GROUP, NVFP4_GROUP, nvfp4_global_scale
+from fp8ptq.ops.gptq import mxfp4_grid, nvfp4_grid
 from fp8ptq.ops.grid import NVFP4_ACT_GRID
 from fp8ptq.quantize.schemes.base import SchemeHandler, register
 
@@ -20,10 +26,19 @@ class FP4(SchemeHandler):
 
     def check_weights(self, args, where):
         nvfp4 = (args.strategy, args.group_size, args.symmetric, args.dynamic) == ("tensor_group", 16, True, False)
-        if not nvfp4:
+        mx = (args.strategy, args.group_size, args.symmetric, args.dynamic) == ("group", MX_GROUP, True, False)
+        if mx and args.scale_dtype != torch.uint8:
+            raise ValueError(
+                f"{where}: MXFP4 weights need scale_dtype: uint8 (E8M0 power-of-two scales, compressed-tensors' "
+                f"MXFP4A16 preset), got {args.scale_dtype}"
+            )
+        if nvfp4 and args.scale_dtype not in (None, torch.float8_e4m3fn):
+            raise ValueError(f"{where}: NVFP4 group scales are float8_e4m3fn, got scale_dtype {args.scale_dtype}")
+        if not (nvfp4 or mx):
             raise ValueError(
                 f"{where}: 4-bit float weights are NVFP4: {{num_bits: 4, type: float, strategy: tensor_group, "
-                f"group_size: {NVFP4_GROUP}, symmetric: true, dynamic: false}}"
+                f"group_size: {NVFP4_GROUP}, symmetric: true, dynamic: false}} or MXFP4: {{..., strategy: group, "
+                f"group_size: {MX_GROUP}, scale_dtype: uint8}}"
             )
 
     def check_inputs(self, args, where):
@@ -48,11 +63,13 @@ class FP4(SchemeHandler):
         return {"input_global_scale": (1.0 / scale.float()).reshape(1)}
 
     def weight_grid(self, args, cal, global_scale=None):
+        if args.strategy == "group":  # MXFP4: `weight_observer: mse` picks each group's exponent by error
+            return mxfp4_grid(mse=cal.weight_observer == "mse")
         assert global_scale is not None, "NVFP4 grids need the weight's global scale"
-        return nvfp4_grid(global_scale)
+        return nvfp4_grid(global_scale, mse=cal.weight_observer == "mse")
 
     def global_scale(self, args, w):
-        return nvfp4_global_scale(w)
+        return nvfp4_global_scale(w) if args.strategy == "tensor_group" else None
 
     def format(self, weights, acts):
-        return "nvfp4-pack-quantized"
+        return "mxfp4-pack-quantized" if weights.strategy == "group" else "nvfp4-pack-quantized"
