@@ -137,3 +137,18 @@ def test_resume_continues(tmp_path, target4):
     )
     assert second["resumed_from"] == 1 and second["steps"] == 4 and "generate_s" not in second["timings"]
     assert "d2t" not in load_file(str(tmp_path / "a" / "model.safetensors"))  # full vocabulary: no map
+
+
+@pytest.mark.parametrize(
+    "extra, phrase",
+    [(["--kind", "bogus"], "unknown --kind"), (["--kind", "eagle3", "--layer-ids", "2,x"], "--layer-ids")],
+)
+def test_cli_bad_input_is_one_line(tmp_path, target4, extra, phrase):
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+
+    r = CliRunner().invoke(app, ["draft-train", str(target4), "-o", str(tmp_path / "o"), *extra])
+    assert r.exit_code == 2, r.output
+    assert phrase in r.output and "fix:" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
