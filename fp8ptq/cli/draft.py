@@ -18,8 +18,55 @@ def _echo_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
+def _eagle3_train(*, target, output, layer_ids, draft_vocab, ttt_steps, plain_texts, json_out, **kw):
+    from fp8ptq.spec import SpecError
+    from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train
+
+    names = ("prompts", "text_field", "num_prompts", "gen_tokens", "gen_batch_size", "max_steps", "batch_size")
+    names += ("lr", "topk", "checkpoint_every", "seed", "resume", "overwrite", "keep_work", "device")
+    given = {k: kw[k] for k in names if kw.get(k) is not None}
+    if kw.get("time_budget") is not None:
+        given["time_budget_s"] = None if kw["time_budget"] <= 0 else kw["time_budget"]
+    with user_errors(), progress_bar(not json_out) as progress:
+        try:
+            ids = tuple(int(x) for x in layer_ids.split(",")) if layer_ids else None
+        except ValueError:
+            raise SpecError(
+                f"--layer-ids '{layer_ids}' is not a comma-separated list of integers", fix="e.g. 2,15,27"
+            ) from None
+        cfg = Eagle3TrainConfig(
+            target=target,
+            output=output,
+            layer_ids=ids,
+            draft_vocab=draft_vocab,
+            ttt_steps=ttt_steps,
+            plain_texts=plain_texts,
+            **given,
+        )
+        meta = eagle3_train(cfg, progress)
+    if json_out:
+        _echo_json({k: v for k, v in meta.items() if k != "losses"})
+        return
+    table = Table(title=f"fp8ptq draft-train --kind eagle3 → {output}", show_header=False)
+    table.add_row("target", meta["target"])
+    table.add_row("head", f"EAGLE-3, aux layers {meta['layer_ids']}, draft vocabulary {meta['draft_vocab']}")
+    table.add_row("kept-vocabulary coverage", f"{meta['kept_coverage_of_generated_tokens']:.2%} of generated tokens")
+    table.add_row("data", f"{meta['data']['sequences']} sequences, {meta['data']['tokens']} tokens")
+    table.add_row("steps", f"{meta['steps']} (stopped by {meta['stopped_by']}; resumed from {meta['resumed_from']})")
+    if meta["loss_first"] is not None:
+        table.add_row("TTT KL loss", f"{meta['loss_first']:.4f} → {meta['loss_last']:.4f}")
+    table.add_row("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in meta["timings"].items()))
+    out.print(table)
+    console.print(f"vLLM: speculative_config={{'method': 'eagle3', 'model': '{output}', ...}}", highlight=False)
+
+
 def _draft_train(
     *,
+    kind,
+    layer_ids,
+    draft_vocab,
+    ttt_steps,
+    plain_texts,
     target,
     output,
     layers,
@@ -42,6 +89,37 @@ def _draft_train(
     json_out,
 ):
     offline()
+    if kind == "eagle3":
+        return _eagle3_train(
+            target=target,
+            output=output,
+            layer_ids=layer_ids,
+            draft_vocab=draft_vocab,
+            ttt_steps=ttt_steps,
+            plain_texts=plain_texts,
+            json_out=json_out,
+            prompts=prompts,
+            text_field=text_field,
+            num_prompts=num_prompts,
+            gen_tokens=gen_tokens,
+            gen_batch_size=gen_batch_size,
+            max_steps=max_steps,
+            time_budget=time_budget,
+            batch_size=batch_size,
+            lr=lr,
+            topk=topk,
+            checkpoint_every=checkpoint_every,
+            seed=seed,
+            resume=resume,
+            overwrite=overwrite,
+            keep_work=keep_work,
+            device=device,
+        )
+    if kind != "model":
+        with user_errors():
+            from fp8ptq.spec import SpecError
+
+            raise SpecError(f"unknown --kind '{kind}'", fix="use model (a small draft LLM) or eagle3 (an EAGLE-3 head)")
     from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
 
     cfg = DraftTrainConfig(
@@ -53,10 +131,10 @@ def _draft_train(
         num_prompts=num_prompts,
         gen_tokens=gen_tokens,
         gen_batch_size=gen_batch_size,
-        max_steps=max_steps,
+        max_steps=400 if max_steps is None else max_steps,
         time_budget_s=None if time_budget <= 0 else time_budget,
-        batch_size=batch_size,
-        lr=lr,
+        batch_size=8 if batch_size is None else batch_size,
+        lr=2e-4 if lr is None else lr,
         topk=topk,
         checkpoint_every=checkpoint_every,
         seed=seed,
@@ -109,16 +187,23 @@ def _draft_trim(draft, target, keep, output, overwrite, json_out):
 def draft_train_cmd(
     target: str = typer.Argument(..., help="target model: quantized checkpoint dir, HF dir, .gguf or alias"),
     output: Path = typer.Option(..., "--output", "-o", help="draft output directory (written atomically)"),
+    kind: str = typer.Option("model", help="model: a small draft LLM; eagle3: an EAGLE-3 head (vLLM method eagle3)"),
+    layer_ids: Optional[str] = typer.Option(
+        None, help="eagle3: target layers whose input residual stream the head reads (default 2,L//2,L-3)"
+    ),
+    draft_vocab: int = typer.Option(16384, help="eagle3: LM-head rows (most frequent generated ids); 0 = full"),
+    ttt_steps: int = typer.Option(3, help="eagle3: training-time-test unroll steps"),
+    plain_texts: int = typer.Option(32, help="eagle3: plain built-in text passages added to the generations"),
     layers: int = typer.Option(2, help="decoder layers of the draft (initialised from the target's first ones)"),
     prompts: Optional[str] = typer.Option(None, help="prompt file (.txt blocks, .jsonl, .parquet); default: built-in"),
     text_field: str = typer.Option("text", help="field with the prompt in .jsonl/.parquet"),
     num_prompts: int = typer.Option(192, help="prompts the target generates from"),
     gen_tokens: int = typer.Option(128, help="tokens generated per prompt"),
     gen_batch_size: int = typer.Option(16, help="prompts the target generates from at once"),
-    max_steps: int = typer.Option(400, help="training steps at most"),
+    max_steps: Optional[int] = typer.Option(None, help="training steps at most (default 400; eagle3 2000)"),
     time_budget: float = typer.Option(900, help="training wall-clock budget in seconds (0 = steps only)"),
-    batch_size: int = typer.Option(8, help="generations per training step"),
-    lr: float = typer.Option(2e-4, help="AdamW peak learning rate"),
+    batch_size: Optional[int] = typer.Option(None, help="sequences per training step (default 8; eagle3 4)"),
+    lr: Optional[float] = typer.Option(None, help="AdamW peak learning rate (default 2e-4; eagle3 1e-3)"),
     topk: int = typer.Option(32, help="target log-probs kept per position (the distillation target)"),
     checkpoint_every: int = typer.Option(50, help="steps between checkpoints in .OUT.draft-work/"),
     seed: int = typer.Option(0),
@@ -136,6 +221,7 @@ def draft_train_cmd(
     Examples:
       fp8ptq draft-train out/q -o out/draft --layers 2 --time-budget 900
       fp8ptq draft-train out/q -o out/draft --resume        # continue an interrupted run
+      fp8ptq draft-train out/q -o out/eagle3 --kind eagle3 --draft-vocab 8192 --time-budget 900
     """
     _draft_train(**locals())
 

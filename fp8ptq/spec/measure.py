@@ -208,6 +208,15 @@ def plain_generate(
     return out
 
 
+def _generate_for(draft):
+    """The speculative loop for this kind of draft: an EAGLE-3 head reads the target's hidden states."""
+    if getattr(draft, "head", None) is not None:
+        from fp8ptq.spec.eagle3_loop import eagle3_generate
+
+        return eagle3_generate
+    return speculative_generate
+
+
 def measure_acceptance(
     target: LoadedModel,
     draft: LoadedModel | NgramDraft,
@@ -241,7 +250,7 @@ def measure_acceptance(
         for i, ids in enumerate(prompts):
             g = torch.Generator().manual_seed(seed * 1_000_003 + i)
             outs.append(
-                speculative_generate(
+                _generate_for(draft)(
                     target,
                     draft,
                     ids,
@@ -345,7 +354,11 @@ def measure_costs(
 
         return f
 
-    if isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step
+    if getattr(draft, "head", None) is not None:  # an EAGLE-3 head: one head step over its own KV cache
+        from fp8ptq.spec.eagle3_loop import head_step_time
+
+        t_draft = head_step_time(target, draft, context, repeats, device)
+    elif isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step
         t_draft = _median_time(lambda: draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
     else:
         dc = new_cache(draft.model)

@@ -164,7 +164,10 @@ def vllm_config(draft: str, gamma: int) -> dict:
             "prompt_lookup_min": ngram.nmin,
             "prompt_lookup_max": ngram.nmax,
         }
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma}
+    from fp8ptq.spec.eagle3 import is_eagle3
+
+    method = "eagle3" if is_eagle3(draft) else "draft_model"
+    return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
 
 
 def sglang_flags(draft: str, gamma: int, token_map: str | None = None) -> list[str]:

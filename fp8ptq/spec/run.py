@@ -43,6 +43,19 @@ class MeasureConfig:
     )
 
 
+def load_any_draft(draft: str, target, device: str = "cpu"):
+    """A draft directory, `ngram[:MIN-MAX]`, or an EAGLE-3 head (which runs on top of `target`)."""
+    from fp8ptq.spec.eagle3 import is_eagle3
+    from fp8ptq.spec.models import load_draft
+
+    if is_eagle3(draft):
+        from fp8ptq.spec.eagle3 import load_head
+        from fp8ptq.spec.eagle3_loop import Eagle3Draft
+
+        return Eagle3Draft(load_head(draft, target.model, device), str(draft))
+    return load_draft(draft, device)
+
+
 def _check_gammas(gammas) -> None:
     bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
     if not gammas or bad:
@@ -52,7 +65,7 @@ def _check_gammas(gammas) -> None:
 def measure(cfg: MeasureConfig, progress=None) -> dict:
     """Acceptance for each temperature and γ + HF costs. Returns a JSON-able dict (see MEASURE_FILE)."""
     from fp8ptq.spec.measure import measure_acceptance, measure_costs
-    from fp8ptq.spec.models import check_pair, load_draft, load_target
+    from fp8ptq.spec.models import check_pair, load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
     _check_gammas(cfg.gammas)
@@ -62,7 +75,7 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
         raise SpecError(f"thresholds {list(cfg.thresholds)} must be in (0, 1)", fix="e.g. --thresholds 0.3,0.5")
     t0 = time.perf_counter()
     target, src = load_target(cfg.target, cfg.device)
-    draft = load_draft(cfg.draft, cfg.device)
+    draft = load_any_draft(cfg.draft, target, cfg.device)
     check_pair(target, draft)
     if cfg.prompt_ids is not None:
         prompts = [list(p) for p in cfg.prompt_ids]
@@ -202,11 +215,28 @@ def engine_check(
         },
     }
     if temperature == 0:
-        stats, model, same = SpecStats(gamma), load_draft(draft), 0
+        from fp8ptq.spec.eagle3 import is_eagle3
+
+        stats, same = SpecStats(gamma), 0
+        if is_eagle3(draft):  # the head needs the target's hidden states (fp8ptq's simulation of it)
+            from fp8ptq.spec.eagle3_loop import eagle3_replay
+            from fp8ptq.spec.models import load_target
+
+            tgt, _ = load_target(target)
+            model = load_any_draft(draft, tgt)
+
+            def replay(prompt, stream, **kw):
+                eagle3_replay(tgt, model, prompt, stream, **kw)
+        else:
+            model = load_draft(draft)
+
+            def replay(prompt, stream, **kw):
+                replay_greedy(model, prompt, stream, **kw)
+
         for prompt, stream, longer in zip(prompts, spec.token_ids, plain.token_ids):
             if longer[: len(stream)] == stream:
                 stream, same = longer, same + 1
-            replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens)
+            replay(prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens)
         s = stats.summary()
         out["fp8ptq_replay"] = {k: s[k] for k in ("drafts", "drafted", "accepted")} | {
             "per_pos_accepted": s["per_pos_accepted"],

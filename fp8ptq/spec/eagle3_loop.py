@@ -1,0 +1,245 @@
+"""Target + EAGLE-3 head speculative decoding, the way vLLM 0.32 runs it (llm_base_proposer.propose).
+
+- The target exposes the residual stream entering layer i for each aux layer id i (layer L = after the
+  last layer, before the final norm), like vLLM's EagleModelMixin._maybe_add_hidden_state
+  (hidden_states + residual). Here: forward pre-hooks on the target's decoder layers.
+- Draft first pass of a step: for every position t the target verified since the last step, the head
+  reads (token t + 1, fc(aux_t)) at position t — vLLM shifts input_ids left by one and puts the newly
+  emitted token last (set_inputs_first_pass), positions unchanged. Its KV entries are kept.
+- Draft steps 2..γ: position + 1, the drafted token, and the head's own pre-norm output as hidden
+  state; those KV entries are speculative and are dropped when the step ends (vLLM overwrites them).
+- Counting is `measure.SpecStats`'s (vLLM's spec-decode counters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp8ptq.spec.eagle3 import Eagle3Head
+from fp8ptq.spec.models import LoadedModel, crop, new_cache
+from fp8ptq.spec.sampling import probs as to_probs
+
+
+@dataclass
+class Eagle3Draft:
+    """The draft-model interface measure.py reads: a head, its target's decoder layers, and the path."""
+
+    head: Eagle3Head
+    label: str = ""
+    kept_ids = None  # the head maps its own vocabulary (d2t); measure's trimmed-draft path is not used
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.s.vocab
+
+    @property
+    def trimmed(self) -> bool:
+        return self.head.s.draft_vocab != self.head.s.vocab
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        from fp8ptq.spec import SpecError
+
+        raise SpecError(
+            f"cannot find the decoder layers of {type(model).__name__}",
+            fix="EAGLE-3 needs a decoder-only target with model.layers",
+        )
+    return layers
+
+
+class AuxCapture:
+    """Context manager: records the residual stream entering each layer in `layer_ids` during forwards."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.layers, self.ids, self.handles, self.seen = decoder_layers(model), list(layer_ids), [], {}
+
+    def __enter__(self):
+        n = len(self.layers)
+        for i in self.ids:
+            if i < n:
+                self.handles.append(self.layers[i].register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            else:
+                self.handles.append(self.layers[n - 1].register_forward_hook(self._post(i), with_kwargs=True))
+        return self
+
+    def _pre(self, i):
+        def hook(module, args, kwargs):
+            self.seen[i] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, kwargs, output):
+            self.seen[i] = (output[0] if isinstance(output, tuple) else output).detach()
+
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """[B, T, len(ids) * H] in fp32, in layer-id order (vLLM's fc input order)."""
+        out = torch.cat([self.seen[i].float() for i in self.ids], -1)
+        self.seen = {}
+        return out
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def target_step(target: LoadedModel, ids: list[int], cache, cap: AuxCapture, device: str):
+    """logits [n, V] fp32 and aux [n, 3H] of `ids` fed after the cache."""
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0].float()
+    return logits, cap.take()[0]
+
+
+class HeadState:
+    """The head's KV cache: `committed` positions computed from target hidden states (kept across steps)."""
+
+    def __init__(self, head: Eagle3Head):
+        self.head, self.k, self.v, self.committed = head, None, None, 0
+
+    def past(self, upto: int):
+        return None if self.k is None or upto == 0 else (self.k[:, :, :upto], self.v[:, :, :upto])
+
+    def extend(self, upto: int, kv) -> None:
+        k, v = kv
+        if self.k is None or upto == 0:
+            self.k, self.v = k, v
+        else:
+            self.k, self.v = torch.cat([self.k[:, :, :upto], k], 2), torch.cat([self.v[:, :, :upto], v], 2)
+
+
+def _sample(head: Eagle3Head, logits: torch.Tensor, temperature: float, g):
+    """A drafted target id and q over the target vocabulary (None when greedy) from draft-vocab logits."""
+    if temperature == 0:
+        return int(head.draft_to_target(logits.argmax())), None
+    p = to_probs(logits, temperature)
+    q = p.new_zeros(head.s.vocab)
+    q[head.draft_to_target(torch.arange(p.numel(), device=p.device))] = p
+    return int(torch.multinomial(q.cpu(), 1, generator=g)), q
+
+
+@torch.inference_mode()
+def propose(draft: Eagle3Draft, st: HeadState, seq: list[int], aux: torch.Tensor, *, gamma, temperature, g, threshold):
+    """seq: tokens so far (the target has verified positions 0..len(seq)-2 and aux holds their rows from
+    st.committed on). Returns (drafted target ids, q rows)."""
+    head, dev = draft.head, aux.device
+    base = len(seq)
+    start = st.committed
+    pos = torch.arange(start, base - 1, device=dev)
+    toks = torch.tensor([seq[start + 1 : base]], device=dev)
+    out, logits, kv = head.block(toks, head.fuse(aux[None]), pos, st.past(start))
+    st.extend(start, kv)
+    st.committed = base - 1
+    hidden, last = out[:, -1:], logits[0, -1]
+    drafted, q_rows = [], []
+    for k in range(gamma):
+        if threshold is not None and float(torch.softmax(last.float(), -1).max()) < threshold:
+            break
+        tok, q = _sample(head, last.float(), temperature, g)
+        drafted.append(tok)
+        q_rows.append(q)
+        if k == gamma - 1:
+            break
+        p = torch.tensor([base - 1 + k], device=dev)  # drafted token k sits at position base - 1 + k
+        past = (st.k, st.v)
+        hidden, lg, kv = head.block(torch.tensor([[tok]], device=dev), hidden, p, past)
+        st.k, st.v = torch.cat([st.k, kv[0]], 2), torch.cat([st.v, kv[1]], 2)
+        last = lg[0, -1]
+    st.k, st.v = st.k[:, :, : st.committed], st.v[:, :, : st.committed]  # drop the speculative entries
+    return drafted, q_rows
+
+
+def eagle3_generate(
+    target: LoadedModel,
+    draft: Eagle3Draft,
+    prompt,
+    *,
+    gamma,
+    max_tokens,
+    temperature,
+    threshold,
+    generator,
+    stats,
+    device,
+):
+    """measure.speculative_generate for an EAGLE-3 head (same verification and counting)."""
+    from fp8ptq.spec.measure import _pick
+    from fp8ptq.spec.sampling import verify, verify_greedy
+
+    g = generator or torch.Generator().manual_seed(0)
+    V = target.vocab_size
+    tc, st = new_cache(target.model), HeadState(draft.head)
+    with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
+        logits, aux = target_step(target, prompt, tc, cap, device)
+        first, _ = _pick(logits[-1], temperature, g)
+        seq = list(prompt) + [first]
+        pending = aux  # target rows not yet fed to the head (positions st.committed..len(seq)-2)
+        while len(seq) - len(prompt) < max_tokens:
+            base = len(seq)
+            drafted, q_rows = propose(
+                draft, st, seq, pending, gamma=gamma, temperature=temperature, g=g, threshold=threshold
+            )
+            k = len(drafted)
+            t_logits, t_aux = target_step(target, [seq[-1]] + drafted, tc, cap, device)
+            d = torch.tensor(drafted, dtype=torch.long)
+            if temperature == 0:
+                n, new = verify_greedy(t_logits, d.to(t_logits.device))
+            else:
+                p = to_probs(t_logits, temperature).cpu()
+                q = torch.stack([r.cpu() for r in q_rows]).to(p.dtype) if k else p.new_zeros(0, V)
+                n, new = verify(p, q, d, g)
+            if stats is not None:
+                stats.add(k, n)
+            seq.extend(new)
+            crop(tc, base + n)
+            pending = t_aux[: n + 1]
+    return seq[len(prompt) :][:max_tokens]
+
+
+@torch.inference_mode()
+def eagle3_replay(
+    target: LoadedModel, draft: Eagle3Draft, prompt, stream, *, gamma, stats, max_tokens=None, device="cpu"
+):
+    """measure.replay_greedy for a head: acceptance against a fixed continuation (e.g. vLLM's output). The
+    target's hidden states come from ONE forward of fp8ptq's target over prompt + stream (its simulated
+    numerics, not the engine's kernels: the one source of difference left in the comparison)."""
+    full = list(prompt) + list(stream)
+    with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
+        target.model(input_ids=torch.tensor([full], device=device))
+        aux = cap.take()[0]
+    st = HeadState(draft.head)
+    seq = list(prompt) + [stream[0]]
+    while len(seq) - len(prompt) < (max_tokens or len(stream)):
+        base = len(seq)
+        drafted, _ = propose(
+            draft, st, seq, aux[st.committed : base - 1], gamma=gamma, temperature=0.0, g=None, threshold=None
+        )
+        truth = stream[base - len(prompt) :]
+        n = 0
+        while n < min(len(drafted), len(truth)) and drafted[n] == truth[n]:
+            n += 1
+        stats.add(len(drafted), n)
+        seq.extend(truth[: n + 1])
+
+
+@torch.inference_mode()
+def head_step_time(target: LoadedModel, draft: Eagle3Draft, context: list[int], repeats: int, device: str) -> float:
+    """Median wall time of one head step (1 token after a KV cache of len(context) positions)."""
+    from fp8ptq.spec.measure import _median_time
+
+    with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
+        target.model(input_ids=torch.tensor([context], device=device))
+        aux = cap.take()[0]
+    st = HeadState(draft.head)
+    propose(draft, st, list(context) + [context[-1]], aux, gamma=1, temperature=0.0, g=None, threshold=None)
+    h = torch.zeros(1, 1, draft.head.s.hidden, device=device)
+    tok = torch.tensor([[context[-1]]], device=device)
+    pos = torch.tensor([len(context)], device=device)
+    return _median_time(lambda: draft.head.block(tok, h, pos, (st.k, st.v)), repeats)

@@ -1,0 +1,353 @@
+"""draft-train --kind eagle3: train an EAGLE-3 head for the (quantized) target it will serve.
+
+1. Data: the target (simulated engine numerics for an fp8ptq export) generates from the training prompts
+   (`draft_train.generate_data`: half greedy, half T = 1), plus `plain_texts` passages of plain built-in
+   text. Cached in the work dir.
+2. Vocabulary (VocabTrim): the `draft_vocab` target ids most frequent in the target's generations
+   (special tokens forced in); d2t / t2d as vLLM reads them. draft_vocab 0 = the full vocabulary.
+3. Capture (streamed): one target forward per batch of sequences records the residual streams at the
+   aux layer ids and the target's top-k next-token log-probs at every position, written as small
+   safetensors shards in the work dir; training reads one shard per step, so memory does not grow with
+   the data.
+4. Training-time test: the head runs `ttt_steps` times over each sequence; step k reads the
+   ground-truth next token and ITS OWN pre-norm output of step k-1 one position earlier (what vLLM
+   feeds it at draft step k+1), attending to the step-0 keys of its chain's prefix and to its chain's
+   own keys of steps 1..k. Loss: Σ_k 0.8^k · KL(target top-k, renormalised over the kept ids ‖ head).
+5. Resumable (checkpoint = trainable weights + AdamW moments + step; batch order a pure function of
+   (seed, step)), progress, a time budget; output atomic: config.json + model.safetensors in vLLM 0.32's
+   EAGLE-3 layout (see fp8ptq.spec.eagle3), fp8ptq_eagle3.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from fp8ptq.io import write_atomic, write_json_atomic
+from fp8ptq.spec import SpecError
+from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
+from fp8ptq.spec.eagle3_loop import AuxCapture
+
+
+@dataclass(frozen=True)
+class Eagle3TrainConfig:
+    target: str
+    output: Path
+    layer_ids: tuple[int, ...] | None = None  # None: [2, L // 2, L - 3]
+    draft_vocab: int = 16384  # 0: the full target vocabulary
+    prompts: str | None = None
+    text_field: str = "text"
+    num_prompts: int = 192
+    gen_tokens: int = 128
+    gen_batch_size: int = 16
+    max_prompt_tokens: int = 256
+    plain_texts: int = 32  # plain built-in text passages added to the generations
+    topk: int = 32
+    ttt_steps: int = 3
+    batch_size: int = 4  # sequences per step (= per shard)
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    max_steps: int = 2000
+    time_budget_s: float | None = 900.0
+    checkpoint_every: int = 50
+    resume: bool = False
+    seed: int = 0
+    overwrite: bool = False
+    keep_work: bool = False
+    device: str = "cpu"
+
+
+def _fingerprint(cfg: Eagle3TrainConfig, layer_ids: list[int]) -> dict:
+    keys = ("target", "prompts", "text_field", "num_prompts", "gen_tokens", "max_prompt_tokens", "plain_texts")
+    keys += ("topk", "seed", "batch_size", "draft_vocab")
+    return {k: str(getattr(cfg, k)) for k in keys} | {"layer_ids": str(layer_ids)}
+
+
+def plain_sequences(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    from fp8ptq.data import BUILTIN, load_texts
+
+    if n <= 0:
+        return []
+    import random
+
+    texts = [t for t in load_texts(BUILTIN, "calibration") if len(t) > 200]
+    random.Random(seed).shuffle(texts)
+    out = []
+    for t in texts[:n]:
+        ids = tokenizer(t, add_special_tokens=False)["input_ids"][:length]
+        if len(ids) > 8:
+            out.append(ids)
+    return out
+
+
+def sequences(data: dict, plain: list[list[int]]) -> list[list[int]]:
+    """Generated samples (prompt + generation) then the plain passages."""
+    out = []
+    for i in range(data["tokens"].shape[0]):
+        n = int(data["prompt_len"][i] + data["gen_len"][i])
+        out.append(data["tokens"][i, :n].tolist())
+    return out + plain
+
+
+@torch.inference_mode()
+def capture(target, seqs: list[list[int]], layer_ids, work: Path, *, batch: int, topk: int, device: str, progress=None):
+    """Shard files work/shard-XXXXX.safetensors: aux [b, T, n·H] bf16, ids [b, T] int64, lens [b], top-k
+    next-token ids [b, T, k] int32 and log-probs fp16 of the target at every position. Returns the count."""
+    n_shards = math.ceil(len(seqs) / batch)
+    with AuxCapture(target.model, list(layer_ids)) as cap:
+        for s in range(n_shards):
+            chunk = seqs[s * batch : (s + 1) * batch]
+            T = max(len(c) for c in chunk)
+            ids = torch.zeros(len(chunk), T, dtype=torch.long)
+            mask = torch.zeros(len(chunk), T, dtype=torch.long)
+            for r, c in enumerate(chunk):
+                ids[r, : len(c)], mask[r, : len(c)] = torch.tensor(c), 1
+            logits = target.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            top = torch.log_softmax(logits, -1).topk(topk, -1)
+            shard = {
+                "aux": cap.take().to(torch.bfloat16).cpu().contiguous(),
+                "ids": ids,
+                "lens": mask.sum(1),
+                "top_ids": top.indices.int().cpu().contiguous(),
+                "top_logp": top.values.half().cpu().contiguous(),
+            }
+            save_file(shard, str(work / f"shard-{s:05d}.safetensors"))
+            if progress:
+                progress("capture", s + 1, n_shards)
+    return n_shards
+
+
+def ttt_mask(T: int, k: int, device) -> torch.Tensor:
+    """[T, (k+1)·T] bool: query i of step k sees step-0 keys j ≤ i - k and step-s keys j = i - k + s."""
+    i = torch.arange(T, device=device).view(-1, 1)
+    j = torch.arange(T, device=device).view(1, -1)
+    blocks = [j <= i - k] + [j == i - k + s for s in range(1, k + 1)]
+    return torch.cat(blocks, 1)
+
+
+def ttt_loss(head, shard: dict, rows: list[int], steps: int, t2d_rows: torch.Tensor, device: str) -> torch.Tensor:
+    """Σ_k 0.8^k · mean KL over the valid positions of step k (see the module docstring)."""
+    lens = shard["lens"][rows]
+    T = int(lens.max())
+    ids = shard["ids"][rows, :T].to(device)
+    nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)  # token i + 1 at index i
+    pos = torch.arange(T, device=device)
+    hid = head.fuse(shard["aux"][rows, :T].to(device).float())
+    tgt_rows = t2d_rows[shard["top_ids"][rows, :T].long().to(device)]  # [B, T, k] draft rows (-1 = not kept)
+    logp = shard["top_logp"][rows, :T].float().to(device).masked_fill(tgt_rows < 0, -torch.inf)
+    logp = logp - torch.logsumexp(logp, -1, keepdim=True)
+    p = logp.exp().nan_to_num(0.0)
+    idx = torch.arange(T, device=device)
+    keys, vals, total, wsum = [], [], 0.0, 0.0
+    for k in range(steps):
+        past = None if k == 0 else (torch.cat(keys, 2), torch.cat(vals, 2))
+        out, logits, (kk, vv) = head.block(nxt, hid, pos, past, ttt_mask(T, k, device))
+        keys.append(kk)
+        vals.append(vv)
+        # index i predicts token i + 2: the target's distribution at position i + 1 (valid: k ≤ i ≤ len - 3)
+        valid = (idx >= k).view(1, -1) & (idx.view(1, -1) <= (lens.to(device) - 3).view(-1, 1))
+        if valid.any():
+            q = F.log_softmax(logits[:, :-1].float(), -1)  # index i vs target row i + 1
+            tp, tr = p[:, 1:], tgt_rows[:, 1:].clamp(min=0)
+            kl = (tp * (logp[:, 1:].nan_to_num(0.0, neginf=0.0) - q.gather(-1, tr))).sum(-1)  # [B, T-1]
+            v = valid[:, :-1] & (tp.sum(-1) > 0)
+            total = total + 0.8**k * kl[v].mean()
+            wsum += 0.8**k
+        hid = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step k+1 at i reads out_k[i - 1]
+    return total / max(wsum, 1e-9)
+
+
+def step_rows(step: int, n_shards: int, seed: int) -> int:
+    """The shard of training step `step` (a pure function: seeded per-epoch permutations of the shards)."""
+    epoch, off = divmod(step, n_shards)
+    return int(torch.randperm(n_shards, generator=torch.Generator().manual_seed(seed * 7919 + epoch))[off])
+
+
+def lr_at(step: int, cfg: Eagle3TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def trainable(head) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+
+
+def save_checkpoint(path: Path, head, opt, step: int, losses: list[float], elapsed: float) -> None:
+    params = trainable(head)
+    tensors = {f"model.{n}": p.detach().cpu().contiguous() for n, p in params}
+    for n, p in params:
+        st = opt.state.get(p)
+        if st:
+            tensors[f"opt.{n}.exp_avg"] = st["exp_avg"].cpu().contiguous()
+            tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"].cpu().contiguous()
+            tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1).cpu()
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+    write_json_atomic(path.with_suffix(".json"), {"step": step, "losses": losses, "elapsed_s": elapsed})
+
+
+def load_checkpoint(path: Path, head, opt, device: str) -> tuple[int, list[float], float]:
+    t = load_file(str(path))
+    params = dict(trainable(head))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(t[f"model.{n}"])
+    for n, p in params.items():
+        if f"opt.{n}.exp_avg" in t:
+            opt.state[p] = {
+                "step": t[f"opt.{n}.step"].reshape(()).to(torch.float32),
+                "exp_avg": t[f"opt.{n}.exp_avg"].to(device),
+                "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].to(device),
+            }
+    meta = json.loads(path.with_suffix(".json").read_text())
+    return meta["step"], meta["losses"], meta["elapsed_s"]
+
+
+def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress=None) -> dict:
+    params = trainable(head)
+    opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = work / "checkpoint.safetensors"
+    step, losses, elapsed = 0, [], 0.0
+    if cfg.resume and ckpt.is_file():
+        step, losses, elapsed = load_checkpoint(ckpt, head, opt, cfg.device)
+    t2d_rows = head.target_to_draft()
+    start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"
+    head.train()
+    while step < cfg.max_steps:
+        if cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s and step > start:
+            stopped = "time_budget"
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        shard = load_file(str(work / f"shard-{step_rows(step, n_shards, cfg.seed):05d}.safetensors"))
+        loss = ttt_loss(head, shard, list(range(shard["ids"].shape[0])), cfg.ttt_steps, t2d_rows, cfg.device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        step += 1
+        if progress:
+            progress("train", step, cfg.max_steps)
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
+    save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
+    head.eval()
+    k = max(1, min(20, len(losses)))
+    return {
+        "steps": step,
+        "resumed_from": start,
+        "stopped_by": stopped,
+        "train_s": time.perf_counter() - t0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": sum(losses[-k:]) / k if losses else None,
+        "losses": losses,
+    }
+
+
+def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
+    """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json)."""
+    from fp8ptq.io import atomic_output_dir, check_output
+    from fp8ptq.spec.draft_train import DATA_FILE, generate_data, work_dir
+    from fp8ptq.spec.draft_trim import choose_kept, count_tokens
+    from fp8ptq.spec.models import load_target
+    from fp8ptq.spec.prompts import encode_prompts, load_prompts
+
+    check_output(Path(cfg.output), cfg.overwrite)
+    if cfg.ttt_steps < 1 or cfg.max_steps < 0 or cfg.topk < 1 or cfg.batch_size < 1 or cfg.draft_vocab < 0:
+        raise SpecError(
+            f"bad eagle3 settings: ttt_steps={cfg.ttt_steps}, max_steps={cfg.max_steps}, topk={cfg.topk}, "
+            f"batch_size={cfg.batch_size}, draft_vocab={cfg.draft_vocab}",
+            fix="ttt_steps, topk, batch_size ≥ 1; max_steps, draft_vocab ≥ 0 (draft_vocab 0 = full vocabulary)",
+        )
+    torch.manual_seed(cfg.seed)
+    timings = {}
+    target, src = load_target(cfg.target, cfg.device)
+    tokenizer = src.tokenizer()
+    tconf = target.model.config
+    L, V = int(tconf.num_hidden_layers), int(tconf.vocab_size)
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(L)
+    keep = min(cfg.draft_vocab or V, V)  # a draft vocabulary as large as the target's is no trim
+    head = build_head(target.model, layer_ids, keep)  # validates the layer ids before the expensive part
+    layer_ids = head.s.layer_ids  # sorted, distinct: vLLM's order of the fc input
+    work = work_dir(cfg.output)
+    work.mkdir(parents=True, exist_ok=True)
+    fp_file, data_file = work / "eagle3.json", work / "data.safetensors"
+    fresh = not (fp_file.is_file() and json.loads(fp_file.read_text()) == _fingerprint(cfg, layer_ids))
+    if fresh:
+        for old in work.glob("*"):
+            old.unlink() if old.is_file() else shutil.rmtree(old)
+        texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
+        t = time.perf_counter()
+        data = generate_data(
+            target,
+            tokenizer,
+            encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens),
+            gen_tokens=cfg.gen_tokens,
+            batch_size=cfg.gen_batch_size,
+            topk=1,
+            seed=cfg.seed,
+            device=cfg.device,
+            progress=progress,
+        )
+        timings["generate_s"] = time.perf_counter() - t
+        save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
+    data = load_file(str(data_file))
+    counts = count_tokens(data["tokens"], data["prompt_len"], data["gen_len"], V)
+    special = list(tokenizer.all_special_ids)
+    kept = choose_kept(counts, keep, special) if keep < V else torch.arange(V)
+    coverage = float(counts[kept].sum()) / max(1, int(counts.sum()))
+    init_lm_head(head, target.model, kept.to(cfg.device) if keep < V else kept)
+    seqs = sequences(
+        data, plain_sequences(tokenizer, cfg.plain_texts, cfg.max_prompt_tokens + cfg.gen_tokens, cfg.seed)
+    )
+    n_shards = math.ceil(len(seqs) / cfg.batch_size)
+    if fresh or not (work / f"shard-{n_shards - 1:05d}.safetensors").is_file():
+        t = time.perf_counter()
+        capture(
+            target, seqs, layer_ids, work, batch=cfg.batch_size, topk=cfg.topk, device=cfg.device, progress=progress
+        )
+        timings["capture_s"] = time.perf_counter() - t
+        fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))
+    del target
+    head = head.to(cfg.device)
+    summary = train_head(head, work, n_shards, cfg, progress)
+    timings["train_s"] = summary.pop("train_s")
+    meta = {
+        "kind": "eagle3",
+        "target": str(cfg.target),
+        "target_path": str(src.path),
+        "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "layer_ids": layer_ids,
+        "draft_vocab": keep,
+        "vocab": V,
+        "kept_coverage_of_generated_tokens": coverage,
+        "data": {
+            "generations": int(data["tokens"].shape[0]),
+            "generated_tokens": int(data["gen_len"].sum()),
+            "sequences": len(seqs),
+            "tokens": sum(len(s) for s in seqs),
+        },
+        "loss": f"sum_k 0.8^k KL(target top-{cfg.topk} renormalised over the kept ids || head), "
+        f"{cfg.ttt_steps} TTT steps",
+        **summary,
+        "timings": timings,
+    }
+    tcfg = json.loads((Path(src.path) / "config.json").read_text())
+    with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
+        save_file(export_state(head), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(export_config(tcfg, head.s), indent=2) + "\n")
+        save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(tmp / DATA_FILE))
+        (tmp / EAGLE3_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "losses"}, indent=2) + "\n")
+    if not cfg.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return meta

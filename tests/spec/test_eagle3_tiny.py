@@ -1,0 +1,154 @@
+"""EAGLE-3 heads on tiny random Llamas: the head's forward against a step-by-step reference, the vLLM
+checkpoint layout, the training-time-test mask, training (loss goes down, resume), and the harness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8ptq.spec import SpecError
+from fp8ptq.spec.eagle3 import ARCH, build_head, default_layer_ids, is_eagle3, load_head
+from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft, eagle3_generate, eagle3_replay
+from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train, ttt_mask
+from fp8ptq.spec.measure import SpecStats, plain_generate
+from fp8ptq.spec.models import load_target
+
+pytestmark = pytest.mark.tiny
+
+SMALL = dict(num_prompts=6, gen_tokens=12, gen_batch_size=3, batch_size=3, plain_texts=2, checkpoint_every=2)
+
+
+@pytest.fixture(scope="module")
+def target4(tiny_model):
+    return tiny_model("llama", layers=4)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target4):
+    out = tmp_path_factory.mktemp("eagle3") / "head"
+    cfg = Eagle3TrainConfig(
+        target=str(target4), output=out, draft_vocab=256, max_steps=12, time_budget_s=None, lr=3e-3, **SMALL
+    )
+    return out, eagle3_train(cfg)
+
+
+def test_export_layout_is_vllms(trained, target4):
+    out, meta = trained
+    cfg = json.loads((out / "config.json").read_text())
+    tcfg = json.loads((target4 / "config.json").read_text())
+    assert cfg["architectures"] == [ARCH] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == tcfg["vocab_size"]
+    assert cfg["target_hidden_size"] == tcfg["hidden_size"]
+    assert default_layer_ids(4) == [2, 2, 1]  # vLLM sorts and de-duplicates them: the export says so
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    t = load_file(str(out / "model.safetensors"))
+    H = tcfg["hidden_size"]
+    heads, kv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    hd = H // heads
+    assert t["fc.weight"].shape == (H, 2 * H)  # two distinct ids here: [2, 4 // 2, 4 - 3] = {1, 2}
+    assert t["midlayer.self_attn.q_proj.weight"].shape == (heads * hd, 2 * H)
+    assert t["midlayer.self_attn.k_proj.weight"].shape == (kv * hd, 2 * H)
+    assert t["midlayer.hidden_norm.weight"].shape == (H,) and t["norm.weight"].shape == (H,)
+    assert t["lm_head.weight"].shape == (256, H)
+    assert "embed_tokens.weight" not in t  # vLLM shares the target's embedding
+    kept = torch.arange(256) + t["d2t"]
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
+    assert torch.equal(t["t2d"].nonzero().flatten(), kept) and bool((kept.diff() > 0).all())
+    assert meta["loss_last"] < meta["loss_first"]
+    assert is_eagle3(out) and not is_eagle3(target4)
+
+
+def test_layer_ids_out_of_range(tmp_path, target4):
+    with pytest.raises(SpecError, match="out of range"):
+        eagle3_train(Eagle3TrainConfig(target=str(target4), output=tmp_path / "o", layer_ids=(1, 9), **SMALL))
+    assert not (tmp_path / "o").exists()
+
+
+def test_ttt_mask():
+    m = ttt_mask(4, 2, "cpu")  # query i of step 2: step-0 keys j ≤ i-2, step-1 key i-1, step-2 key i
+    assert m.shape == (4, 12)
+    assert m[3].tolist() == [True, True, False, False] + [False, False, True, False] + [False, False, False, True]
+    assert m[0].tolist()[:4] == [False] * 4 and bool(m[0, 8])
+
+
+def test_block_with_cache_equals_full_forward(target4):
+    """Causal attention over a cached prefix equals one forward over the whole block."""
+    target, _ = load_target(str(target4))
+    head = build_head(target.model, [1, 2], 300).eval()
+    torch.manual_seed(1)
+    T, H = 7, head.s.hidden
+    toks, hid, pos = torch.randint(0, 300, (1, T)), torch.randn(1, T, H), torch.arange(T)
+    with torch.no_grad():
+        out, logits, _ = head.block(toks, hid, pos)
+        o1, _, kv = head.block(toks[:, :4], hid[:, :4], pos[:4])
+        o2, l2, _ = head.block(toks[:, 4:], hid[:, 4:], pos[4:], kv)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l2, logits[:, 4:], atol=1e-5, rtol=1e-5)
+
+
+def test_aux_capture_is_the_residual_stream(target4):
+    """Layer id 0 is the embedding (vLLM: the input of layer 0), id i the input of layer i."""
+    target, _ = load_target(str(target4))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with AuxCapture(target.model, [0, 2]) as cap, torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+        aux = cap.take()
+    H = target.model.config.hidden_size
+    torch.testing.assert_close(aux[..., :H], target.model.get_input_embeddings()(ids).float())
+    torch.testing.assert_close(aux[..., H:], out.hidden_states[2].float())
+
+
+def test_greedy_speculative_equals_plain_and_replay_matches(trained, target4):
+    out, _ = trained
+    target, src = load_target(str(target4))
+    draft = Eagle3Draft(load_head(out, target.model), str(out))
+    prompt = src.tokenizer()("def main():", add_special_tokens=False)["input_ids"]
+    plain = plain_generate(target, prompt, max_tokens=20)
+    stats = SpecStats(3)
+    spec = eagle3_generate(
+        target,
+        draft,
+        prompt,
+        gamma=3,
+        max_tokens=20,
+        temperature=0.0,
+        threshold=None,
+        generator=None,
+        stats=stats,
+        device="cpu",
+    )
+    assert spec == plain  # greedy speculative decoding never changes the output
+    replayed = SpecStats(3)
+    longer = plain_generate(target, prompt, max_tokens=24)
+    eagle3_replay(target, draft, prompt, longer, gamma=3, stats=replayed, max_tokens=20)
+    assert (replayed.drafted, replayed.accepted) == (stats.drafted, stats.accepted)
+    assert stats.per_pos == replayed.per_pos
+
+
+def test_resume_continues(tmp_path, target4):
+    base = dict(target=str(target4), draft_vocab=0, max_steps=4, keep_work=True, **SMALL)
+    first = eagle3_train(Eagle3TrainConfig(output=tmp_path / "a", time_budget_s=0.0, **base))
+    assert first["steps"] == 1 and first["stopped_by"] == "time_budget"
+    second = eagle3_train(
+        Eagle3TrainConfig(output=tmp_path / "a", time_budget_s=None, resume=True, overwrite=True, **base)
+    )
+    assert second["resumed_from"] == 1 and second["steps"] == 4 and "generate_s" not in second["timings"]
+    assert "d2t" not in load_file(str(tmp_path / "a" / "model.safetensors"))  # full vocabulary: no map
+
+
+@pytest.mark.parametrize(
+    "extra, phrase",
+    [(["--kind", "bogus"], "unknown --kind"), (["--kind", "eagle3", "--layer-ids", "2,x"], "--layer-ids")],
+)
+def test_cli_bad_input_is_one_line(tmp_path, target4, extra, phrase):
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+
+    r = CliRunner().invoke(app, ["draft-train", str(target4), "-o", str(tmp_path / "o"), *extra])
+    assert r.exit_code == 2, r.output
+    assert phrase in r.output and "fix:" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
