@@ -1,9 +1,10 @@
 """`fp8ptq inspect`: what a checkpoint is (format, schemes, size) and a lint of what makes vLLM refuse or
 mis-load it, read from headers and small tensors only (never the weights' data beyond scales).
 
-Formats told apart by their files: GGUF (a .gguf file), compressed-tensors, transformers' FP8 block format
-(`quant_method: fp8`), GPTQ / AWQ, plain float. The lint (compressed-tensors, as vLLM 0.32's
-CompressedTensorsConfig and weight loaders read it; see docs/formats.md):
+Formats told apart by their files (convert/detect.py): GGUF (a .gguf file), compressed-tensors,
+transformers' FP8 block format (`quant_method: fp8`), GPTQ / AWQ, NVIDIA ModelOpt (hf_quant_config.json),
+plain float. The lint (compressed-tensors, as vLLM 0.32's CompressedTensorsConfig and weight loaders read it;
+see docs/formats.md):
   error    a quantized router/gate (vLLM keeps routers float: KeyError on `gate.weight_scale` at load);
            a targeted Linear without the tensors its format needs, or scale tensors on a module no group
            targets; a group size that does not divide the Linear's input; fused shards (q/k/v, gate/up)
@@ -56,16 +57,11 @@ class Finding:
     message: str
 
 
-def _format(config: dict) -> str:
-    qc = config.get("quantization_config") or {}
-    method = qc.get("quant_method")
-    if method is None:
-        return "float"
-    if method == "fp8" and qc.get("weight_block_size"):
-        return "hf-fp8-block"
-    return {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq", "fp8": "hf-fp8"}.get(
-        method, f"unknown ({method})"
-    )
+def _format(path: Path, config: dict) -> str:
+    from fp8ptq.convert.detect import format_of_config
+
+    fmt = format_of_config(path, config)
+    return {"hf-fp8": "hf-fp8-block", "unknown (fp8)": "hf-fp8"}.get(fmt, fmt)
 
 
 def _modules(config: dict, out: list[Finding]) -> dict[str, torch.nn.Module]:
@@ -247,7 +243,7 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
     except ValueError as err:
         raise ModelError(f"'{path / 'config.json'}' is not JSON ({err})") from None
     src = ModelSource(path=path, label=str(path), weight_map=weight_map, config=None)
-    fmt = _format(config)
+    fmt = _format(path, config)
     findings: list[Finding] = []
     schemes: dict = {}
     modules = _modules(config, findings)
