@@ -135,20 +135,27 @@ def write_awq(src, dst, group_size=32) -> dict:
     return ref
 
 
+def _fused(name: str) -> str:
+    """The fused GEMM a shard belongs to (q/k/v, gate/up)."""
+    parent, _, leaf = name.rpartition(".")
+    return parent + "." + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf)
+
+
 def write_modelopt(src, dst, algo="FP8", kv=True, exclude=("lm_head",)) -> dict:
     tensors = _start(src, dst, None)
     hq = {"quant_algo": algo, "kv_cache_quant_algo": "FP8" if kv else None, "exclude_modules": list(exclude)}
     if algo == "NVFP4":
         hq["group_size"] = 16
     (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": hq}))
-    ref, inputs = {}, {}
+    ref, inputs, globals_ = {}, {}, {}
     gen = torch.Generator().manual_seed(1)
-    for i, name in enumerate(_linears(tensors)):
+    for name in _linears(tensors):
         w = tensors.pop(f"{name}.weight").float()
         if algo == "NVFP4":
             codes = torch.randint(0, 16, w.shape, generator=gen, dtype=torch.uint8)
             scale = (torch.rand(w.shape[0], w.shape[1] // 16, generator=gen) * 2 + 0.1).to(torch.float8_e4m3fn)
-            ws2 = torch.tensor(0.0123 * (i + 1))  # not a power of two: its reciprocal rounds
+            # not a power of two (its reciprocal rounds); one per fused GEMM, as ModelOpt's export unifies it
+            ws2 = globals_.setdefault(_fused(name), torch.tensor(0.0123 * (len(globals_) + 1))).clone()
             tensors[f"{name}.weight"] = codes[:, 0::2] | (codes[:, 1::2] << 4)
             tensors[f"{name}.weight_scale"], tensors[f"{name}.weight_scale_2"] = scale, ws2
             ref[name] = E2M1[codes.long()] * scale.float().repeat_interleave(16, 1) * ws2
@@ -158,13 +165,9 @@ def write_modelopt(src, dst, algo="FP8", kv=True, exclude=("lm_head",)) -> dict:
             tensors[f"{name}.weight"] = q
             tensors[f"{name}.weight_scale"] = scale.reshape(-1) if algo != "FP8" else scale
             ref[name] = q.float() * scale
-        if algo != "FP8_PER_CHANNEL_PER_TOKEN":  # fused shards (one input) share it, as ModelOpt's export makes them
-            leaf = name.rpartition(".")[2]
-            group = name.rpartition(".")[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
-                leaf, leaf
-            )
-            inputs.setdefault(group, torch.tensor(0.01 * (len(inputs) + 1)))
-            tensors[f"{name}.input_scale"] = inputs[group].clone()
+        if algo != "FP8_PER_CHANNEL_PER_TOKEN":  # fused shards (one input) share it, as ModelOpt writes them
+            tensors[f"{name}.input_scale"] = inputs.setdefault(_fused(name), torch.tensor(0.01 * (len(inputs) + 1)))
+            tensors[f"{name}.input_scale"] = tensors[f"{name}.input_scale"].clone()
         if kv and name.endswith(("k_proj", "v_proj")):
             tensors[f"{name}.{name[-6]}_scale"] = torch.tensor(0.02)
     _save(dst, tensors)

@@ -55,9 +55,10 @@ def detect_source(path: Path) -> str:
         raise ModelError(f"'{path}' has no config.json", fix="pass a Hugging Face checkpoint directory")
     fmt = format_of_config(path, read_json(path / "config.json"))
     if fmt not in SOURCES:
+        hint = "quantize it with `fp8ptq quantize`, or pass" if fmt == "float" else "pass"
         raise ModelError(
             f"'{path}' is a {fmt} checkpoint, which `convert` does not read",
-            fix=f"pass a checkpoint in one of: {', '.join(SOURCES)}",
+            fix=f"{hint} a checkpoint in one of: {', '.join(SOURCES)}",
         )
     return fmt
 

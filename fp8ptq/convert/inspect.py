@@ -9,7 +9,8 @@ see docs/formats.md):
            a targeted Linear without the tensors its format needs, or scale tensors on a module no group
            targets; a group size that does not divide the Linear's input; fused shards (q/k/v, gate/up)
            under different schemes; a draft's `d2t` sending a token outside the target vocabulary.
-  warning  fused shards with different per-tensor weight or input scales (vLLM re-quantizes to the max);
+  warning  fused shards with different per-tensor weight or input scales, or NVFP4 global scales (vLLM
+           re-quantizes to the max / takes one for all shards);
            a quantized vision module; a KV-cache scheme without k_scale/v_scale tensors (vLLM falls back
            to scale 1.0); block sizes not dividing a weight.
   info     an `ignore` entry that names no module (harmless to vLLM: adapters write generic router
@@ -47,6 +48,7 @@ SCALE_KEYS = (
     "input_global_scale",
 )
 ROUTER = re.compile(r"(^|\.)(router|gate)$")
+VISION = re.compile(r"(^|\.)(vision|visual)")
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,6 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
         label += "" if w.symmetric else " asym"
         label += "" if scheme.input_activations is None else f" + {scheme.input_activations.type} acts"
         schemes[label] = schemes.get(label, 0) + 1
-        if re.search(r"(^|\.)(vision|visual)", name):
-            out.append(Finding("warning", "quantized-vision", name, "a vision module is quantized"))
         need = list(PACKED.get(fmt, ("weight", "weight_scale")))
         if not w.symmetric:
             need.append("weight_zero_point")
@@ -144,6 +144,8 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
     for module in sorted({n.rpartition(".")[0] for n in names if n.endswith(("weight_scale", "weight_packed"))}):
         if ROUTER.search(module):  # routers are not nn.Linear in every transformers family: by tensor name
             out.append(Finding("error", "quantized-router", module, "a router/gate is quantized; vLLM loads it float"))
+        if VISION.search(module):  # by tensor name too: a text-only model tree has no vision modules
+            out.append(Finding("warning", "quantized-vision", module, "a vision module is quantized"))
     _lint_fused(src, modules, chosen, out)
     for pattern in qcfg.ignore or []:
         if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
@@ -170,7 +172,7 @@ def _lint_fused(src, modules: dict, chosen: dict, out: list[Finding]) -> None:
         if len({json.dumps(None if s is None else s.model_dump(), default=str) for s in got}) > 1:
             out.append(Finding("error", "fused-schemes", fused, f"shards {shards} differ in scheme (one GEMM in vLLM)"))
             continue
-        for key in ("weight_scale", "input_scale"):
+        for key in ("weight_scale", "input_scale", "weight_global_scale", "input_global_scale"):
             vals = [src.tensor(f"{n}.{key}") for n in shards if src.has(f"{n}.{key}")]
             if len(vals) == len(shards) > 1 and all(v.numel() == 1 for v in vals):
                 if len({float(v) for v in vals}) > 1:

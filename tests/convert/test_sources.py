@@ -132,7 +132,8 @@ def test_modelopt_nvfp4_same_codes_reciprocal_global_scales(tiny_dir, tmp_path):
         # compressed-tensors divides by the global scale and rounds the values to bf16 (fp8ptq/ops/fp4.py)
         torch.testing.assert_close(sim[f"{name}.weight"], want, rtol=2**-8, atol=0)
     assert _check_config(tmp_path / "ct")["format"] == "nvfp4-pack-quantized"
-    assert inspect(InspectConfig(path=tmp_path / "ct"))["errors"] == 0
+    r = inspect(InspectConfig(path=tmp_path / "ct"))
+    assert r["errors"] == 0 and not [f for f in r["findings"] if f["level"] == "warning"], r["findings"]
 
 
 def test_bad_sources_fail_cleanly(tiny_dir, tmp_path):
