@@ -248,9 +248,11 @@ def convert(cfg: ConvertConfig) -> dict:
         raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
     from fp8ptq.convert.detect import check_source
 
-    found = check_source(cfg.source, cfg.source_format)
-    if cfg.to == "gguf":
+    if cfg.to == "gguf":  # its own checks name what a compressed-tensors source lacks
+        if cfg.source_format is not None:
+            check_source(cfg.source, cfg.source_format)
         return _convert_to_gguf(cfg)
+    found = check_source(cfg.source, cfg.source_format)
     import torch
 
     from fp8ptq.io import check_output
