@@ -94,6 +94,7 @@ class ConvertConfig:
     dtype: str = "bfloat16"  # of dequantized tensors (and the config's dtype)
     recipe: str | None = None  # to compressed-tensors: re-quantize other GGML quant types with it (data-free)
     overwrite: bool = False
+    source_format: str | None = None  # --from: gguf|gptq|awq|modelopt|hf-fp8|compressed-tensors (None: detect)
 
 
 def resolve_device(device: str) -> str:
@@ -245,17 +246,20 @@ def convert(cfg: ConvertConfig) -> dict:
         raise OptionError(f"unknown --to '{cfg.to}'", fix=f"use one of: {', '.join(CONVERT_TARGETS)}")
     if cfg.recipe is not None and cfg.to != "compressed-tensors":
         raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
-    if cfg.to == "gguf":
+    from fp8ptq.convert.detect import check_source
+
+    if cfg.to == "gguf":  # its own checks name what a compressed-tensors source lacks
+        if cfg.source_format is not None:
+            check_source(cfg.source, cfg.source_format)
         return _convert_to_gguf(cfg)
+    found = check_source(cfg.source, cfg.source_format)
     import torch
 
     from fp8ptq.io import check_output
     from fp8ptq.models.loader import convert_gguf
 
-    if not cfg.source.exists():
-        raise ModelError(f"'{cfg.source}' not found", fix="pass the path of an existing .gguf file")
-    if cfg.to == "compressed-tensors" and cfg.source.is_dir():
-        return _convert_hf_fp8(cfg)
+    if cfg.to == "compressed-tensors" and found != "gguf":
+        return _convert_dir(cfg, found)
     if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
         raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
     check_output(cfg.output, cfg.overwrite)
@@ -286,6 +290,32 @@ def inspect(cfg: InspectConfig) -> dict:
     from fp8ptq.convert.inspect import inspect_checkpoint
 
     return inspect_checkpoint(cfg.path)
+
+
+def _convert_dir(cfg: ConvertConfig, found: str) -> dict:
+    """A GPTQ / AWQ / ModelOpt / block-FP8 directory -> compressed-tensors with the same codes."""
+    import torch
+
+    from fp8ptq.io import atomic_output_dir
+
+    if found == "hf-fp8":
+        return _convert_hf_fp8(cfg)
+    if found == "compressed-tensors":
+        raise ModelError(f"'{cfg.source}' is compressed-tensors already", fix="--to gguf or --to hf convert it")
+    if cfg.recipe is not None:
+        raise ModelError(f"--recipe applies to GGUF sources only, not {found}", fix="drop --recipe")
+    from fp8ptq.convert import modelopt, packed_int
+    from fp8ptq.convert.detect import read_json
+
+    module = modelopt if found == "modelopt" else packed_int
+    module.read_config(cfg.source, read_json(cfg.source / "config.json"), found)  # a typed error before output
+    if found == "modelopt":
+        run = modelopt.modelopt_to_ct
+    else:
+        run = lambda src, tmp: packed_int.packed_int_to_ct(src, tmp, found, getattr(torch, cfg.dtype))  # noqa: E731
+    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
+        report = run(cfg.source, tmp)
+    return {"output": str(cfg.output), **report}
 
 
 def _convert_hf_fp8(cfg: ConvertConfig) -> dict:

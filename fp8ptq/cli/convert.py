@@ -22,6 +22,15 @@ def summary_line(report: dict) -> str:
         )
     if report.get("from") == "hf-fp8":
         return f"tensors: {s['exact']} exact (FP8 block {s['block']}: same codes, weight_scale_inv -> weight_scale)"
+    if report.get("from") in ("gptq", "awq"):
+        kind = f"INT{s['bits']} {'symmetric' if s['symmetric'] else 'with zero points'}"
+        deq = f", {s['dequantized']} dequantized (act-order g_idx)" if s["dequantized"] else ""
+        return f"tensors: {s['exact']} exact ({report['from']} -> {kind}: same codes, scales, zero points){deq}"
+    if report.get("from") == "modelopt":
+        extra = f", {s['kv_scales']} KV scales" if s["kv_scales"] else ""
+        if s["algo"] == "NVFP4":
+            extra += f"; global scales inverted, worst rel err {s['worst_global_scale_rel_err']:.3g}"
+        return f"tensors: {s['exact']} exact (ModelOpt {s['algo']}: same codes and scales{extra})"
     parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
     if s["requantized"]:
         parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
@@ -34,7 +43,9 @@ def summary_line(report: dict) -> str:
 @app.command()
 def convert(
     source: Path = typer.Argument(
-        ..., help=".gguf file; a block-FP8 HF dir (to compressed-tensors); a compressed-tensors dir (--to gguf)"
+        ...,
+        help=".gguf file; a GPTQ / AWQ / ModelOpt / block-FP8 dir (to compressed-tensors); a compressed-tensors "
+        "dir (--to gguf)",
     ),
     output: Path = typer.Option(..., "--output", "-o", help="a directory, or NAME.gguf for --to gguf"),
     to: str = typer.Option(
@@ -45,12 +56,17 @@ def convert(
     recipe: str = typer.Option(
         None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
     ),
+    source_format: str = typer.Option(
+        None, "--from", help="gguf, gptq, awq, modelopt, hf-fp8 or compressed-tensors: confirm the detected format"
+    ),
     overwrite: bool = typer.Option(False),
 ):
     """Convert between GGUF and Hugging Face checkpoints: a GGUF to float (--to hf) or to
     compressed-tensors with Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights
     (--to compressed-tensors, report in OUT/conversion.json); a transformers block-FP8 directory to
-    compressed-tensors block FP8 with the same bytes (--to compressed-tensors); a compressed-tensors
+    compressed-tensors block FP8 with the same bytes, and GPTQ / AWQ / NVIDIA ModelOpt (FP8, NVFP4)
+    directories to compressed-tensors with the same codes, scales and zero points (--to
+    compressed-tensors; the format is detected, --from confirms it); a compressed-tensors
     checkpoint to GGUF with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf).
 
     \b
@@ -60,6 +76,9 @@ def convert(
       fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
       fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
       fp8ptq convert ./Qwen3-0.6B-FP8 --to compressed-tensors -o out/qwen3-fp8-block
+      fp8ptq convert ./Llama-3.2-1B-GPTQ --from gptq --to compressed-tensors -o out/llama-w4a16
+      fp8ptq convert ./model-AWQ --to compressed-tensors -o out/model-w4a16-asym
+      fp8ptq convert ./model-modelopt-fp8 --from modelopt --to compressed-tensors -o out/model-fp8
     """
     offline()
     from fp8ptq.api import ConvertConfig
@@ -70,7 +89,15 @@ def convert(
     with user_errors():
         with console.status(f"converting {source}"):
             report = run(
-                ConvertConfig(source=source, output=output, to=to, dtype=dtype, recipe=recipe, overwrite=overwrite)
+                ConvertConfig(
+                    source=source,
+                    output=output,
+                    to=to,
+                    dtype=dtype,
+                    recipe=recipe,
+                    overwrite=overwrite,
+                    source_format=source_format,
+                )
             )
     if "summary" in report:
         out.print(summary_line(report))

@@ -1,14 +1,16 @@
 """`fp8ptq inspect`: what a checkpoint is (format, schemes, size) and a lint of what makes vLLM refuse or
 mis-load it, read from headers and small tensors only (never the weights' data beyond scales).
 
-Formats told apart by their files: GGUF (a .gguf file), compressed-tensors, transformers' FP8 block format
-(`quant_method: fp8`), GPTQ / AWQ, plain float. The lint (compressed-tensors, as vLLM 0.32's
-CompressedTensorsConfig and weight loaders read it; see docs/formats.md):
+Formats told apart by their files (convert/detect.py): GGUF (a .gguf file), compressed-tensors,
+transformers' FP8 block format (`quant_method: fp8`), GPTQ / AWQ, NVIDIA ModelOpt (hf_quant_config.json),
+plain float. The lint (compressed-tensors, as vLLM 0.32's CompressedTensorsConfig and weight loaders read it;
+see docs/formats.md):
   error    a quantized router/gate (vLLM keeps routers float: KeyError on `gate.weight_scale` at load);
            a targeted Linear without the tensors its format needs, or scale tensors on a module no group
            targets; a group size that does not divide the Linear's input; fused shards (q/k/v, gate/up)
            under different schemes; a draft's `d2t` sending a token outside the target vocabulary.
-  warning  fused shards with different per-tensor weight or input scales (vLLM re-quantizes to the max);
+  warning  fused shards with different per-tensor weight or input scales, or NVFP4 global scales (vLLM
+           re-quantizes to the max / takes one for all shards);
            a quantized vision module; a KV-cache scheme without k_scale/v_scale tensors (vLLM falls back
            to scale 1.0); block sizes not dividing a weight.
   info     an `ignore` entry that names no module (harmless to vLLM: adapters write generic router
@@ -46,6 +48,7 @@ SCALE_KEYS = (
     "input_global_scale",
 )
 ROUTER = re.compile(r"(^|\.)(router|gate)$")
+VISION = re.compile(r"(^|\.)(vision|visual)")
 
 
 @dataclass(frozen=True)
@@ -56,16 +59,11 @@ class Finding:
     message: str
 
 
-def _format(config: dict) -> str:
-    qc = config.get("quantization_config") or {}
-    method = qc.get("quant_method")
-    if method is None:
-        return "float"
-    if method == "fp8" and qc.get("weight_block_size"):
-        return "hf-fp8-block"
-    return {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq", "fp8": "hf-fp8"}.get(
-        method, f"unknown ({method})"
-    )
+def _format(path: Path, config: dict) -> str:
+    from fp8ptq.convert.detect import format_of_config
+
+    fmt = format_of_config(path, config)
+    return {"hf-fp8": "hf-fp8-block", "unknown (fp8)": "hf-fp8"}.get(fmt, fmt)
 
 
 def _modules(config: dict, out: list[Finding]) -> dict[str, torch.nn.Module]:
@@ -120,8 +118,6 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
         label += "" if w.symmetric else " asym"
         label += "" if scheme.input_activations is None else f" + {scheme.input_activations.type} acts"
         schemes[label] = schemes.get(label, 0) + 1
-        if re.search(r"(^|\.)(vision|visual)", name):
-            out.append(Finding("warning", "quantized-vision", name, "a vision module is quantized"))
         need = list(PACKED.get(fmt, ("weight", "weight_scale")))
         if not w.symmetric:
             need.append("weight_zero_point")
@@ -148,6 +144,8 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
     for module in sorted({n.rpartition(".")[0] for n in names if n.endswith(("weight_scale", "weight_packed"))}):
         if ROUTER.search(module):  # routers are not nn.Linear in every transformers family: by tensor name
             out.append(Finding("error", "quantized-router", module, "a router/gate is quantized; vLLM loads it float"))
+        if VISION.search(module):  # by tensor name too: a text-only model tree has no vision modules
+            out.append(Finding("warning", "quantized-vision", module, "a vision module is quantized"))
     _lint_fused(src, modules, chosen, out)
     for pattern in qcfg.ignore or []:
         if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
@@ -174,7 +172,7 @@ def _lint_fused(src, modules: dict, chosen: dict, out: list[Finding]) -> None:
         if len({json.dumps(None if s is None else s.model_dump(), default=str) for s in got}) > 1:
             out.append(Finding("error", "fused-schemes", fused, f"shards {shards} differ in scheme (one GEMM in vLLM)"))
             continue
-        for key in ("weight_scale", "input_scale"):
+        for key in ("weight_scale", "input_scale", "weight_global_scale", "input_global_scale"):
             vals = [src.tensor(f"{n}.{key}") for n in shards if src.has(f"{n}.{key}")]
             if len(vals) == len(shards) > 1 and all(v.numel() == 1 for v in vals):
                 if len({float(v) for v in vals}) > 1:
@@ -247,7 +245,7 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
     except ValueError as err:
         raise ModelError(f"'{path / 'config.json'}' is not JSON ({err})") from None
     src = ModelSource(path=path, label=str(path), weight_map=weight_map, config=None)
-    fmt = _format(config)
+    fmt = _format(path, config)
     findings: list[Finding] = []
     schemes: dict = {}
     modules = _modules(config, findings)

@@ -127,6 +127,39 @@ def test_planted_defects_are_flagged(ct, kv8, tmp_path):
     assert _codes(_copy(ct, tmp_path / "d2t", edit_tensors=d2t))["d2t-range"] == "error"
 
 
+def test_planted_defects_of_other_formats(ct, tiny_dir, tmp_path):
+    """The issue's remaining defects: a quantized vision module, block sizes a weight does not divide, fused
+    shards with different NVFP4 global scales (one checkpoint each)."""
+    from test_hf_fp8 import write_fp8_block
+
+    from source_formats import write_modelopt
+
+    vision = {"model.vision_tower.blocks.0.mlp.fc1.weight_scale": torch.ones(4, 1)}
+    assert (
+        _codes(_copy(ct, tmp_path / "vision", edit_tensors=lambda t: t.update(vision)))["quantized-vision"] == "warning"
+    )
+    convert(
+        ConvertConfig(
+            source=write_fp8_block(tiny_dir, tmp_path / "fp8", [32, 32]),
+            output=tmp_path / "b32",
+            to="compressed-tensors",
+        )
+    )
+
+    def block48(c):
+        _group(c)["weights"]["block_structure"] = [48, 48]
+
+    assert _codes(_copy(tmp_path / "b32", tmp_path / "b48", block48))["block-size"] == "warning"
+    write_modelopt(tiny_dir, tmp_path / "mo", algo="NVFP4", kv=False)
+    convert(ConvertConfig(source=tmp_path / "mo", output=tmp_path / "nvfp4", to="compressed-tensors"))
+    assert "fused-scales" not in _codes(tmp_path / "nvfp4")
+
+    def skew(t):
+        t["model.layers.1.mlp.up_proj.weight_global_scale"] = t["model.layers.1.mlp.up_proj.weight_global_scale"] * 2
+
+    assert _codes(_copy(tmp_path / "nvfp4", tmp_path / "skew", edit_tensors=skew))["fused-scales"] == "warning"
+
+
 def test_cli_lines_json_and_exit_codes(ct, tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["inspect", str(ct)])
