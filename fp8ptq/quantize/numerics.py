@@ -5,8 +5,9 @@
 - Linear weight: the stored, dequantized weight (set by the caller).
 - KV cache: keys (after RoPE) and values quantized with k_scale / v_scale, installed through a custom
   transformers attention function ("fp8ptq_sdpa") that wraps the model's own attention function
-  (SDPA unless the adapter's layer says otherwise: `fp8ptq_inner_attention`). Every key/value the
-  attention reads is quantized, i.e. the decode-time view where all past tokens come from the FP8 cache.
+  (SDPA unless the adapter's layer says otherwise: `fp8ptq_inner_attention`; "fp8ptq_eager" for
+  families SDPA cannot compute). Every key/value the attention reads is quantized, i.e. the
+  decode-time view where all past tokens come from the FP8 cache.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from compressed_tensors.quantization import QuantizationArgs
 from fp8ptq.quantize.schemes import dynamic_inputs, handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
+# The same, for families whose attention transformers' SDPA cannot compute (Arch.eager_attention: gpt-oss's
+# sinks): eager masks (additive, always built) and the layer's own eager function as the inner attention.
+# build_skeleton swaps the name in (no "sdpa" in it: transformers refuses SDPA names for such models).
+EAGER_ATTN_IMPL = "fp8ptq_eager"
 _CHUNK_ROWS = 8192  # bounds the fp32 temporaries of fake-quant on large calibration batches
 
 
@@ -26,23 +31,27 @@ def register_attention() -> str:
     """Register the KV-observing attention with transformers (idempotent) and return its name."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    def fp8ptq_sdpa(module, query, key, value, attention_mask, **kwargs):
-        hook: Callable | None = getattr(module, "fp8ptq_kv_hook", None)
-        if hook is not None:
-            key, value = hook(module, key, value)
-        inner = getattr(module, "fp8ptq_inner_attention", sdpa_attention_forward)
-        return inner(module, query, key, value, attention_mask, **kwargs)
+    def wrap(default: Callable | None):
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            hook: Callable | None = getattr(module, "fp8ptq_kv_hook", None)
+            if hook is not None:
+                key, value = hook(module, key, value)
+            inner = getattr(module, "fp8ptq_inner_attention", default)
+            assert inner is not None, f"{type(module).__name__} has no fp8ptq_inner_attention (set by its adapter)"
+            return inner(module, query, key, value, attention_mask, **kwargs)
 
-    if ATTN_IMPL not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTN_IMPL, fp8ptq_sdpa)
+        return attention
+
     # The mask builder is looked up by the same name: without it transformers builds no mask and SDPA
     # falls back to a plain causal mask, wrong for padded batches and for several new tokens after a KV
     # cache (lm-eval's batched generation, speculative verification).
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if ATTN_IMPL not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+    for name, default, mask in ((ATTN_IMPL, sdpa_attention_forward, sdpa_mask), (EAGER_ATTN_IMPL, None, eager_mask)):
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, wrap(default))
+        if name not in AttentionMaskInterface._global_mapping:
+            AttentionMaskInterface.register(name, mask)
     return ATTN_IMPL
 
 

