@@ -1,12 +1,12 @@
 """Calibrate+quantize time against one plain fp32 forward over the same tokens, in the same process.
 
-    .venv/bin/python benchmarks/cpu_speed.py [--recipe fp8-kv8] [--weights rtn|gptq] [--repeat 2]
+    .venv/bin/python benchmarks/cpu_speed.py [--recipe fp8-kv8] [--weights default rtn gptq] [--repeat 2]
         [--num-samples 64 --seq-len 512] [--model smollm2-135m] [--profile 25]
 
 Each repeat times, back to back so both see the same machine load: (1) one plain `model.model(...)`
 forward of the transformers model in fp32 over the calibration tokens, batches of 8 (the "floor":
 what any calibration must at least run once), then (2) `fp8ptq.api.quantize` of the same model with
-the same tokens and no quality check (`eval_samples=0`); the ratio is the manifest's `quantize_s`
+the same tokens and no quality check (`eval_samples=0`), once per --weights choice; the ratio is the manifest's `quantize_s`
 (calibration + quantization + writing the layers) over the floor. `--profile N` prints the N
 functions with the most own time in the quantize call (cProfile). Prints one markdown row per repeat.
 """
@@ -39,7 +39,7 @@ def forward_floor(model_dir: Path, ids, batch: int = 8) -> float:
         return time.perf_counter() - t
 
 
-def quantize_once(args, out: Path, profile: int) -> float:
+def quantize_once(args, weights: str | None, out: Path, profile: int) -> float:
     from fp8ptq.api import QuantizeConfig, quantize
 
     cfg = QuantizeConfig(
@@ -50,7 +50,7 @@ def quantize_once(args, out: Path, profile: int) -> float:
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         eval_samples=0,
-        weights=args.weights,
+        weights=weights,
         device=args.device,
     )
     prof = cProfile.Profile() if profile else None
@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--recipe", default="fp8-kv8")
-    ap.add_argument("--weights", choices=["rtn", "gptq"], default=None, help="default: the recipe's")
+    ap.add_argument("--weights", nargs="+", choices=["default", "rtn", "gptq"], default=["default"])
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=1)
@@ -91,9 +91,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cpu-speed-") as tmp:
         for r in range(args.repeat):
             floor = float("nan") if args.skip_floor else forward_floor(src.path, ids)
-            q = quantize_once(args, Path(tmp) / "out", args.profile if r == 0 else 0)
-            w = args.weights or "recipe default"
-            print(f"| {r + 1} | {args.recipe} | {w} | {floor:.1f} | {q:.1f} | {q / floor:.2f} |", flush=True)
+            for w in args.weights:
+                q = quantize_once(args, None if w == "default" else w, Path(tmp) / "out", args.profile if r == 0 else 0)
+                print(f"| {r + 1} | {args.recipe} | {w} | {floor:.1f} | {q:.1f} | {q / floor:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
