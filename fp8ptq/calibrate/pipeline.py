@@ -27,6 +27,7 @@ import torch
 
 from fp8ptq.calibrate.experts import ExpertStage, merge_expert_stages, quantize_expert_stage
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
+from fp8ptq.calibrate.replay import Replay
 from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, Stop, describe, finite_stats, prepare
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.arch import Block
@@ -65,6 +66,8 @@ class LayerCalibrator:
         self._last: tuple | None = None  # (input, quantized input): fused shards see the same tensor
         self._caching, self._cached = None, {}
         self.routes: dict[str, list[int]] = {}  # experts path -> routed tokens per expert (calibrate/experts.py)
+        tokens = len(state.chunks.local_samples()) * state.seq_len
+        self.replay = Replay(self.modules, 0, tokens, lambda: self.chunk[0])  # calibrate/replay.py
 
     def _run_block(self, block: Block, x: torch.Tensor, inputs=None) -> torch.Tensor:
         return self.arch.run_block(self.layer, block, x, self.inputs if inputs is None else inputs)
@@ -99,9 +102,10 @@ class LayerCalibrator:
     # -- passes --------------------------------------------------------------------------------------
     def _pass(self, block: Block, write: bool = False) -> None:
         """Run `block` over every local chunk; a Stop from a hook ends that chunk early."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self.replay.during_pass() as seen:
             for c, first, x in self.state.each_chunk():
                 self.chunk = (c, first)
+                seen.add(c)
                 try:
                     y = self._run_block(block, x)
                 except Stop:
@@ -182,6 +186,8 @@ class LayerCalibrator:
 
     def _install_input_quant(self, group, quant: Callable) -> None:
         def hook(_m, args):
+            if _m in self.replay.active:  # its output is replayed: its input is not needed
+                return None
             x = args[0]
             if self._last is None or self._last[0] is not x:
                 self._last = None  # drop the previous pair before allocating the next
@@ -233,18 +239,34 @@ class LayerCalibrator:
                 and self._cache_fits(self.modules[block.final].in_features)
             )
             self._caching, self._cached = (last if cacheable else None), {}
-            for stage in stages:
+            self._plan_replay(block, stages, cacheable)
+            for k, stage in enumerate(stages):
                 if stage == "kv":
                     self.quantize_kv(block)
                 elif isinstance(stage, ExpertStage):
                     quantize_expert_stage(self, block, stage)
                 else:
                     self.quantize_stage(block, stage)
+                    # a quantized group is final: worth recording when two more passes run through it
+                    if self.replay.budget and len(stages) - k - 1 + (not cacheable) >= 2:
+                        self.replay.want(stage, lambda n: self.modules[n].out_features)
             if self._caching is not None:
                 self._output_from_cache(block)
             else:
                 self._pass(block, write=True)
             self._caching, self._cached = None, {}
+            self.replay.clear()
+
+    def _plan_replay(self, block: Block, stages: list, cacheable: bool) -> None:
+        """Replay budget for this block (what the final Linear's cache leaves) and the norm's recording."""
+        self.replay.clear()
+        self.replay.budget = 0
+        if any(isinstance(s, ExpertStage) for s in stages):
+            return  # MoE blocks: passes over expert batches; not replayed
+        final = self.replay.tokens * self.modules[block.final].in_features * 4 if cacheable else 0
+        self.replay.budget = max(0, self.state.cache_bytes - final)
+        if len(stages) + (not cacheable) >= 2:
+            self.replay.want([block.norm], lambda _n: self.state.store.shape[-1])
 
     def _cache_fits(self, width: int) -> bool:
         tokens = len(self.state.chunks.local_samples()) * self.state.seq_len

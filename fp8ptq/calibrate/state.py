@@ -89,7 +89,8 @@ def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, 
     model = build_skeleton(src.config, attn_implementation=register_attention())
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
     local = chunks.local_samples()
-    store = ActivationStore(len(local), input_ids.shape[1], src.config.hidden_size, setup.offload_dir)
+    shape = (len(local), input_ids.shape[1], src.config.hidden_size)
+    store = ActivationStore(*shape, setup.offload_dir, device=_store_device(device, math.prod(shape) * 4))
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
     state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache)
@@ -107,6 +108,15 @@ def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, 
             state.write(r.start, x if scale is None else x * scale)
         del table
     return model, state
+
+
+def _store_device(device: torch.device, nbytes: int) -> torch.device | None:
+    """The calibration device for the activation store when it is a GPU with room for 4x the store
+    (the layer and a chunk's intermediates need the rest), else host RAM (None)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return device if 4 * nbytes <= free else None
 
 
 def observe_layer(

@@ -4,6 +4,8 @@ The pipeline reads one chunk of samples, runs it through a block of the current 
 result back in place. `offload=True` keeps the states in a file and reads/writes chunks with
 pread/pwrite (no mmap: mapped file pages would count in the process's RSS), so RAM holds one chunk.
 `save`/`load` checkpoint the states at a layer boundary for `--resume` (written atomically).
+In RAM means on `device`: a GPU run keeps the states in GPU memory when they fit (calibrate/state.py),
+so no pass copies them between host and device.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ _DTYPE = torch.float32  # calibration flows in fp32: isolates quantization error
 
 
 class ActivationStore:
-    def __init__(self, samples: int, seq_len: int, hidden: int, offload_dir: Path | None = None):
+    def __init__(self, samples: int, seq_len: int, hidden: int, offload_dir: Path | None = None, device=None):
         self.shape = (samples, seq_len, hidden)
         self.row_bytes = seq_len * hidden * 4  # one sample
         self.path: Path | None = None
         self._fd: int | None = None
         self._mem: torch.Tensor | None = None
         if offload_dir is None:
-            self._mem = torch.zeros(self.shape, dtype=_DTYPE)
+            self._mem = torch.zeros(self.shape, dtype=_DTYPE, device=device or "cpu")
         else:
             offload_dir.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(prefix="activations-", suffix=".f32", dir=offload_dir)
@@ -39,7 +41,7 @@ class ActivationStore:
         return self.shape[0] * self.row_bytes
 
     def read(self, start: int, stop: int) -> torch.Tensor:
-        """Samples [start, stop) as a new fp32 tensor [n, seq, hidden]."""
+        """Samples [start, stop) as a new fp32 tensor [n, seq, hidden] (on the store's device)."""
         if self._mem is not None:
             return self._mem[start:stop].clone()
         n = stop - start
@@ -53,7 +55,7 @@ class ActivationStore:
         return torch.frombuffer(buf, dtype=_DTYPE).reshape(n, *self.shape[1:])
 
     def write(self, start: int, x: torch.Tensor) -> None:
-        x = x.detach().to("cpu", _DTYPE).contiguous()
+        x = x.detach().to(self._mem.device if self._mem is not None else "cpu", _DTYPE).contiguous()
         if self._mem is not None:
             self._mem[start : start + x.shape[0]] = x
             return
@@ -69,7 +71,7 @@ class ActivationStore:
             with open(tmp, "wb") as f:
                 step = max(1, (256 << 20) // self.row_bytes)
                 for i in range(0, self.shape[0], step):
-                    f.write(memoryview(self.read(i, min(i + step, self.shape[0])).numpy()).cast("B"))
+                    f.write(memoryview(self.read(i, min(i + step, self.shape[0])).cpu().numpy()).cast("B"))
 
         write_atomic(path, write)
 

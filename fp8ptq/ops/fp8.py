@@ -49,8 +49,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, g: Granularity, dtype=torch
 
 
 def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype: what the engine's FP8 GEMM sees."""
-    return dequantize(quantize_fp8(x, scale, g), scale, g, x.dtype)
+    """dequantize(quantize(x)) in x's dtype: what the engine's FP8 GEMM sees. The same operations as
+    those two, bit for bit, with the scale expanded once and the clamp and product in place (it runs on
+    every calibration activation and on every GPTQ column: two fewer full-size temporaries)."""
+    rows = x.reshape(-1, x.shape[-1])
+    s = expand_scale(scale.float(), rows, g)
+    t = (rows.float() / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    return t.mul_(s).to(x.dtype).reshape(x.shape)
 
 
 def fake_quant_fp8_dynamic(x: torch.Tensor, g: Granularity) -> torch.Tensor:

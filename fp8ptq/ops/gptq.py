@@ -182,9 +182,13 @@ class GPTQResult:
 
 
 @contextmanager
-def _one_thread():
+def _one_thread(device: torch.device):
     """The column loop is thousands of tiny ops: OpenMP fork/join costs more than the math (measured
-    30x slower with 2 threads on a 2-core machine under load). Restores the caller's setting."""
+    30x slower with 2 threads on a 2-core machine under load). Restores the caller's setting. On a GPU
+    the ops run on the device: the host's thread count is left alone."""
+    if device.type != "cpu":
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -298,7 +302,7 @@ def gptq(
         raise ValueError(f"group_size {n_g} does not divide in_features {n}")
     W, H, dead = _prepare(W, H)
     order = _column_order(H, act_order)
-    with _one_thread():
+    with _one_thread(W.device):
         if n_g is None:
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731

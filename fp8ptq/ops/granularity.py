@@ -65,7 +65,7 @@ def reduce_amax(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     """
     if g.kind == "tensor":
         if not x.numel():
-            return torch.zeros(1)
+            return torch.zeros(1, device=x.device)
         lo, hi = torch.aminmax(x.detach())  # no |x| temporary: calibration inputs can be GBs
         return torch.maximum(-lo, hi).float().reshape(1)
     if g.kind == "block":
@@ -85,7 +85,7 @@ def reduce_minmax(x: torch.Tensor, g: Granularity) -> tuple[torch.Tensor, torch.
     """
     if g.kind == "tensor":
         if not x.numel():
-            return torch.zeros(1), torch.zeros(1)
+            return torch.zeros(1, device=x.device), torch.zeros(1, device=x.device)
         lo, hi = torch.aminmax(x.detach())
         return lo.float().reshape(1), hi.float().reshape(1)
     if g.kind == "block":

@@ -1,0 +1,197 @@
+"""One command: fp8ptq vs llm-compressor on a synthetic Llama-3-8B-shaped model, same tokens, same evaluator.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/gpu_bench.py --device cuda --layers 8 [--num-samples 64 \
+        --seq-len 512] [--eval-samples 4] [--work /tmp/fp8ptq-gpubench] [--no-llmc] [--json out.json]
+
+The model (fp8ptq.models.synthetic: hidden 4096, intermediate 14336, 32/8 heads, vocab 128256 by
+default, random bf16 weights with a few outlier channels) and its 1024-token tokenizer are written
+once under --work; both tools get the same calibration tokens (the built-in calibration split, seed 0,
+also saved to calib.safetensors for llm-compressor). Runs, each in its own process:
+
+  fp8ptq fp8-kv8 --weights rtn   vs  llm-compressor fp8-kv8 (QuantizationModifier "FP8" + FP8 KV oneshot)
+  fp8ptq fp8-kv8 (GPTQ, default)
+  fp8ptq w4a16 --group-size 64   vs  llm-compressor w4a16-g64-gptq (GPTQModifier)
+
+Per run: the tool's own calibrate+quantize wall time, the process wall time, peak GPU memory
+(torch.cuda.max_memory_allocated in the tool's process; on --device cpu the process's peak RSS) and
+the KL of the export against the unquantized model from fp8ptq's streaming evaluator (`eval quality`
+numerics, on the CPU) over --eval-samples held-out samples. llm-compressor runs from
+benchmarks/.venv-llmc (bash benchmarks/setup_llmc_venv.sh; --llmc-python to point elsewhere); without it
+the table has fp8ptq's rows only and says so. With `--device cpu` and tiny sizes (--hidden 64 ...) the
+whole command runs in a test (tests/benchmarks/test_gpu_bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from probe import child
+
+ROOT = Path(__file__).resolve().parents[1]
+LLMC_PY = ROOT / "benchmarks" / ".venv-llmc" / "bin" / "python"
+
+# One fp8ptq quantize in a fresh process; prints {"quantize_s", "peak_mib", "memory"} as its last line.
+FP8PTQ_RUN = """
+import json, resource, sys
+import torch
+from fp8ptq.api import QuantizeConfig, quantize
+a = json.loads(sys.argv[1])
+cuda = a["device"].startswith("cuda")
+if cuda:
+    torch.cuda.reset_peak_memory_stats()
+m = quantize(QuantizeConfig(**{**a, "output": __import__("pathlib").Path(a["output"])}))
+peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"quantize_s": m.timings["quantize_s"], "peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
+"""
+
+# llm-compressor's benchmarks/llmc_quantize.py with the peak GPU memory of its process appended.
+LLMC_RUN = """
+import json, resource, runpy, sys
+import torch
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+cuda = torch.cuda.is_available()
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    if e.code:
+        raise
+peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
+"""
+
+FP8PTQ_RUNS = [  # (label, recipe, weights override, group size override)
+    ("fp8-kv8 RTN", "fp8-kv8", "rtn", None),
+    ("fp8-kv8 GPTQ (default)", "fp8-kv8", None, None),
+    ("w4a16 g64 GPTQ", "w4a16", None, 64),
+]
+LLMC_RUNS = [("fp8-kv8 oneshot", "fp8-kv8"), ("w4a16 g64 GPTQ", "w4a16-g64-gptq")]
+
+
+def build(a) -> tuple[Path, Path]:
+    """The synthetic model and the calibration tokens (written once per shape under --work)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fp8ptq import data
+    from fp8ptq.models.loader import open_hf_dir
+    from fp8ptq.models.synthetic import SyntheticSpec, write_synthetic, write_tokenizer
+
+    tok = a.work / "tokenizer"
+    if not (tok / "tokenizer.json").is_file():
+        write_tokenizer(tok)
+    spec = SyntheticSpec(
+        layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab
+    )
+    src = a.work / f"llama-{a.layers}l-{a.hidden}h-{a.intermediate}i-{a.heads}q{a.kv_heads}kv-{a.vocab}v"
+    if not (src / "config.json").is_file():
+        write_synthetic(src, tok, spec)
+    ids = data.load_samples(data.BUILTIN, open_hf_dir(src).tokenizer(), a.num_samples, a.seq_len, "calibration", 0)
+    calib = a.work / f"calib-{a.num_samples}x{a.seq_len}.safetensors"
+    save_file({"input_ids": ids.to(torch.int64).contiguous()}, str(calib))
+    return src, calib
+
+
+def kl_of(out: Path, src: Path, a) -> float:
+    from fp8ptq.api import EvalConfig, evaluate_quality
+
+    cfg = EvalConfig(model=str(out), reference=str(src), num_samples=a.eval_samples, seq_len=a.seq_len)
+    return float(evaluate_quality(cfg)["kl"])
+
+
+def run_fp8ptq(a, src: Path, env: dict) -> list[dict]:
+    rows = []
+    for label, recipe, weights, group in FP8PTQ_RUNS:
+        out = a.work / ("fp8ptq-" + label.split()[0] + ("-" + weights if weights else "") + f"-{a.device}")
+        cfg = dict(
+            model=str(src), recipe=recipe, output=str(out), overwrite=True, num_samples=a.num_samples,
+            seq_len=a.seq_len, eval_samples=0, device=a.device, weights=weights, group_size=group,
+        )  # fmt: skip
+        meta, lines, err = child([sys.executable, "-c", FP8PTQ_RUN, json.dumps(cfg)], env)
+        if meta["rc"] != 0:
+            raise SystemExit(f"fp8ptq {label} failed:\n{err[-3000:]}")
+        r = json.loads(lines[-1])
+        rows.append(
+            dict(tool="fp8ptq", run=label, quantize_s=r["quantize_s"], process_s=meta["wall"], **_mem(r), out=out)
+        )
+    return rows
+
+
+def run_llmc(a, src: Path, calib: Path, env: dict) -> list[dict]:
+    rows = []
+    for label, scheme in LLMC_RUNS:
+        out = a.work / f"llmc-{scheme}"
+        script = str(ROOT / "benchmarks" / "llmc_quantize.py")
+        cmd = [str(a.llmc_python), "-c", LLMC_RUN, script, "--model", str(src), "--calib", str(calib)]
+        meta, lines, err = child(cmd + ["--scheme", scheme, "--out", str(out)], env)
+        if meta["rc"] != 0:
+            raise SystemExit(f"llm-compressor {label} failed:\n{err[-3000:]}")
+        run = next(json.loads(x) for x in reversed(lines) if x.startswith("{") and "quantize_wall_s" in x)
+        r = json.loads(lines[-1])
+        rows.append(
+            dict(
+                tool="llm-compressor",
+                run=label,
+                quantize_s=run["quantize_wall_s"],
+                process_s=meta["wall"],
+                **_mem(r),
+                out=out,
+            )
+        )
+    return rows
+
+
+def _mem(r: dict) -> dict:
+    return {"peak_mib": r["peak_mib"], "memory": r["memory"]}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-samples", type=int, default=4)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-gpubench"))
+    ap.add_argument("--no-llmc", action="store_true")
+    ap.add_argument("--llmc-python", type=Path, default=LLMC_PY)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    a.work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    src, calib = build(a)
+    rows = run_fp8ptq(a, src, env)
+    llmc = "not run (--no-llmc)" if a.no_llmc else None
+    if llmc is None and not a.llmc_python.is_file():
+        llmc = f"not run: no llm-compressor at {a.llmc_python} (bash benchmarks/setup_llmc_venv.sh)"
+    if llmc is None:
+        rows += run_llmc(a, src, calib, env)
+    for r in rows:
+        r["kl"] = kl_of(r["out"], src, a)
+        r["out"] = str(r["out"])
+    print(
+        f"model: {src.name}; calibration {a.num_samples} x {a.seq_len}; device {a.device}; KL over {a.eval_samples} x {a.seq_len}"
+    )
+    print("| tool | run | calibrate+quantize s | process s | peak MiB | KL |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        mib = f"{r['peak_mib']:.0f} ({r['memory']})"
+        print(f"| {r['tool']} | {r['run']} | {r['quantize_s']:.1f} | {r['process_s']:.1f} | {mib} | {r['kl']:.5f} |")
+    if llmc:
+        print(f"\nllm-compressor: {llmc}")
+    if a.json:
+        a.json.write_text(json.dumps({"rows": rows, "llmc": llmc or "run"}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
