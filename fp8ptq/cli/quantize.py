@@ -31,7 +31,10 @@ def quantize(
     recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help="built-in recipe name or YAML path"),
     revision: Optional[str] = typer.Option(None, help="hub ids: branch, tag or commit (default: main)"),
     output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
-    data: str = typer.Option("builtin", help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
+    data: List[str] = typer.Option(
+        ["builtin"],
+        help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder; PATH:WEIGHT, repeated: a mix",
+    ),
     text_field: str = typer.Option("text", help="field holding the text in .jsonl/.parquet/datasets"),
     num_samples: Optional[int] = typer.Option(None, help="calibration samples (default: the recipe's)"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sample (default: the recipe's)"),
@@ -86,7 +89,7 @@ def quantize(
       fp8ptq quantize ./my-model -r fp8-dynamic -o out/fp8   # data-free, no calibration
       fp8ptq quantize smollm2-135m -r fp8-block --block-size 64 -o out/smol-fp8-block
       fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
-      fp8ptq quantize smollm2-135m -r w8a8-int8 --rotate -o out/smol-int8-rot   # QuaRot-style rotation
+      fp8ptq quantize smollm2-135m -r w8a8-int8 --rotate -o out/int8-rot  # rotated
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
@@ -99,7 +102,7 @@ def quantize(
         revision=revision,
         recipe=recipe,
         output=output,
-        data=data,
+        data=",".join(data),
         text_field=text_field,
         num_samples=num_samples,
         seq_len=seq_len,

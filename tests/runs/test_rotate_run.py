@@ -95,3 +95,15 @@ def test_eval_data_missing_file_is_a_typed_error(tiny_dir, tmp_path):
         app, ["eval", "quality", str(tiny_dir), "--reference", str(tiny_dir), "--eval-data", str(tmp_path / "nope.txt")]
     )
     assert r.exit_code == 2 and "nope.txt" in r.output
+
+
+def test_quantize_with_a_weighted_data_mix(tiny_dir, tmp_path, prose):
+    out = tmp_path / "mix"
+    r = CliRunner().invoke(
+        app,
+        ["quantize", str(tiny_dir), "-r", "fp8-kv8", "--weights", "rtn", "-o", str(out), "--eval-samples", "0"]
+        + ["--data", "builtin:0.5", "--data", f"{prose}:0.5", "--num-samples", "4", "--seq-len", "48"],
+    )
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "fp8ptq_manifest.json").read_text())
+    assert m["calibration"]["source"] == f"builtin:0.5,{prose}:0.5" and m["calibration"]["samples"] == 4
