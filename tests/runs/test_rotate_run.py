@@ -102,7 +102,8 @@ def test_quantize_with_a_weighted_data_mix(tiny_dir, tmp_path, prose):
     r = CliRunner().invoke(
         app,
         ["quantize", str(tiny_dir), "-r", "fp8-kv8", "--weights", "rtn", "-o", str(out), "--eval-samples", "0"]
-        + ["--data", "builtin:0.5", "--data", f"{prose}:0.5", "--num-samples", "4", "--seq-len", "48"],
+        + ["--data", "builtin:0.5", "--data", f"{prose}:0.5", "--num-samples", "4", "--seq-len", "48"]
+        + ["--no-recipe-gates"],  # gates are tuned for the demo model, not a random one
     )
     assert r.exit_code == 0, r.output
     m = json.loads((out / "fp8ptq_manifest.json").read_text())
