@@ -54,6 +54,7 @@ class EvalConfig:
     seq_len: int = 512
     seed: int = 0
     simulate: bool = True
+    eval_data: str | None = None  # a second, off-domain text source scored the same way, beside `data`
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,12 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
     t0 = time.perf_counter()
     ctx.src = resolve_model(cfg.model, cfg.revision)
     check_group_sizes(ctx.src, ctx.recipe)
-    ctx.tokenizer = ctx.src.tokenizer()
     cal = ctx.recipe.calibration
+    if "rotate" in ctx.recipe.transforms:  # the float model is rotated (once, cached) before anything reads it
+        from fp8ptq.outliers.rotate import rotated_source
+
+        ctx.src, _ = rotated_source(ctx.src, cal.seed)
+    ctx.tokenizer = ctx.src.tokenizer()
     if ctx.recipe.needs_data:
         ctx.ids = data_mod.load_samples(
             cfg.data,
@@ -370,12 +375,16 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
     tokenizer = ref_src.tokenizer()
-    ids = data_mod.load_samples(
-        cfg.data, tokenizer, cfg.num_samples, cfg.seq_len, "evaluation", cfg.seed, text_field=cfg.text_field
-    )
+    sources = [cfg.data] + ([cfg.eval_data] if cfg.eval_data is not None else [])
+    ids = [  # every source read and packed before the (long) comparisons: a bad file fails fast
+        data_mod.load_samples(
+            s, tokenizer, cfg.num_samples, cfg.seq_len, "evaluation", cfg.seed, text_field=cfg.text_field
+        )
+        for s in sources
+    ]
     # layer by layer (memory flat in depth); the same numbers as compare() on the whole models
-    result, numerics = compare_streaming(ref_src, cand_src, ids, simulate=cfg.simulate, progress=progress)
-    return {
+    result, numerics = compare_streaming(ref_src, cand_src, ids[0], simulate=cfg.simulate, progress=progress)
+    out = {
         "model": cfg.model,
         "reference": cfg.reference,
         **result,
@@ -383,3 +392,7 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
         "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
         "config": {k: str(v) for k, v in asdict(cfg).items()},
     }
+    if cfg.eval_data is not None:
+        off, _ = compare_streaming(ref_src, cand_src, ids[1], simulate=cfg.simulate, progress=progress)
+        out["off_domain"] = {**off, "data": cfg.eval_data}
+    return out

@@ -4,7 +4,8 @@ Built-in source: `pydoc_data.topics.topics` (CPython's help topics, ~0.8 MB of t
 network). Fixed split: a topic belongs to the evaluation split iff crc32(topic name) % 5 == 0 (about
 20%), to the calibration split otherwise, so evaluation text never overlaps calibration text.
 User sources: .txt (one document per blank-line-separated paragraph block), .jsonl (one document per
-line, field --text-field), .parquet, or a `datasets.save_to_disk` folder.
+line, field --text-field), .parquet, or a `datasets.save_to_disk` folder. Several sources mix by weight:
+'builtin:0.5,prose.txt:0.5' (`quantize --data builtin:0.5 --data prose.txt:0.5`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,36 @@ def pack_tokens(
     return chunks[pick.sort().values]
 
 
+def parse_mix(source: str) -> list[tuple[str, float]]:
+    """'a.txt:0.5,b.jsonl:0.5' -> [(a.txt, 0.5), (b.jsonl, 0.5)]: several sources joined by commas (the
+    CLI joins repeated --data options), each with an optional ':WEIGHT' (default 1). One source without a
+    weight is the plain case."""
+    out = []
+    for part in source.split(","):
+        path, sep, weight = part.rpartition(":")
+        try:
+            w = float(weight) if sep else None
+        except ValueError:
+            w = None
+        if w is None:
+            path, w = part, 1.0
+        if not path or not w > 0 or w == float("inf"):
+            raise DataError(f"data source '{part}' in '{source}': expected PATH or PATH:WEIGHT with a weight > 0")
+        out.append((path, w))
+    return out
+
+
+def mix_counts(weights: list[float], num_samples: int) -> list[int]:
+    """Samples per source in proportion to the weights (largest remainders; every source at least one
+    sample when num_samples allows)."""
+    total = sum(weights)
+    exact = [num_samples * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: counts[i] - exact[i])[: num_samples - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def load_samples(
     source: str,
     tokenizer,
@@ -132,6 +163,19 @@ def load_samples(
     text_field: str = "text",
     chat_template: bool = False,
 ) -> torch.Tensor:
-    texts = load_texts(source, split, text_field)
-    label = f"built-in {split} text" if source == BUILTIN else f"'{source}'"
-    return pack_tokens(texts, tokenizer, num_samples, seq_len, seed, chat_template=chat_template, source=label)
+    """[num_samples, seq_len] token ids from one source, or from a weighted mix (`parse_mix`): each source
+    packed on its own, its share of the samples picked by the same seeded rule, concatenated in order."""
+    mix = parse_mix(source)
+    counts = mix_counts([w for _, w in mix], num_samples) if len(mix) > 1 else [num_samples]
+    parts = []
+    for (path, _), n in zip(mix, counts):
+        if n == 0:
+            continue
+        texts = load_texts(path, split, text_field)
+        label = f"built-in {split} text" if path == BUILTIN else f"'{path}'"
+        parts.append(pack_tokens(texts, tokenizer, n, seq_len, seed, chat_template=chat_template, source=label))
+    if len(parts) == 1:
+        return parts[0]
+    import torch
+
+    return torch.cat(parts)

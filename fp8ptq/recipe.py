@@ -243,6 +243,9 @@ class Recipe(_Frozen):
     smooth: Smooth | None = None
     flatten: Flatten | None = None
     mixed: Mixed | None = None
+    # Exact float transforms of the whole model before calibration. rotate: QuaRot/SpinQuant R1 + R2
+    # randomised Hadamard rotations folded into the weights, seeded by calibration.seed (outliers/rotate.py)
+    transforms: tuple[Literal["rotate"], ...] = ()
     # Default quality gates (fp8ptq.gates syntax), tuned for the demo model; `--gate` adds, `--no-recipe-gates` drops.
     gates: tuple[str, ...] = ()
 
@@ -366,4 +369,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 
 def recipe_yaml(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    data = recipe.model_dump(mode="json")
+    if not data["transforms"]:  # recipes without transforms are written as before the key existed
+        del data["transforms"]
+    return yaml.safe_dump(data, sort_keys=False)

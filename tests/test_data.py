@@ -66,3 +66,23 @@ def test_empty_and_short_data_are_clear_errors(tmp_path, tok):
         load_texts(str(tmp_path / "bad.jsonl"))
     with pytest.raises(DataError, match="not found"):
         load_texts(str(tmp_path / "nope.txt"))
+
+
+def test_weighted_mix_of_sources(tmp_path, tok):
+    from fp8ptq.data import mix_counts, parse_mix
+
+    assert parse_mix("builtin") == [("builtin", 1.0)]
+    assert parse_mix("a.txt:0.25,b.jsonl:0.75") == [("a.txt", 0.25), ("b.jsonl", 0.75)]
+    assert parse_mix("dir/x:y.txt") == [("dir/x:y.txt", 1.0)]  # not a number: part of the path
+    assert mix_counts([0.5, 0.5], 7) in ([4, 3], [3, 4]) and mix_counts([1, 3], 8) == [2, 6]
+    assert sum(mix_counts([0.2, 0.3, 0.5], 64)) == 64
+    prose = tmp_path / "p.txt"
+    prose.write_text("\n\n".join(" ".join(reversed(t.split())) for t in builtin_texts("evaluation")))
+    mixed = load_samples(f"builtin:1,{prose}:3", tok, 8, 64, seed=2)
+    assert mixed.shape == (8, 64)
+    # each source's share is what it alone gives for that many samples, in the order given
+    assert torch.equal(mixed[:2], load_samples("builtin", tok, 2, 64, seed=2))
+    assert torch.equal(mixed[2:], load_samples(str(prose), tok, 6, 64, seed=2))
+    for bad in ("builtin:0", "builtin:-1", ":0.5"):
+        with pytest.raises(DataError, match="PATH:WEIGHT"):
+            load_samples(bad, tok, 2, 64)

@@ -31,6 +31,9 @@ def eval_quality(
     reference: str = typer.Option(..., "--reference", help="reference model (dir, .gguf or alias)"),
     data: str = typer.Option("builtin", help="evaluation text (builtin uses the held-out split)"),
     text_field: str = typer.Option("text"),
+    eval_data: Optional[str] = typer.Option(
+        None, "--eval-data", help="off-domain text (.txt/.jsonl/.parquet/datasets folder) scored beside --data"
+    ),
     num_samples: int = typer.Option(16),
     seq_len: int = typer.Option(512),
     no_simulate: bool = typer.Option(False, "--no-simulate", help="dequantized weights only, like a plain HF load"),
@@ -43,6 +46,7 @@ def eval_quality(
     Examples:
       fp8ptq eval quality out/q --reference smollm2-135m
       fp8ptq eval quality out/q --reference ./my-model --data prose.txt --num-samples 32
+      fp8ptq eval quality out/q --reference smollm2-135m --eval-data novel.txt   # in- and off-domain
     """
     offline()
     from fp8ptq.api import EvalConfig, evaluate_quality
@@ -55,6 +59,7 @@ def eval_quality(
         num_samples=num_samples,
         seq_len=seq_len,
         simulate=not no_simulate,
+        eval_data=eval_data,
     )
     with user_errors(), progress_bar(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
@@ -64,6 +69,21 @@ def eval_quality(
         save_eval(Path(model), "quality", result)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
+        return
+    off = result.get("off_domain")
+    if off is not None:  # in-domain and off-domain side by side
+        table = Table(title=f"quality of {model} vs {reference}")
+        table.add_column("")
+        table.add_column(f"in-domain ({result['data']})", justify="right")
+        table.add_column(f"off-domain ({off['data']})", justify="right")
+        table.add_row(
+            "PPL (reference → quantized)", *(f"{q['ppl_reference']:.3f} → {q['ppl']:.3f}" for q in (result, off))
+        )
+        table.add_row("KL(ref ‖ quant) / token", *(f"{q['kl']:.5f}" for q in (result, off)))
+        table.add_row("top-1 agreement", *(f"{q['top1'] * 100:.2f}%" for q in (result, off)))
+        table.add_row("eval tokens", *(str(q["tokens"]) for q in (result, off)))
+        table.add_row("simulated numerics", json.dumps(result["numerics"]), "")
+        out.print(table)
         return
     table = Table(title=f"quality of {model} vs {reference}", show_header=False)
     quality_rows(table, result)

@@ -31,7 +31,10 @@ def quantize(
     recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help="built-in recipe name or YAML path"),
     revision: Optional[str] = typer.Option(None, help="hub ids: branch, tag or commit (default: main)"),
     output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
-    data: str = typer.Option("builtin", help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
+    data: List[str] = typer.Option(
+        ["builtin"],
+        help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder; PATH:WEIGHT, repeated: a mix",
+    ),
     text_field: str = typer.Option("text", help="field holding the text in .jsonl/.parquet/datasets"),
     num_samples: Optional[int] = typer.Option(None, help="calibration samples (default: the recipe's)"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sample (default: the recipe's)"),
@@ -58,6 +61,9 @@ def quantize(
     weights: Optional[str] = typer.Option(
         None, help="rtn (round to nearest: fastest) or gptq: override the recipe's weight rounding"
     ),
+    rotate: bool = typer.Option(
+        False, "--rotate", help="add the recipe transform 'rotate': Hadamard rotations folded into the float model"
+    ),
     draft: str = typer.Option(
         "none",
         help="auto: also distil a draft from the quantized model, measure it and write "
@@ -83,6 +89,7 @@ def quantize(
       fp8ptq quantize ./my-model -r fp8-dynamic -o out/fp8   # data-free, no calibration
       fp8ptq quantize smollm2-135m -r fp8-block --block-size 64 -o out/smol-fp8-block
       fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
+      fp8ptq quantize smollm2-135m -r w8a8-int8 --rotate -o out/int8-rot  # rotated
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
@@ -95,7 +102,7 @@ def quantize(
         revision=revision,
         recipe=recipe,
         output=output,
-        data=data,
+        data=",".join(data),
         text_field=text_field,
         num_samples=num_samples,
         seq_len=seq_len,
@@ -114,6 +121,7 @@ def quantize(
         block_size=block_size,
         group_size=group_size,
         weights=weights,
+        rotate=rotate,
         draft=draft,
         draft_trim=draft_trim,
         draft_steps=draft_steps,
@@ -132,6 +140,8 @@ def quantize(
     table = Table(title=f"fp8ptq quantize → {output}", show_header=False)
     table.add_row("model", manifest.model)
     table.add_row("recipe", manifest.recipe["name"])
+    if manifest.recipe.get("transforms"):
+        table.add_row("transforms", ", ".join(manifest.recipe["transforms"]))
     table.add_row("decoder layers", str(s.layers))
     table.add_row("linears quantized", str(s.linears_quantized))
     table.add_row("linears skipped", ", ".join(f"{n} ({why})" for n, why in s.linears_skipped.items()) or "none")

@@ -39,3 +39,4 @@ class QuantizeConfig:
     block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
     group_size: int | None = None  # group-weight recipes: override the weights' group_size
     weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method
+    rotate: bool = False  # add the transform "rotate" to the recipe's transforms

@@ -168,6 +168,8 @@ def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
                 fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
             )
         data["calibration"]["weight_method"] = cfg.weights
+    if cfg.rotate and "rotate" not in data["transforms"]:
+        data["transforms"] = [*data["transforms"], "rotate"]
     for value, section, key, flag in (
         (cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
         (cfg.tp, "flatten", "tp", "--tp"),

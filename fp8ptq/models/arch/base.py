@@ -99,6 +99,7 @@ class Arch:
     expert_lists: tuple[str, ...] = ()  # ModuleLists of experts (their groups are calibrated together)
     keep_float: tuple[str, ...] = ()  # re: patterns never quantized whatever a recipe targets (routers)
     kv_cache: bool = True  # per-head post-RoPE KV scales describe the engine's cache (False: MLA's latent)
+    head_pair: tuple[str, str] | None = None  # (value, output) projections: per-head rotation R2 (outliers/rotate)
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     rotary: str = "model.rotary_emb"

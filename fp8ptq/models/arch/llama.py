@@ -20,6 +20,7 @@ LLAMA = register(
             SmoothGroup("gate_up", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ),
         flatten=FlattenTarget("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        head_pair=("self_attn.v_proj", "self_attn.o_proj"),
         tiny=dict(
             TINY,
             tie_word_embeddings=True,
