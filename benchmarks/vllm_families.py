@@ -45,7 +45,7 @@ def main() -> None:
             out = a.work / f"{family}-{recipe}"
             if not (out / "config.json").is_file():
                 quantize(QuantizeConfig(model=str(src), recipe=recipe, output=out, num_samples=8, seq_len=128))
-            res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16"))
+            res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16", reference=str(src)))
             if not res["ok"]:
                 print(f"| {family} | {recipe} | refused: {res['vllm']['error'][:90]} | | | | |")
                 continue
