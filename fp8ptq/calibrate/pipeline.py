@@ -67,7 +67,7 @@ class LayerCalibrator:
         self._caching, self._cached = None, {}
         self.routes: dict[str, list[int]] = {}  # experts path -> routed tokens per expert (calibrate/experts.py)
         tokens = len(state.chunks.local_samples()) * state.seq_len
-        self.replay = Replay(self.modules, 0, tokens, lambda: self.chunk[0])  # calibrate/replay.py
+        self.replay = Replay(self.modules, 0, tokens)  # calibrate/replay.py
 
     def _run_block(self, block: Block, x: torch.Tensor, inputs=None) -> torch.Tensor:
         return self.arch.run_block(self.layer, block, x, self.inputs if inputs is None else inputs)
@@ -105,6 +105,7 @@ class LayerCalibrator:
         with torch.inference_mode(), self.replay.during_pass() as seen:
             for c, first, x in self.state.each_chunk():
                 self.chunk = (c, first)
+                self.replay.at = c
                 seen.add(c)
                 try:
                     y = self._run_block(block, x)

@@ -19,8 +19,11 @@ import torch
 
 
 class Replay:
-    def __init__(self, modules: dict[str, torch.nn.Module], budget: int, tokens: int, chunk: Callable[[], int]):
-        self.modules, self.budget, self.tokens, self.chunk = modules, budget, tokens, chunk
+    def __init__(self, modules: dict[str, torch.nn.Module], budget: int, tokens: int):
+        # `at`: the chunk being run, set by the pass (a plain int, not a callback into the calibrator: a
+        # cycle calibrator -> replay -> closure -> calibrator would keep every finished layer's fp32
+        # modules alive until the garbage collector runs, and peak RSS would grow with depth)
+        self.modules, self.budget, self.tokens, self.at = modules, budget, tokens, 0
         self.saved: dict[str, dict[int, torch.Tensor]] = {}  # module -> chunk -> output (complete passes only)
         self.wanted: dict[str, int] = {}  # module -> bytes it will take: record in the next pass that runs it
         self.active: set[torch.nn.Module] = set()  # modules replayed in the current pass
@@ -44,15 +47,15 @@ class Replay:
         handles = []
         for n, out in self.saved.items():
             m = self.modules[n]
-            m.forward = lambda *_a, _out=out, **_k: _out[self.chunk()].clone()  # clone: callers may write
+            m.forward = lambda *_a, _out=out, **_k: _out[self.at].clone()  # clone: callers may write
             self.active.add(m)
         twice: set[str] = set()  # called more than once per chunk: its output is not one tensor per chunk
 
         def record(n: str, rec: dict):
             def hook(_m, _args, y):
-                if self.chunk() in rec:
+                if self.at in rec:
                     twice.add(n)
-                rec[self.chunk()] = y
+                rec[self.at] = y
 
             return hook
 
