@@ -171,10 +171,9 @@ def eagle3_generate(
 ):
     """measure.speculative_generate for an EAGLE-3 head (same verification and counting)."""
     from fp8ptq.spec.measure import _pick
-    from fp8ptq.spec.sampling import verify, verify_greedy
+    from fp8ptq.spec.sampling import verify_drafts
 
     g = generator or torch.Generator().manual_seed(0)
-    V = target.vocab_size
     tc, st = new_cache(target.model), HeadState(draft.head)
     with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
         logits, aux = target_step(target, prompt, tc, cap, device)
@@ -188,13 +187,7 @@ def eagle3_generate(
             )
             k = len(drafted)
             t_logits, t_aux = target_step(target, [seq[-1]] + drafted, tc, cap, device)
-            d = torch.tensor(drafted, dtype=torch.long)
-            if temperature == 0:
-                n, new = verify_greedy(t_logits, d.to(t_logits.device))
-            else:
-                p = to_probs(t_logits, temperature).cpu()
-                q = torch.stack([r.cpu() for r in q_rows]).to(p.dtype) if k else p.new_zeros(0, V)
-                n, new = verify(p, q, d, g)
+            n, new = verify_drafts(t_logits, drafted, q_rows, temperature, g)
             if stats is not None:
                 stats.add(k, n)
             seq.extend(new)

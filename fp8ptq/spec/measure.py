@@ -37,7 +37,7 @@ from fp8ptq.spec.models import (
 )
 from fp8ptq.spec.recommend import Costs
 from fp8ptq.spec.sampling import probs as to_probs
-from fp8ptq.spec.sampling import verify, verify_greedy
+from fp8ptq.spec.sampling import verify_drafts
 
 
 @dataclass
@@ -171,13 +171,7 @@ def speculative_generate(
         )
         k = len(drafted)
         t_logits = step_logits(target, [seq[-1]] + drafted, tc, device)  # [k+1, V]: p_1..p_{k+1}
-        d = torch.tensor(drafted, dtype=torch.long)
-        if temperature == 0:
-            n, new = verify_greedy(t_logits, d.to(t_logits.device))
-        else:
-            p = to_probs(t_logits, temperature).cpu()
-            q = torch.stack([r.cpu() for r in q_rows]).to(p.dtype) if k else p.new_zeros(0, V)
-            n, new = verify(p, q, d, g)
+        n, new = verify_drafts(t_logits, drafted, q_rows, temperature, g)
         if stats is not None:
             stats.add(k, n)
         seq.extend(new)

@@ -121,3 +121,14 @@ def chi_square_gof(
         torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
     )
     return stat, dof, pvalue
+
+
+def verify_drafts(t_logits: torch.Tensor, drafted: list[int], q_rows: list, temperature: float, g) -> tuple:
+    """Accept a prefix of `drafted` against the target's logits [k+1, V]: greedy match at T = 0, else the
+    speculative-sampling rule with the draft's rows q (shared by the draft-model and EAGLE-3 loops)."""
+    d = torch.tensor(drafted, dtype=torch.long)
+    if temperature == 0:
+        return verify_greedy(t_logits, d.to(t_logits.device))
+    p = probs(t_logits, temperature).cpu()
+    q = torch.stack([r.cpu() for r in q_rows]).to(p.dtype) if drafted else p.new_zeros(0, p.shape[-1])
+    return verify(p, q, d, g)
