@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from fp8ptq.convert.gguf_ct import quantization_config
+from fp8ptq.convert.shards import Converted, Source, finish, rewrite
 from fp8ptq.errors import ModelError
-from fp8ptq.io import write_json_atomic
-from fp8ptq.models.loader import _weight_map, check_finite
+from fp8ptq.models.loader import check_finite
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.recipe import QuantArgs
 
@@ -72,47 +68,19 @@ def _check(name: str, weight: torch.Tensor, scale: torch.Tensor, block: list[int
 def hf_fp8_to_ct(path: Path, tmp: Path) -> dict:
     """Write the compressed-tensors checkpoint into `tmp`, one source shard at a time; returns the report."""
     config, block = read_fp8_config(path)
-    weight_map = _weight_map(path)
-    modules = sorted(n.removesuffix(f".{SCALE}") for n in weight_map if n.endswith(f".{SCALE}"))
-    records, out_map, total = [], {}, 0
-    shards = sorted(set(weight_map.values()))
-    for i, shard in enumerate(shards):
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(path / shard), framework="pt") as h:
-            for name in h.keys():
-                base = name.rpartition(".")[0]
-                if name.endswith(f".{SCALE}"):
-                    continue  # written with its weight
-                t = h.get_tensor(name)
-                if name.endswith(".weight") and base in modules:
-                    scale = _tensor(path, weight_map, f"{base}.{SCALE}")
-                    _check(base, t, scale, block)
-                    out[name] = t
-                    out[f"{base}.weight_scale"] = check_finite(f"{base}.{SCALE}", scale.float())
-                    records.append({"tensor": name, "action": "exact", "block": block})
-                else:
-                    out[name] = check_finite(name, t)
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(out, str(tmp / file), metadata={"format": "pt"})
-        out_map.update({k: file for k in out})
-        total += (tmp / file).stat().st_size
-    write_json_atomic(
-        tmp / "model.safetensors.index.json",
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(out_map.items()))},
-        trailing_newline=True,
-    )
     scheme = _scheme(block)
-    config["quantization_config"] = quantization_config({"block": (scheme, modules)})
-    write_json_atomic(tmp / "config.json", config, trailing_newline=True)
-    for f in path.iterdir():  # tokenizer, generation config, chat template ...
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, tmp / f.name)
+
+    def convert(src: Source, base: str) -> Converted:
+        weight, scale = src.get(f"{base}.weight"), src.get(f"{base}.{SCALE}")
+        _check(base, weight, scale, block)
+        return Converted(
+            {f"{base}.weight": weight, f"{base}.weight_scale": check_finite(f"{base}.{SCALE}", scale.float())},
+            {"tensor": f"{base}.weight", "action": "exact", "block": block},
+            scheme,
+        )
+
+    src = Source(path)
+    records, schemes = rewrite(src, tmp, f".{SCALE}", (".weight", f".{SCALE}"), convert)
     report = {"source": str(path), "to": "compressed-tensors", "from": "hf-fp8", "tensors": records}
     report["summary"] = {"exact": len(records), "exact_fp8_block": len(records), "block": block}
-    write_json_atomic(tmp / "conversion.json", report, trailing_newline=True)
-    return report
-
-
-def _tensor(path: Path, weight_map: dict[str, str], name: str) -> torch.Tensor:
-    with safe_open(str(path / weight_map[name]), framework="pt") as h:
-        return h.get_tensor(name)
+    return finish(src, tmp, config, schemes, report)

@@ -65,23 +65,22 @@ def rewrite(
     records, schemes, out_map, total = [], {}, {}, 0
     for i, shard in enumerate(shards):
         out: dict[str, torch.Tensor] = {}
-        with safe_open(str(src.path / shard), framework="pt") as h:
-            names = list(h.keys())
-        for name in names:
-            base = next((name.removesuffix(s) for s in owned if name.endswith(s)), None)
-            if base is not None and base in modules:
-                if not name.endswith(anchor):
-                    continue  # read by convert_module with its anchor
-                c = convert_module(src, base)
-                out.update(c.tensors)
-                records.append({"module": base, **c.record})
-                if c.scheme is not None:
-                    key = json.dumps(
-                        [c.scheme.weights.model_dump(), None if c.scheme.input_activations is None else
-                         c.scheme.input_activations.model_dump()], default=str)  # fmt: skip
-                    schemes.setdefault(key, (c.scheme, []))[1].append(base)
-            else:
-                out[name] = check_finite(name, src.get(name))
+        with safe_open(str(src.path / shard), framework="pt") as h:  # open once per shard, not per tensor
+            for name in h.keys():
+                base = next((name.removesuffix(s) for s in owned if name.endswith(s)), None)
+                if base is not None and base in modules:
+                    if not name.endswith(anchor):
+                        continue  # read by convert_module with its anchor
+                    c = convert_module(src, base)
+                    out.update(c.tensors)
+                    records.append({"module": base, **c.record})
+                    if c.scheme is not None:
+                        key = json.dumps(
+                            [c.scheme.weights.model_dump(), None if c.scheme.input_activations is None else
+                             c.scheme.input_activations.model_dump()], default=str)  # fmt: skip
+                        schemes.setdefault(key, (c.scheme, []))[1].append(base)
+                else:
+                    out[name] = check_finite(name, h.get_tensor(name))
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in out.items()}, str(tmp / file), metadata={"format": "pt"})
         out_map.update({k: file for k in out})
