@@ -293,10 +293,16 @@ def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=
     if ckpt is not None:
         _save_checkpoint(ckpt, draft, opt, step, losses, time.perf_counter() - t0)
     draft.eval()
+    return train_summary(step, start_step, stopped, t0, losses)
+
+
+def train_summary(step: int, start: int, stopped, t0: float, losses: list[float]) -> dict:
+    """What a training run reports (draft-train and the EAGLE-3 head): steps, stop reason, time, loss
+    at the start and over the last 20 steps."""
     k = max(1, min(20, len(losses)))
     return {
         "steps": step,
-        "resumed_from": start_step,
+        "resumed_from": start,
         "stopped_by": stopped,
         "train_s": time.perf_counter() - t0,
         "loss_first": losses[0] if losses else None,

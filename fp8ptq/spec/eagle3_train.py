@@ -242,16 +242,9 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
             save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
     save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
     head.eval()
-    k = max(1, min(20, len(losses)))
-    return {
-        "steps": step,
-        "resumed_from": start,
-        "stopped_by": stopped,
-        "train_s": time.perf_counter() - t0,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": sum(losses[-k:]) / k if losses else None,
-        "losses": losses,
-    }
+    from fp8ptq.spec.draft_train import train_summary
+
+    return train_summary(step, start, stopped, t0, losses)
 
 
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
