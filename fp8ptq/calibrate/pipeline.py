@@ -127,8 +127,8 @@ class LayerCalibrator:
             stats.update(c, first, args[0])
             if tree is not None:
                 tree.add(c, hessian_partial(h_fn(args[0])))
-            if keep:
-                self._cached[c] = args[0].clone()
+            if keep:  # no copy: the pass stops here, so nothing writes to this input afterwards
+                self._cached[c] = args[0]
             raise Stop
 
         self._run_hooked(block, group[0], hook)

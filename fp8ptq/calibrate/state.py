@@ -50,11 +50,12 @@ class RunState:
         return self.chunks.samples * self.seq_len
 
     def each_chunk(self):
-        """(global chunk index, first global sample, x on device) for this rank's chunks."""
+        """(global chunk index, first global sample, x on device) for this rank's chunks. x may be a view
+        of the store: callers compute from it and only then `write` the chunk's rows (no copy per pass)."""
         base = self.chunks.local_samples().start
         for c in self.chunks.owned():
             r = self.chunks.sample_range(c)
-            yield c, r.start, self.store.read(r.start - base, r.stop - base).to(self.device)
+            yield c, r.start, self.store.read(r.start - base, r.stop - base, copy=False).to(self.device)
 
     def write(self, first_sample: int, x: torch.Tensor) -> None:
         self.store.write(first_sample - self.chunks.local_samples().start, x)

@@ -40,10 +40,11 @@ class ActivationStore:
     def nbytes(self) -> int:
         return self.shape[0] * self.row_bytes
 
-    def read(self, start: int, stop: int) -> torch.Tensor:
-        """Samples [start, stop) as a new fp32 tensor [n, seq, hidden] (on the store's device)."""
+    def read(self, start: int, stop: int, copy: bool = True) -> torch.Tensor:
+        """Samples [start, stop) as a new fp32 tensor [n, seq, hidden] (on the store's device); copy=False:
+        a view of a RAM store when the caller reads it before writing those rows (the pipeline's passes)."""
         if self._mem is not None:
-            return self._mem[start:stop].clone()
+            return self._mem[start:stop].clone() if copy else self._mem[start:stop]
         n = stop - start
         buf = bytearray(n * self.row_bytes)
         view, off, done = memoryview(buf), start * self.row_bytes, 0

@@ -48,13 +48,36 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, g: Granularity, dtype=torch
     return (rows * expand_scale(scale.float(), rows, g)).to(dtype).reshape(q.shape)
 
 
+def round_to_fp8(t: torch.Tensor) -> torch.Tensor:
+    """fp32 t with |t| <= 448 rounded to the nearest E4M3 value (ties to even), as fp32: bit for bit
+    `t.to(float8_e4m3fn).float()` (tests/ops/test_fp8_round.py: a dense sweep of fp32 values, every
+    tie, both signs), without the two casts, which torch runs element by element on the CPU (1.8x
+    slower than these five vectorised passes, measured on one thread).
+
+    Adding c = 1.5 * 2^23 * q, q the E4M3 spacing at t's exponent (2^(e-3); 2^-9 for the subnormals
+    below 2^-6), puts t + c in a binade whose fp32 spacing is q, so the FPU's round-to-nearest-even
+    rounds t to a multiple of q (c / q is even: ties go to the even E4M3 code); subtracting c is exact;
+    copysign gives values that round to zero the sign the cast gives them."""
+    c = (t.view(torch.int32) & 0x7F800000).clamp_min_(121 << 23)  # t's exponent bits, at least 2^-6's
+    c = c.add_((20 << 23) | 0x400000).view(torch.float32)  # 1.5 * 2^(max(e, -6) + 20)
+    return torch.add(t, c).sub_(c).copysign_(t)
+
+
+_ROUND_MIN = 1 << 12  # below this many elements (a small GPTQ column) the casts are cheaper (measured: 2.5k)
+
+
 def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype: what the engine's FP8 GEMM sees. The same operations as
     those two, bit for bit, with the scale expanded once and the clamp and product in place (it runs on
-    every calibration activation and on every GPTQ column: two fewer full-size temporaries)."""
+    every calibration activation and on every GPTQ column: two fewer full-size temporaries); on the CPU
+    large inputs are rounded by `round_to_fp8` instead of the casts (the same bits)."""
     rows = x.reshape(-1, x.shape[-1])
     s = expand_scale(scale.float(), rows, g)
-    t = (rows.float() / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    t = (rows.float() / s).clamp_(-FP8_MAX, FP8_MAX)
+    if t.device.type == "cpu" and t.numel() >= _ROUND_MIN:
+        t = round_to_fp8(t)
+    else:
+        t = t.to(FP8_DTYPE).float()
     return t.mul_(s).to(x.dtype).reshape(x.shape)
 
 

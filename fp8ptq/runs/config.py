@@ -29,7 +29,7 @@ class QuantizeConfig:
     chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
     offload_activations: bool = False  # keep calibration activations on disk instead of RAM
     resume: bool = False  # continue an interrupted run of the same command
-    checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (every layer when small)
+    checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (more often when cheap)
     int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
     draft: str = "none"  # "auto": also train a draft, measure and write the speculative config (spec/auto.py)
     draft_trim: int | None = None  # with draft=auto: also a VocabTrim draft keeping this many tokens
