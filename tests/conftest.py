@@ -68,6 +68,34 @@ def smol_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol_int8_target(tmp_path_factory, smol_dir) -> Path:
+    """The speculative-decoding tests' target: smollm2-135m quantized with w8a8-int8 (7-bit weight codes on
+    CPUs whose INT8 GEMM is not exact, so vLLM computes what fp8ptq simulates; see tests/e2e/test_vllm_real.py),
+    the bf16 model itself when the recipe does not exist. Shared by the draft and EAGLE-3 tests: quantized once.
+    Do not modify it."""
+    import yaml
+
+    from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.engine.vllm import int8_gemm_exact
+    from fp8ptq.recipe import builtin_names, load_recipe
+
+    if "w8a8-int8" not in builtin_names():
+        return smol_dir
+    d = tmp_path_factory.mktemp("spec_target")
+    recipe = load_recipe("w8a8-int8").model_dump(mode="json")
+    if not int8_gemm_exact():
+        recipe["calibration"]["weight_code_bits"] = 7
+    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    out = d / "smol-w8a8-int8"
+    quantize(
+        QuantizeConfig(
+            model="smollm2-135m", recipe=str(d / "recipe.yaml"), output=out, num_samples=8, seq_len=256, eval_samples=0
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def smol_kv8(tmp_path_factory):
     """The real model quantized with fp8-kv8 (small calibration): (output dir, manifest). Do not modify it."""
     from fp8ptq.api import QuantizeConfig, quantize

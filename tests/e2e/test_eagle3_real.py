@@ -23,29 +23,8 @@ PROMPTS, MAX_TOKENS, STEPS = 6, 48, 120
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, smol_dir) -> Path:
-    from fp8ptq.recipe import builtin_names
-
-    if "w8a8-int8" not in builtin_names():
-        return smol_dir
-    import yaml
-
-    from fp8ptq.api import QuantizeConfig, quantize
-    from fp8ptq.engine.vllm import int8_gemm_exact
-    from fp8ptq.recipe import load_recipe
-
-    d = tmp_path_factory.mktemp("eagle3_target")
-    recipe = load_recipe("w8a8-int8").model_dump(mode="json")
-    if not int8_gemm_exact():  # so vLLM computes the target fp8ptq simulates (see tests/test_vllm_real.py)
-        recipe["calibration"]["weight_code_bits"] = 7
-    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    out = d / "smol-w8a8-int8"
-    quantize(
-        QuantizeConfig(
-            model="smollm2-135m", recipe=str(d / "recipe.yaml"), output=out, num_samples=8, seq_len=256, eval_samples=0
-        )
-    )
-    return out
+def target_dir(smol_int8_target) -> Path:
+    return smol_int8_target  # tests/conftest.py: quantized once per session for both speculative test files
 
 
 @pytest.fixture(scope="module")

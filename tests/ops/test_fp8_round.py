@@ -37,5 +37,7 @@ def test_fake_quant_fast_path_equals_cast_path():
     x = torch.randn(64, 512) * torch.logspace(-6, 2, 512)  # wide dynamic range: subnormal codes too
     for scale, g in ((torch.tensor([0.05]), TENSOR), (x.abs().amax(1, keepdim=True) / FP8_MAX, TOKEN)):
         fast = fake_quant_fp8(x, scale, g)  # 32768 elements: the rounding path
-        slow = torch.cat([fake_quant_fp8(x[i : i + 1], scale if g is TENSOR else scale[i : i + 1], g) for i in range(64)])
+        slow = torch.cat(
+            [fake_quant_fp8(x[i : i + 1], scale if g is TENSOR else scale[i : i + 1], g) for i in range(64)]
+        )
         assert _same_bits(fast, slow)  # one row at a time: below the threshold, the casts
