@@ -25,7 +25,7 @@ from fp8ptq.models.skeleton import build_skeleton, release
 from fp8ptq.quantize.numerics import register_attention
 
 CHUNK_TOKENS = 4096  # tokens per pass of a layer (whole samples)
-HEAD_BYTES = 64 << 20  # fp32 logits of one side per window of tokens at the end
+HEAD_BYTES = 16 << 20  # fp32 logits of one side per window of tokens at the end (~6 such temporaries live)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from fp8ptq.io import trim_heap
 from fp8ptq.models.arch import arch_for
 from fp8ptq.models.loader import ModelSource, check_finite
 
@@ -93,5 +94,6 @@ def load_float(src: ModelSource, device="cpu", attn_implementation: str = "sdpa"
 
 
 def release(module: torch.nn.Module) -> None:
-    """Drop a module's tensors (back to meta)."""
+    """Drop a module's tensors (back to meta) and return the freed memory to the OS (`io.trim_heap`)."""
     module.to("meta")
+    trim_heap()
