@@ -66,10 +66,12 @@ def quantize(
     ),
     draft: str = typer.Option(
         "none",
-        help="auto: also distil a draft from the quantized model, measure it and write "
-        "speculative_config.json + sglang_flags.txt beside it",
+        help="auto: also distil a draft from the quantized model (eagle3: train an EAGLE-3 head for it), "
+        "measure it and write speculative_config.json + sglang_flags.txt beside it",
     ),
-    draft_trim: Optional[int] = typer.Option(None, help="with --draft auto: also a VocabTrim draft keeping N tokens"),
+    draft_trim: Optional[int] = typer.Option(
+        None, help="with --draft auto: also a VocabTrim draft keeping N tokens; eagle3: the head's draft vocabulary"
+    ),
     draft_steps: int = typer.Option(400, help="with --draft auto: training steps at most"),
     draft_time_budget: Optional[float] = typer.Option(900.0, help="with --draft auto: training seconds at most"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),

@@ -31,8 +31,8 @@ class QuantizeConfig:
     resume: bool = False  # continue an interrupted run of the same command
     checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (more often when cheap)
     int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
-    draft: str = "none"  # "auto": also train a draft, measure and write the speculative config (spec/auto.py)
-    draft_trim: int | None = None  # with draft=auto: also a VocabTrim draft keeping this many tokens
+    draft: str = "none"  # "auto" (a draft LLM) | "eagle3" (an EAGLE-3 head): also train it, measure, write the config
+    draft_trim: int | None = None  # draft=auto: also a VocabTrim draft keeping N tokens; eagle3: the head's vocabulary
     draft_steps: int = 400
     draft_time_budget_s: float | None = 900.0
     tp: int | None = None  # flatten recipes: override the tensor-parallel size

@@ -98,8 +98,10 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     if overrides:
         recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update=overrides)})
     recipe = _recipe_overrides(cfg, recipe)
-    if cfg.draft not in ("none", "auto"):
-        raise RecipeError(f"unknown --draft '{cfg.draft}'", fix="use --draft auto (train a draft) or none")
+    if cfg.draft not in ("none", "auto", "eagle3"):
+        raise RecipeError(
+            f"unknown --draft '{cfg.draft}'", fix="use --draft auto (train a draft), eagle3 (an EAGLE-3 head) or none"
+        )
     gates, skipped = _gates(cfg, recipe)
     return RunContext(
         cfg=cfg,

@@ -75,7 +75,7 @@ def finish(ctx: RunContext) -> Manifest:
         summary=summary(layers),
         mixed=run.state["mixed"]["report"] if recipe.mixed is not None else None,
     )
-    if ctx.cfg.draft == "auto":  # the finished target is in place: distil, measure, recommend beside it
+    if ctx.cfg.draft in ("auto", "eagle3"):  # the finished target is in place: distil, measure, recommend beside it
         manifest.speculative = _draft(ctx)
     if ctx.cfg.eval_samples > 0:
         manifest.quality = _quality(ctx)
@@ -109,6 +109,7 @@ def _draft(ctx: RunContext) -> dict:
         time_budget_s=cfg.draft_time_budget_s,
         device=ctx.device,
         progress=ctx.progress,
+        kind="eagle3" if cfg.draft == "eagle3" else "model",
     )
     ctx.timings["draft_s"] = time.perf_counter() - t
     return bundle

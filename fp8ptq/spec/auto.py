@@ -4,13 +4,16 @@ Contract (for fp8ptq.api.quantize, which owns the output directory):
 
     build_draft_bundle(target_dir, out_dir, *, layers=2, max_steps=400, time_budget_s=900.0,
                        trim_keep=None, gammas=(1..8), temperature=0.0, num_prompts=8, max_tokens=64,
-                       device_memory=None, seed=0, device="cpu", progress=None, train=None) -> dict
+                       device_memory=None, seed=0, device="cpu", progress=None, train=None,
+                       kind="model") -> dict
 
 - target_dir: the FINISHED quantized checkpoint (any compressed-tensors dir or plain HF dir); it is
   read, never written. The draft is distilled from it under simulated engine numerics.
 - out_dir: usually the quantize output folder (the caller's temp dir while it is being written
   atomically). This function creates, and only creates:
-      out_dir/draft/                      HF draft (full vocabulary: vLLM `draft_model`, SGLang STANDALONE)
+      out_dir/draft/                      HF draft (full vocabulary: vLLM `draft_model`, SGLang STANDALONE),
+                                          or with kind="eagle3" an EAGLE-3 head (vLLM `eagle3`, SGLang
+                                          EAGLE3; trim_keep = its draft vocabulary, no draft-trimmed/)
       out_dir/draft-trimmed/              only if trim_keep: VocabTrim draft + token_map.pt + d2t/t2d
       out_dir/speculative_config.json     the vLLM --speculative-config dict; "model" is the RELATIVE
                                           path "draft" (resolve it against the folder when serving)
@@ -21,7 +24,7 @@ Contract (for fp8ptq.api.quantize, which owns the output directory):
 - Returns a JSON-able summary for the manifest: {"draft": {...draft-train meta without losses},
   "trimmed": {...} | None, "recommendation": {gamma, tau, speedup, c, worth_it, table},
   "speculative_config": {...}, "sglang_flags": [...], "files": {...relative paths}, "timings": {...}}.
-- train: extra DraftTrainConfig fields (e.g. {"num_prompts": 64, "gen_tokens": 64}).
+- train: extra DraftTrainConfig (kind="eagle3": Eagle3TrainConfig) fields (e.g. {"num_prompts": 64}).
 - progress(stage, done, total) as everywhere else (stages: generate, train, measure, costs).
 """
 
@@ -31,6 +34,7 @@ import shutil
 import time
 from pathlib import Path
 
+from fp8ptq.spec import SpecError
 from fp8ptq.spec.recommend import sglang_flags, vllm_config
 
 
@@ -51,32 +55,32 @@ def build_draft_bundle(
     device: str = "cpu",
     progress=None,
     train: dict | None = None,
+    kind: str = "model",
 ) -> dict:
     from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
     from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, draft_trim
     from fp8ptq.spec.run import MeasureConfig, RecommendConfig, _check_gammas, recommend
 
     _check_gammas(gammas)
+    if kind not in ("model", "eagle3"):
+        raise SpecError(f"unknown draft kind '{kind}'", fix="use model (a small draft LLM) or eagle3 (an EAGLE-3 head)")
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     draft_dir = out_dir / "draft"
-    meta = draft_train(
-        DraftTrainConfig(
-            target=str(target_dir),
-            output=draft_dir,
-            layers=layers,
-            max_steps=max_steps,
-            time_budget_s=time_budget_s,
-            seed=seed,
-            device=device,
-            **(train or {}),
-        ),
-        progress,
-    )
+    common = dict(target=str(target_dir), output=draft_dir, max_steps=max_steps, time_budget_s=time_budget_s)
+    common |= dict(seed=seed, device=device, **(train or {}))
+    if kind == "eagle3":
+        from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train
+
+        vocab = {} if trim_keep is None else {"draft_vocab": trim_keep}
+        meta = eagle3_train(Eagle3TrainConfig(**common, **vocab), progress)
+    else:
+        meta = draft_train(DraftTrainConfig(**common, layers=layers), progress)
+    eagle3 = kind == "eagle3"
     timings = {"draft_train_s": time.perf_counter() - t0}
     trimmed = None
-    if trim_keep:
+    if trim_keep and not eagle3:  # an EAGLE-3 head is trimmed as it is trained
         t = time.perf_counter()
         trimmed = draft_trim(
             DraftTrimConfig(
@@ -127,8 +131,11 @@ def build_draft_bundle(
             "worth_it": rec["worth_it"],
             "table": rec["table"],
         },
-        "speculative_config": vllm_config("draft", rec["gamma"]),
-        "sglang_flags": sglang_flags("draft", rec["gamma"], f"draft-trimmed/{TOKEN_MAP}" if trimmed else None),
+        "kind": kind,
+        "speculative_config": vllm_config("draft", rec["gamma"], eagle3=eagle3),
+        "sglang_flags": sglang_flags(
+            "draft", rec["gamma"], f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, eagle3=eagle3
+        ),
         "files": {
             "draft": "draft",
             "trimmed": "draft-trimmed" if trimmed else None,

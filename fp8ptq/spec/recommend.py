@@ -149,9 +149,10 @@ def choose(measured: dict, costs: Costs, gamma_range: tuple[int, int] | None = N
     )
 
 
-def vllm_config(draft: str, gamma: int) -> dict:
+def vllm_config(draft: str, gamma: int, *, eagle3: bool | None = None) -> dict:
     """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) (vLLM 0.32 SpeculativeConfig):
-    a draft model, or `ngram[:MIN-MAX]` → method ngram with both prompt-lookup sizes explicit."""
+    a draft model, or `ngram[:MIN-MAX]` → method ngram with both prompt-lookup sizes explicit. eagle3: the
+    draft is an EAGLE-3 head (None: read its config.json, which a path relative to a bundle cannot)."""
     from fp8ptq.spec.models import parse_ngram
 
     if not 1 <= gamma <= MAX_GAMMA:
@@ -164,14 +165,17 @@ def vllm_config(draft: str, gamma: int) -> dict:
             "prompt_lookup_min": ngram.nmin,
             "prompt_lookup_max": ngram.nmax,
         }
-    from fp8ptq.spec.eagle3 import is_eagle3
+    if eagle3 is None:
+        from fp8ptq.spec.eagle3 import is_eagle3
 
-    method = "eagle3" if is_eagle3(draft) else "draft_model"
+        eagle3 = is_eagle3(draft)
+    method = "eagle3" if eagle3 else "draft_model"
     return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
 
 
-def sglang_flags(draft: str, gamma: int, token_map: str | None = None) -> list[str]:
-    """SGLang server flags for a standalone (small LLM) draft, sequence drafting (topk 1). For `ngram`:
+def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3: bool = False) -> list[str]:
+    """SGLang server flags for a standalone (small LLM) draft or (eagle3) an EAGLE-3 head (algorithm EAGLE3;
+    its d2t is in the head), sequence drafting (topk 1). For `ngram`:
     SGLang's NGRAM algorithm (CUDA only) with the same match window and one branch (BFS breadth 1) — its
     matcher is a cache of earlier n-grams, not vLLM's suffix search, so the measured τ is vLLM's."""
     from fp8ptq.spec.models import parse_ngram
@@ -194,7 +198,7 @@ def sglang_flags(draft: str, gamma: int, token_map: str | None = None) -> list[s
         ]
     flags = [
         "--speculative-algorithm",
-        "STANDALONE",
+        "EAGLE3" if eagle3 else "STANDALONE",
         "--speculative-draft-model-path",
         str(draft),
         "--speculative-num-steps",
@@ -241,6 +245,7 @@ def write_outputs(
     token_map: str | None = None,
     title: str = "speculative decoding",
     extra: dict | None = None,
+    eagle3: bool | None = None,
 ) -> dict[str, Path]:
     """speculative_config.json (vLLM), sglang_flags.txt, recommendation.json, speculative.png in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,8 +255,12 @@ def write_outputs(
         "recommendation": out_dir / "recommendation.json",
         "plot": out_dir / "speculative.png",
     }
-    files["vllm"].write_text(json.dumps(vllm_config(draft, rec.gamma), indent=2) + "\n")
-    files["sglang"].write_text(" ".join(sglang_flags(draft, rec.gamma, token_map)) + "\n")
+    if eagle3 is None:
+        from fp8ptq.spec.eagle3 import is_eagle3
+
+        eagle3 = is_eagle3(draft)
+    files["vllm"].write_text(json.dumps(vllm_config(draft, rec.gamma, eagle3=eagle3), indent=2) + "\n")
+    files["sglang"].write_text(" ".join(sglang_flags(draft, rec.gamma, token_map, eagle3=eagle3)) + "\n")
     files["recommendation"].write_text(json.dumps({**rec.as_dict(), **(extra or {})}, indent=2) + "\n")
     plot(files["plot"], rec, title)
     return files

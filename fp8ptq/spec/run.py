@@ -250,6 +250,7 @@ def engine_check(
 def recommend(cfg: RecommendConfig, progress=None) -> dict:
     """Choose γ and write the configs into cfg.output (atomically). Returns the summary dict."""
     from fp8ptq.io import atomic_output_dir, check_output
+    from fp8ptq.spec.eagle3 import is_eagle3
 
     check_output(Path(cfg.output), cfg.overwrite)
     if cfg.device_memory:
@@ -328,6 +329,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
             token_map=cfg.token_map,
             title=f"{Path(str(measured['target'])).name} + {Path(draft).name}, T={cfg.temperature}",
             extra=extra,
+            eagle3=is_eagle3(measured["draft"]),  # the measured path: draft_for_engine may be relative
         )
         (tmp / MEASURE_FILE).write_text(json.dumps(measured, indent=1) + "\n")
     return {**rec.as_dict(), **extra, "files": {k: str(Path(cfg.output) / v.name) for k, v in files.items()}}

@@ -152,3 +152,26 @@ def test_cli_bad_input_is_one_line(tmp_path, target4, extra, phrase):
     assert r.exit_code == 2, r.output
     assert phrase in r.output and "fix:" in r.output and len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_draft_bundle_eagle3_writes_head_and_eagle3_configs(tmp_path, target4):
+    """`quantize --draft eagle3` (spec.auto.build_draft_bundle(kind="eagle3")): the head in draft/, trimmed to
+    --draft-trim rows, and configs that say method eagle3 (vLLM) / EAGLE3 (SGLang) for the relative path."""
+    from fp8ptq.spec.auto import build_draft_bundle
+
+    out = tmp_path / "bundle"
+    s = build_draft_bundle(
+        target4, out, kind="eagle3", trim_keep=256, max_steps=2, time_budget_s=None, gammas=(1, 2), num_prompts=2,
+        max_tokens=6, train=dict(SMALL),
+    )  # fmt: skip
+    assert s["kind"] == "eagle3" and s["trimmed"] is None and s["draft"]["steps"] == 2
+    gamma = s["recommendation"]["gamma"]
+    assert s["speculative_config"] == {"method": "eagle3", "model": "draft", "num_speculative_tokens": gamma}
+    assert json.loads((out / "speculative_config.json").read_text()) == s["speculative_config"]
+    assert is_eagle3(out / "draft") and not (out / "draft-trimmed").exists()
+    assert json.loads((out / "draft" / "config.json").read_text())["draft_vocab_size"] == 256
+    flags = (out / "sglang_flags.txt").read_text().split()
+    assert flags[flags.index("--speculative-algorithm") + 1] == "EAGLE3" and "--speculative-token-map" not in flags
+    with pytest.raises(SpecError, match="unknown draft kind"):
+        build_draft_bundle(target4, tmp_path / "x", kind="medusa")
+    assert not (tmp_path / "x").exists()
