@@ -63,6 +63,7 @@ SCHEMES = (
     "nvfp4a16",
     "nvfp4a16-gptq",
     "mxfp4a16",
+    "mxfp4a16-gptq",
 )
 DATA_FREE = ("fp8-dynamic", "fp8-block", "fp8-block-b64", "nvfp4a16", "mxfp4a16")
 

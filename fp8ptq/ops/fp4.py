@@ -4,7 +4,8 @@ Conventions are compressed-tensors' own (0.17.0 and 0.20: `generate_gparam`, `ca
 a global scale, `FP4_E2M1_DATA.cast_to_fp4`, the NVFP4 compressor), so its compressor decompresses
 what these functions simulate, bit for bit:
 
-- global scale gs = 448 * 6 / amax(tensor) (fp32), a *divisor*: 1.0 where amax is 0 or not finite;
+- global scale gs = 448 * 6 / amax(tensor) (fp32), a *divisor*: 1.0 where amax is 0; amax and the
+  group maxima below are over finite values only (fp8ptq refuses NaN/inf weights at load anyway);
 - group scale s = fp8_e4m3(gs * (amax(group) / 6)), stored as FP8; a scale that rounds to 0 becomes
   0.125 (compressed-tensors' eps for FP8), so every scale is finite and positive;
 - effective scale eff = s / gs (fp32); x ~= e2m1(clamp(x / eff, -6, 6)) * eff, E2M1 values
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from fp8ptq.ops.fp8 import FP8_DTYPE, FP8_MAX
+from fp8ptq.ops.granularity import finite_values
 
 FP4_MAX = 6.0
 NVFP4_GROUP = 16
@@ -29,7 +31,7 @@ _ZERO_SCALE = 0.125  # compressed-tensors' replacement for an FP8 group scale th
 
 def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round x (already clamped to [-6, 6]) to the nearest E2M1 value, ties to even; same dtype.
-    NaN stays NaN (sign(NaN) is NaN)."""
+    NaN becomes 0 (torch.sign(NaN) is 0): the fake-quants that must show a NaN put it back."""
     a = x.abs()
     q = torch.where(
         a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(a < 1.75, 1.5, 0.0)))
@@ -42,8 +44,10 @@ def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
     """fp32 [1]: 448 * 6 / amax(w), the divisor compressed-tensors stores as `weight_global_scale`
-    (1.0 for an all-zero or non-finite tensor, as compressed-tensors' `generate_gparam`)."""
-    amax = w.detach().abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
+    (1.0 for an all-zero tensor, as compressed-tensors' `generate_gparam`). amax is taken over the finite
+    values (`finite_values`), so a stray inf cannot make the divisor 0 (defence in depth: the loader
+    refuses NaN/inf weights)."""
+    amax = finite_values(w.detach()).abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
     gs = (FP8_MAX * FP4_MAX) / amax
     return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
 
@@ -70,7 +74,7 @@ def fake_quant_nvfp4(x: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
     """x [rows, n] with one effective scale per row eff [rows, 1] (= group scale / global scale): the
     dequantized E2M1 values rounded to bf16, returned as fp32 (compressed-tensors' decompression)."""
     q = cast_e2m1((x.float() / eff).clamp(-FP4_MAX, FP4_MAX))
-    return (q * eff).to(torch.bfloat16).float()
+    return torch.where(torch.isnan(x), x.float(), q * eff).to(torch.bfloat16).float()  # a NaN stays visible
 
 
 # --- MXFP4 (OCP Microscaling): E2M1 values in groups of 32 with one E8M0 (power-of-two) scale each ---

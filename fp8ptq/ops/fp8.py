@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.granularity import Granularity, block, expand_scale, reduce_amax
+from fp8ptq.ops.granularity import Granularity, block, expand_scale, finite_values, reduce_amax
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -30,9 +30,10 @@ def block_row_scale(w: torch.Tensor, rows: int) -> torch.Tensor:
     """Min-max FP8 scale [R, 1] of w [R, k] with each `rows` consecutive rows sharing one scale: one
     (rows x k) block per scale, repeated on every row of its block (so a per-row fake-quant applies
     exactly the block scale). R must be a multiple of `rows`. Take every `rows`-th entry of a stack of
-    these to get compressed-tensors' block scale [R / rows, in / k]."""
+    these to get compressed-tensors' block scale [R / rows, in / k]. Taken over each block's finite
+    values (`finite_values`): an all-zero or broken block gets a finite, positive scale."""
     assert w.shape[0] % rows == 0, (w.shape, rows)
-    return choose_fp8_scale(w, block(rows, w.shape[1])).repeat_interleave(rows, dim=0)
+    return choose_fp8_scale(finite_values(w), block(rows, w.shape[1])).repeat_interleave(rows, dim=0)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:

@@ -25,7 +25,7 @@ from fp8ptq.ops.fp4 import (
     nvfp4_group_scale,
 )
 from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
-from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity
+from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, finite_values
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
 
 # (scale, zero_point | None) at a grid's granularity; x ~= (q - zero_point) * scale.
@@ -117,6 +117,7 @@ def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False) -> WeightGrid:
     gs = global_scale.float().reshape(1)
 
     def choose(w):
+        w = finite_values(w)  # finite scales even for a broken group (refused at load; defence in depth)
         amax = w.abs().amax(dim=-1, keepdim=True)
         best = nvfp4_group_scale(amax, gs) / gs
         if not mse:
@@ -162,6 +163,8 @@ def int_grid(
         choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
     else:
         choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
+    if params is None:  # scales of a group's finite values (refused at load anyway: defence in depth)
+        choose = (lambda c: lambda w: c(finite_values(w)))(choose)
     return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size, refine)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +113,17 @@ def expand_scale(scale: torch.Tensor, x: torch.Tensor, g: Granularity) -> torch.
         full = scale.repeat_interleave(m, dim=0).repeat_interleave(n, dim=1)
         return full[: x.shape[0], : x.shape[-1]]
     return scale.repeat_interleave(g.group_size, dim=-1)
+
+
+def finite_values(x: torch.Tensor) -> torch.Tensor:
+    """x itself when every value is finite (one aminmax reduction), else a copy with NaN and +-inf set to
+    0, for choosing scales: the new formats' scales (block FP8, NVFP4, MXFP4, W4A8) are taken over a
+    group's finite values, so an all-NaN/inf or all-zero group still gets a finite, positive scale.
+    Defence in depth only: the loader refuses NaN/inf weights (errors.NonFiniteError), and the
+    fake-quant still applies the scale to the original values (a NaN stays NaN, an inf saturates)."""
+    if x.numel() == 0:
+        return x
+    lo, hi = torch.aminmax(x)
+    if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+        return x
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
