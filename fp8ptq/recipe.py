@@ -204,7 +204,9 @@ class Mixed(_Frozen):
 class Calibration(_Frozen):
     """How scales are chosen. Only used when the scheme needs data (static activations, KV, GPTQ)."""
 
-    observer: Literal["minmax", "mse"] = "minmax"  # static activation / KV scales
+    observer: Literal["minmax", "mse"] = "minmax"  # static activation scales
+    # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error)
+    kv_observer: Literal["minmax", "mse"] = "minmax"
     weight_observer: Literal["minmax", "mse"] = "minmax"  # weight scales (mse: per-group clip search)
     weight_method: Literal["rtn", "gptq"] = "rtn"
     # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
