@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/compare_llmc.py --schemes fp8-kv8 fp8-dynamic w4a16=w4a16-g64-gptq \
         w8a8-int8 [--num-samples 64 --seq-len 512 --eval-samples 32] [--work /tmp/fp8ptq-bench] [--reuse]
-        [--fp8ptq-args '--offload-activations --chunk-tokens 1024']
+        [--fp8ptq-args '--offload-activations --chunk-tokens 1024'] [--eval-data licences.txt]
 
 A scheme is `RECIPE` (same name on both sides) or `RECIPE=LLMC_SCHEME` (fp8ptq recipe or YAML file =
 llm-compressor scheme of benchmarks/llmc_quantize.py); `--only fp8ptq|llmc` runs one side, `--reuse`
@@ -12,7 +12,9 @@ Needs the llm-compressor venv (bash benchmarks/setup_llmc_venv.sh). Each tool ru
 subprocess, one after the other; wall time is the tool's own calibration+quantization time, peak RSS
 is the subprocess's max resident set (ru_maxrss of the child). Quality: fp8ptq's evaluator (engine
 numerics: FP8 weights, static/dynamic FP8 inputs, FP8 KV) on the held-out built-in split vs the
-unquantized model, identical for both checkpoints. Prints a markdown table for BENCHMARKS.md.
+unquantized model, identical for both checkpoints; `--eval-data PATH` (any local text, as `eval quality
+--eval-data`) scores the same number of tokens of that source too, off the calibration domain. Prints a
+markdown table for BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main():
     ap.add_argument("--skip-floor", action="store_true")
     ap.add_argument("--skip-llmc", action="store_true")
     ap.add_argument("--only", choices=["fp8ptq", "llmc"])
+    ap.add_argument("--eval-data", help="off-domain text source scored beside the built-in split")
     ap.add_argument("--reuse", action="store_true", help="score existing outputs in --work instead of re-running")
     ap.add_argument(
         "--fp8ptq-args",
@@ -84,6 +87,17 @@ def main():
     save_file({"input_ids": calib.contiguous()}, str(calib_file))
     eval_len = args.eval_seq_len or args.seq_len
     eval_ids = load_samples("builtin", tok, args.eval_samples, eval_len, "evaluation", seed=0)
+    off_ids = None
+    if args.eval_data:
+        off_ids = load_samples(args.eval_data, tok, args.eval_samples, eval_len, "evaluation", seed=0)
+
+    def score(out_dir: Path) -> dict:
+        cand = load_simulated(open_hf_dir(out_dir)).model
+        q = compare(ref, cand, eval_ids)
+        if off_ids is not None:
+            q["off_domain"] = compare(ref, cand, off_ids)
+        return q
+
     rows = []
     if not args.skip_floor:
         for dt in (torch.float32, torch.bfloat16):
@@ -127,7 +141,7 @@ def main():
                 manifest = json.loads(stdout)
                 meta = dict(quantize_s=manifest["timings"]["quantize_s"], total_s=wall, rss=rss)
                 (out / "fp8ptq_run.json").write_text(json.dumps(meta))
-            q = compare(ref, load_simulated(open_hf_dir(out)).model, eval_ids)
+            q = score(out)
             results[("fp8ptq " + args.fp8ptq_args if extra else "fp8ptq", tag)] = dict(**meta, **q)
         if not args.skip_llmc and args.only != "fp8ptq":
             lout = args.work / f"llmc-{llmc_scheme}"
@@ -151,7 +165,7 @@ def main():
                 info = json.loads(stdout.strip().splitlines()[-1])
                 meta = dict(quantize_s=info["quantize_wall_s"], total_s=wall, rss=rss)
                 (lout / "llmc_bench.json").write_text(json.dumps(meta))
-            q = compare(ref, load_simulated(open_hf_dir(lout)).model, eval_ids)
+            q = score(lout)
             results[("llm-compressor", llmc_scheme)] = dict(**meta, **q)
     print(
         f"\ncalibration: {args.num_samples}x{args.seq_len} tokens (built-in split, seed 0); "
@@ -159,12 +173,19 @@ def main():
     )
     for name, dt, secs, _, _ in rows:
         print(f"- {name} {dt}: {secs:.1f} s")
-    print("\n| tool | scheme | calib+quant s | process s | peak RSS MiB | KL | top-1 | PPL (ref) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    off_head = " off-domain KL | top-1 | PPL (ref) |" if off_ids is not None else ""
+    print(f"\n| tool | scheme | calib+quant s | process s | peak RSS MiB | KL | top-1 | PPL (ref) |{off_head}")
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if off_ids is not None else ""))
     for (tool, scheme), r in results.items():
+        cells = [
+            f"{d['kl']:.5f} | {d['top1'] * 100:.2f}% | {d['ppl']:.3f} ({d['ppl_reference']:.3f})"
+            for d in (r, r.get("off_domain"))
+            if d is not None
+        ]
         print(
-            f"| {tool} | {scheme} | {r['quantize_s']:.1f} | {r['total_s']:.1f} | {r['rss']:.0f} | {r['kl']:.5f} | "
-            f"{r['top1'] * 100:.2f}% | {r['ppl']:.3f} ({r['ppl_reference']:.3f}) |"
+            f"| {tool} | {scheme} | {r['quantize_s']:.1f} | {r['total_s']:.1f} | {r['rss']:.0f} | "
+            + " | ".join(cells)
+            + " |"
         )
     res_file = args.work / "results.json"  # merged across invocations (one row per tool/scheme)
     merged = json.loads(res_file.read_text()) if res_file.is_file() else {}

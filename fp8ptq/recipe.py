@@ -204,7 +204,9 @@ class Mixed(_Frozen):
 class Calibration(_Frozen):
     """How scales are chosen. Only used when the scheme needs data (static activations, KV, GPTQ)."""
 
-    observer: Literal["minmax", "mse"] = "minmax"  # static activation / KV scales
+    observer: Literal["minmax", "mse"] = "minmax"  # static activation scales
+    # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error)
+    kv_observer: Literal["minmax", "mse"] = "minmax"
     weight_observer: Literal["minmax", "mse"] = "minmax"  # weight scales (mse: per-group clip search)
     weight_method: Literal["rtn", "gptq"] = "rtn"
     # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
@@ -372,4 +374,6 @@ def recipe_yaml(recipe: Recipe) -> str:
     data = recipe.model_dump(mode="json")
     if not data["transforms"]:  # recipes without transforms are written as before the key existed
         del data["transforms"]
+    if data["calibration"]["kv_observer"] == "minmax":  # likewise the default KV observer
+        del data["calibration"]["kv_observer"]
     return yaml.safe_dump(data, sort_keys=False)

@@ -202,12 +202,14 @@ class LayerCalibrator:
         """Post-RoPE keys and values: static per-layer scales, then the KV quantizer is installed."""
         attn = self.modules[self.attn_name]
         stats: dict[str, ActStats] = {}
+        kv_observer = self.recipe.calibration.kv_observer
+        spec = OBSERVER_STATS[kv_observer]
 
         def observe(_m, k, v):
             c, first = self.chunk
             for key, t in (("k", k), ("v", v)):  # [n, kv_heads, seq, head] -> [n, seq, kv_heads*head]
                 t = t.transpose(1, 2).flatten(2)
-                stats.setdefault(key, self.state.new_stats(t.shape[-1], StatsSpec())).update(c, first, t)
+                stats.setdefault(key, self.state.new_stats(t.shape[-1], spec)).update(c, first, t)
             raise Stop
 
         attn.fp8ptq_kv_hook = observe
@@ -217,8 +219,8 @@ class LayerCalibrator:
             attn.__dict__.pop("fp8ptq_kv_hook", None)
         kv = self.recipe.scheme.kv_cache
         grid = handler(kv).act_grid(kv)
-        # KV rows are not subsampled: minmax (clipping hurts FP8's flat relative error, see BENCHMARKS)
-        kc, vc = (OBSERVERS["minmax"](stats[key].reduce(self.state.comm), grid) for key in ("k", "v"))
+        # default minmax: clipping hurts FP8's flat relative error (BENCHMARKS.md, issues 2 and 21)
+        kc, vc = (OBSERVERS[kv_observer](stats[key].reduce(self.state.comm), grid) for key in ("k", "v"))
         prefix = self.plan.prefix + self.attn_name
         finite_stats(f"{prefix} (keys)", kc.amax)
         finite_stats(f"{prefix} (values)", vc.amax)
