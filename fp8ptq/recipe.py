@@ -370,10 +370,17 @@ def load_recipe(name_or_path: str) -> Recipe:
     return parse_recipe(data, str(path))
 
 
+# Keys added after recipes were first written, left out of recipe.yaml at their default so that recipes not
+# using them are written (and outputs hash) as before the keys existed.
+_WRITTEN_ONLY_IF_SET = {("transforms",): [], ("calibration", "kv_observer"): "minmax"}
+
+
 def recipe_yaml(recipe: Recipe) -> str:
     data = recipe.model_dump(mode="json")
-    if not data["transforms"]:  # recipes without transforms are written as before the key existed
-        del data["transforms"]
-    if data["calibration"]["kv_observer"] == "minmax":  # likewise the default KV observer
-        del data["calibration"]["kv_observer"]
+    for (*path, key), default in _WRITTEN_ONLY_IF_SET.items():
+        section = data
+        for p in path:
+            section = section[p]
+        if section[key] == default:
+            del section[key]
     return yaml.safe_dump(data, sort_keys=False)

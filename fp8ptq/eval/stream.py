@@ -78,7 +78,7 @@ def _run_layer(side: _Side, index: int, device, step: int) -> None:
     try:
         with torch.inference_mode():
             for s in range(0, side.store.shape[0], step):
-                x = side.store.read(s, min(s + step, side.store.shape[0])).to(device)
+                x = side.store.read(s, min(s + step, side.store.shape[0]), copy=False).to(device)  # rows written after
                 for block in arch.blocks:
                     x = arch.run_block(layer, block, x, inputs)
                 side.store.write(s, x)
@@ -148,7 +148,7 @@ def compare_streaming(
         window = max(1, HEAD_BYTES // (4 * vocab))
         nll_ref = nll_cand = kl = agree = 0.0
         for s in range(n):
-            xs = [side.store.read(s, s + 1).to(device) for side in sides]
+            xs = [side.store.read(s, s + 1, copy=False).to(device) for side in sides]  # read only
             for a in range(0, seq - 1, window):
                 b = min(a + window, seq - 1)
                 lr, lc = (h(x[:, a:b]) for h, x in zip(heads, xs))

@@ -23,7 +23,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.recipe import Recipe, load_recipe, parse_recipe
-from fp8ptq.runs.config import QuantizeConfig
+from fp8ptq.runs.config import DRAFT_KINDS, QuantizeConfig
 
 
 @dataclass
@@ -98,7 +98,7 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     if overrides:
         recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update=overrides)})
     recipe = _recipe_overrides(cfg, recipe)
-    if cfg.draft not in ("none", "auto", "eagle3"):
+    if cfg.draft != "none" and cfg.draft not in DRAFT_KINDS:
         raise RecipeError(
             f"unknown --draft '{cfg.draft}'", fix="use --draft auto (train a draft), eagle3 (an EAGLE-3 head) or none"
         )

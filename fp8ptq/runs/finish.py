@@ -20,6 +20,7 @@ from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.recipe import recipe_yaml
 from fp8ptq.runs.calibrated import chunks_per_rank
+from fp8ptq.runs.config import DRAFT_KINDS
 from fp8ptq.runs.context import RunContext
 
 
@@ -75,7 +76,7 @@ def finish(ctx: RunContext) -> Manifest:
         summary=summary(layers),
         mixed=run.state["mixed"]["report"] if recipe.mixed is not None else None,
     )
-    if ctx.cfg.draft in ("auto", "eagle3"):  # the finished target is in place: distil, measure, recommend beside it
+    if ctx.cfg.draft in DRAFT_KINDS:  # the finished target is in place: distil, measure, recommend beside it
         manifest.speculative = _draft(ctx)
     if ctx.cfg.eval_samples > 0:
         manifest.quality = _quality(ctx)
@@ -109,7 +110,7 @@ def _draft(ctx: RunContext) -> dict:
         time_budget_s=cfg.draft_time_budget_s,
         device=ctx.device,
         progress=ctx.progress,
-        kind="eagle3" if cfg.draft == "eagle3" else "model",
+        kind=DRAFT_KINDS[cfg.draft],
     )
     ctx.timings["draft_s"] = time.perf_counter() - t
     return bundle

@@ -255,12 +255,10 @@ def write_outputs(
         "recommendation": out_dir / "recommendation.json",
         "plot": out_dir / "speculative.png",
     }
-    if eagle3 is None:
-        from fp8ptq.spec.eagle3 import is_eagle3
-
-        eagle3 = is_eagle3(draft)
-    files["vllm"].write_text(json.dumps(vllm_config(draft, rec.gamma, eagle3=eagle3), indent=2) + "\n")
-    files["sglang"].write_text(" ".join(sglang_flags(draft, rec.gamma, token_map, eagle3=eagle3)) + "\n")
+    config = vllm_config(draft, rec.gamma, eagle3=eagle3)  # eagle3 None: read from the draft's config
+    files["vllm"].write_text(json.dumps(config, indent=2) + "\n")
+    flags = sglang_flags(draft, rec.gamma, token_map, eagle3=config["method"] == "eagle3")
+    files["sglang"].write_text(" ".join(flags) + "\n")
     files["recommendation"].write_text(json.dumps({**rec.as_dict(), **(extra or {})}, indent=2) + "\n")
     plot(files["plot"], rec, title)
     return files
