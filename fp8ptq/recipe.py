@@ -207,7 +207,8 @@ class Calibration(_Frozen):
     observer: Literal["minmax", "mse"] = "minmax"  # static activation scales
     # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error)
     kv_observer: Literal["minmax", "mse"] = "minmax"
-    weight_observer: Literal["minmax", "mse"] = "minmax"  # weight scales (mse: per-group clip search)
+    # weight scales (mse: per-group / per-block clip search; integer, FP4 and FP8 block weights)
+    weight_observer: Literal["minmax", "mse"] = "minmax"
     weight_method: Literal["rtn", "gptq"] = "rtn"
     # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
     # without VNNI (AVX2: vpmaddubsw) saturate int16 pair sums when codes exceed 64 (measured in
@@ -284,9 +285,15 @@ class Recipe(_Frozen):
             True,
         ):
             raise ValueError("calibration.group_scales fp8 is for symmetric 4-bit integer group weights")
-        if self.scheme.weights.strategy == "block" and self.calibration.gptq_act_order:
+        if (
+            self.calibration.weight_observer == "mse"
+            and self.mixed is None
+            and (w.type, w.strategy) in (("float", "tensor"), ("float", "channel"))
+            and w.num_bits == 8
+        ):
             raise ValueError(
-                "gptq_act_order with block weights: GPTQ solves blocks in column order (set gptq_act_order false)"
+                f"weight_observer mse with FP8 {w.strategy} weights: the clip search is for integer, FP4 and FP8 "
+                "block weights (FP8 per-tensor / per-channel scales are min-max; set weight_observer: minmax)"
             )
         return self
 

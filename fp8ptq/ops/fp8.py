@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.granularity import Granularity, block, expand_scale, finite_values, reduce_amax
+from fp8ptq.ops.granularity import CHANNEL, Granularity, block, expand_scale, finite_values, reduce_amax
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -34,6 +34,27 @@ def block_row_scale(w: torch.Tensor, rows: int) -> torch.Tensor:
     values (`finite_values`): an all-zero or broken block gets a finite, positive scale."""
     assert w.shape[0] % rows == 0, (w.shape, rows)
     return choose_fp8_scale(finite_values(w), block(rows, w.shape[1])).repeat_interleave(rows, dim=0)
+
+
+def mse_block_row_scale(w: torch.Tensor, rows: int, shrink_grid: tuple[float, ...]) -> torch.Tensor:
+    """`block_row_scale` with each block's amax shrunk by the factor of `shrink_grid` whose FP8
+    fake-quant has the least squared error over the block (min-max first; a tie keeps min-max). A
+    clipped block saturates its few largest values and rounds all the others on a finer grid."""
+    w = finite_values(w).float()
+    g = block(rows, w.shape[1])
+    amax = reduce_amax(w, g)
+
+    def err_of(s: torch.Tensor) -> torch.Tensor:  # squared error per block [R / rows, 1]
+        d = fake_quant_fp8(w, s.repeat_interleave(rows, dim=0), CHANNEL) - w
+        return d.square().reshape(-1, rows * w.shape[1]).sum(-1, keepdim=True)
+
+    best = scale_from_amax(amax)
+    err = err_of(best)
+    for shrink in shrink_grid:
+        s = scale_from_amax(amax * shrink)
+        e = err_of(s)
+        best, err = torch.where(e < err, s, best), torch.minimum(e, err)
+    return best.repeat_interleave(rows, dim=0)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:

@@ -24,7 +24,7 @@ from fp8ptq.ops.fp4 import (
     fake_quant_nvfp4,
     nvfp4_group_scale,
 )
-from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8
+from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, finite_values
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
 
@@ -81,12 +81,16 @@ class WeightGrid:
     refine: optional, for group grids whose params depend on a whole row of groups (e.g. group scales
     an engine re-quantizes per row): all groups' params [out, in / n] -> the params to use. GPTQ then
     chooses every group up front (static groups).
+    row_separable: `choose` treats every row alone, so static groups may be chosen in one call over
+    W viewed as [(out x in / n), n]. False (block grids: rows share a block's params): one call per
+    [out, n] column slab.
     """
 
     choose: Callable[[torch.Tensor], Params]
     fake_quant: Callable[[torch.Tensor, Params], torch.Tensor]
     group_size: int | None = None
     refine: Callable[[Params], Params] | None = None
+    row_separable: bool = True
 
 
 def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
@@ -101,12 +105,17 @@ def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> Weig
     return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g))
 
 
-def fp8_block_grid(rows: int, cols: int) -> WeightGrid:
-    """FP8 E4M3 with one min-max scale per (rows x cols) block of W, as a group grid over `cols` input
+def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
+    """FP8 E4M3 with one scale per (rows x cols) block of W, as a group grid over `cols` input
     columns whose per-row params are shared by each `rows` consecutive rows (`block_row_scale`): RTN
-    and GPTQ (lazy groups) then need no block-specific solver. W's row count must be a multiple of
-    `rows`; the per-row scales [out, in / cols] reduce to the block scales by taking every rows-th row."""
-    return WeightGrid(lambda w: (block_row_scale(w, rows), None), lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols)
+    and GPTQ (lazy or static groups, so act-order too) then need no block-specific solver. W's row
+    count must be a multiple of `rows`; the per-row scales [out, in / cols] reduce to the block scales
+    by taking every rows-th row. mse: each block's scale from a clip search (`mse_block_row_scale`)."""
+    if mse:
+        choose = lambda w: (mse_block_row_scale(w, rows, DEFAULT_SHRINK_GRID), None)  # noqa: E731
+    else:
+        choose = lambda w: (block_row_scale(w, rows), None)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols, row_separable=False)
 
 
 def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False) -> WeightGrid:
@@ -312,10 +321,15 @@ def gptq(
             Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
-            # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
-            s, z = grid.choose(W.reshape(-1, n_g))
-            scale = s.reshape(W.shape[0], -1)
-            zero_point = None if z is None else z.reshape(W.shape[0], -1)
+            if grid.row_separable:
+                # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
+                s, z = grid.choose(W.reshape(-1, n_g))
+                scale = s.reshape(W.shape[0], -1)
+                zero_point = None if z is None else z.reshape(W.shape[0], -1)
+            else:
+                slabs = [grid.choose(W[:, k : k + n_g]) for k in range(0, n, n_g)]
+                scale = torch.cat([p[0] for p in slabs], dim=1)
+                zero_point = None if slabs[0][1] is None else torch.cat([p[1] for p in slabs], dim=1)
             if grid.refine is not None:
                 scale, zero_point = grid.refine((scale, zero_point))
             cols = [

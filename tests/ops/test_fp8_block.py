@@ -75,3 +75,23 @@ def test_gptq_on_the_block_grid_exports_bit_exactly_and_helps(b):
     rtn, _ = _rtn(W, b)
     err = lambda q: float((((q - W) @ H) * (q - W)).sum())  # noqa: E731  output error on the inputs
     assert err(r.weight) < err(rtn)
+
+
+def test_mse_block_scale_never_worse_than_minmax_and_per_block():
+    from fp8ptq.ops.fp8 import mse_block_row_scale
+    from fp8ptq.ops.granularity import CHANNEL
+    from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 32) * torch.rand(64, 1) * 3
+    w[5, 7] = 40.0  # one outlier: its block clips, the other block keeps its own scale
+    mm, mse = block_row_scale(w, 32), mse_block_row_scale(w, 32, DEFAULT_SHRINK_GRID)
+    assert mse.shape == mm.shape == (64, 1)
+    assert torch.equal(mse[:32], mse[:1].expand(32, 1)) and torch.equal(mse[32:], mse[32:33].expand(32, 1))
+
+    def err(s):
+        return (fake_quant_fp8(w, s, CHANNEL) - w).square().reshape(2, -1).sum(-1)
+
+    assert bool((err(mse) <= err(mm)).all()) and bool((mse <= mm).all())
+    z = torch.zeros(64, 32)
+    assert bool(torch.isfinite(mse_block_row_scale(z, 32, DEFAULT_SHRINK_GRID)).all())

@@ -66,7 +66,36 @@ def test_gptq_on_the_block_grid(tmp_path, tiny_dir):
     assert m.calibration is not None and m_rtn.calibration is None
     w = read_tensors(tmp_path / "g")["model.layers.1.mlp.gate_proj.weight"]
     assert not torch.equal(w, read_tensors(tmp_path / "r")["model.layers.1.mlp.gate_proj.weight"])
-    r["calibration"]["gptq_act_order"] = True
+
+
+def test_gptq_act_order_and_mse_on_the_block_grid(tmp_path, tiny_dir):
+    """Act-order visits columns out of block order, so every block's scale is chosen up front from the
+    original weight (static groups): the exported scale is then that block's min-max scale, and every
+    weight is on its block's grid. With weight_observer mse the scales come from the clip search."""
+    r = load_recipe("fp8-block").model_dump(mode="json")
+    r["calibration"].update(weight_method="gptq", gptq_act_order=True)
+    f = tmp_path / "a.yaml"
     f.write_text(yaml.safe_dump(r))
-    with pytest.raises(RecipeError, match="gptq_act_order with block weights"):
-        _quantize(tiny_dir, tmp_path / "a", recipe=str(f), block_size=32)
+    _quantize(tiny_dir, tmp_path / "a", recipe=str(f), block_size=32, num_samples=4, seq_len=64)
+    src = read_tensors(tiny_dir)
+    t = read_tensors(tmp_path / "a")
+    name = "model.layers.1.mlp.down_proj"
+    w, s = t[f"{name}.weight"], t[f"{name}.weight_scale"]
+    blocks = src[f"{name}.weight"].float().reshape(2, 32, 4, 32).abs().amax(dim=(1, 3))
+    assert torch.equal(s, (blocks / 448.0).float())  # min-max of the original blocks
+    rtn = (src[f"{name}.weight"].float() / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(w.dtype)
+    assert w.dtype == torch.float8_e4m3fn and not torch.equal(w.float(), rtn.float())  # GPTQ moved codes
+    r["calibration"]["weight_observer"] = "mse"
+    f.write_text(yaml.safe_dump(r))
+    _quantize(tiny_dir, tmp_path / "m", recipe=str(f), block_size=32, num_samples=4, seq_len=64)
+    s_mse = read_tensors(tmp_path / "m")[f"{name}.weight_scale"]
+    assert s_mse.shape == s.shape and bool((s_mse <= s).all())  # a clip search only shrinks
+
+
+def test_mse_needs_a_grid_that_searches(tmp_path):
+    r = load_recipe("fp8-dynamic").model_dump(mode="json")
+    r["calibration"]["weight_observer"] = "mse"
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(r))
+    with pytest.raises(RecipeError, match="weight_observer mse with FP8 channel weights"):
+        load_recipe(str(f))
