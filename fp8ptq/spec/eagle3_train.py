@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.io import write_atomic, write_json_atomic
@@ -67,8 +68,18 @@ class Eagle3TrainConfig:
 
 def _fingerprint(cfg: Eagle3TrainConfig, layer_ids: list[int]) -> dict:
     keys = ("target", "prompts", "text_field", "num_prompts", "gen_tokens", "max_prompt_tokens", "plain_texts")
-    keys += ("topk", "seed", "batch_size", "draft_vocab")
+    keys += ("topk", "seed", "batch_size")  # not draft_vocab: the data is the same for every trim
     return {k: str(getattr(cfg, k)) for k in keys} | {"layer_ids": str(layer_ids)}
+
+
+def _same_data(fp_file: Path, cfg: Eagle3TrainConfig, layer_ids: list[int]) -> bool:
+    """The work dir's generations and hidden states were made with these settings (a fingerprint
+    written before draft_vocab left it still counts)."""
+    if not fp_file.is_file():
+        return False
+    stored = json.loads(fp_file.read_text())
+    stored.pop("draft_vocab", None)
+    return stored == _fingerprint(cfg, layer_ids)
 
 
 def plain_sequences(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
@@ -218,7 +229,10 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     ckpt = work / "checkpoint.safetensors"
     step, losses, elapsed = 0, [], 0.0
     if cfg.resume and ckpt.is_file():
-        step, losses, elapsed = load_checkpoint(ckpt, head, opt, cfg.device)
+        with safe_open(str(ckpt), "pt") as f:
+            saved = f.get_slice("model.lm_head.weight").get_shape()[0]
+        if saved == head.s.draft_vocab:  # else: a head of another trim on the same data, trained afresh
+            step, losses, elapsed = load_checkpoint(ckpt, head, opt, cfg.device)
     t2d_rows = head.target_to_draft()
     start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"
     head.train()
@@ -275,7 +289,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
     work = work_dir(cfg.output)
     work.mkdir(parents=True, exist_ok=True)
     fp_file, data_file = work / "eagle3.json", work / "data.safetensors"
-    fresh = not (fp_file.is_file() and json.loads(fp_file.read_text()) == _fingerprint(cfg, layer_ids))
+    fresh = not _same_data(fp_file, cfg, layer_ids)
     if fresh:
         for old in work.glob("*"):
             old.unlink() if old.is_file() else shutil.rmtree(old)

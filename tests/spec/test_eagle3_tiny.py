@@ -137,6 +137,14 @@ def test_resume_continues(tmp_path, target4):
     )
     assert second["resumed_from"] == 1 and second["steps"] == 4 and "generate_s" not in second["timings"]
     assert "d2t" not in load_file(str(tmp_path / "a" / "model.safetensors"))  # full vocabulary: no map
+    # a trimmed head on the same work dir reuses its generations and hidden states, not the other head
+    third = eagle3_train(
+        Eagle3TrainConfig(
+            output=tmp_path / "a", time_budget_s=None, resume=True, overwrite=True, **(base | {"draft_vocab": 64})
+        )
+    )
+    assert third["resumed_from"] == 0 and third["steps"] == 4 and "capture_s" not in third["timings"]
+    assert load_file(str(tmp_path / "a" / "model.safetensors"))["d2t"].shape == (64,)
 
 
 @pytest.mark.parametrize(
