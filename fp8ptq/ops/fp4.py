@@ -29,17 +29,24 @@ NVFP4_GROUP = 16
 _ZERO_SCALE = 0.125  # compressed-tensors' replacement for an FP8 group scale that rounds to 0
 
 
+_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_BOUNDS = torch.where(
+    torch.tensor([False, True, False, True, False, True, False]),
+    torch.nextafter(_E2M1_BOUNDS, torch.zeros(7)),
+    _E2M1_BOUNDS,
+)
+
+
 def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round x (already clamped to [-6, 6]) to the nearest E2M1 value, ties to even; same dtype.
     NaN becomes 0 (torch.sign(NaN) is 0): the fake-quants that must show a NaN put it back."""
-    a = x.abs()
-    q = torch.where(
-        a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(a < 1.75, 1.5, 0.0)))
-    )
-    q = torch.where(
-        a >= 1.75, torch.where(a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0, 6.0))), q
-    )
-    return (q * torch.sign(x)).to(x.dtype)
+    # one binary search instead of eight nested wheres (2x faster, the same bits: tests/ops/test_fp4.py).
+    # bucketize(a, B) is the i with B[i-1] < a <= B[i]: the midpoints rounding up to the odd code (0.75,
+    # 1.75, 3.5: ties to even go down) are excluded by moving them one fp32 ulp down.
+    a = x.abs().float()
+    q = _E2M1_VALUES.to(a.device)[torch.bucketize(a, _E2M1_BOUNDS.to(a.device))]
+    return (q * torch.sign(x.float())).to(x.dtype)
 
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,21 @@ def test_e2m1_rounding_is_compressed_tensors():
     assert torch.equal(cast_e2m1(x), FP4_E2M1_DATA.cast_to_fp4(x.clone()))
 
 
+def test_e2m1_rounding_around_every_boundary_and_in_bf16():
+    """The binary-search rounding equals compressed-tensors' on a dense sweep and one fp32 ulp on either
+    side of every midpoint (ties to even), both signs, and for bf16 inputs."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 6.0])
+    mids = torch.cat([mids, -mids])
+    x = torch.cat([torch.linspace(-6, 6, 200_001), mids])
+    x = torch.cat([x, torch.nextafter(x, torch.full_like(x, 9)), torch.nextafter(x, torch.full_like(x, -9))]).clamp(
+        -6, 6
+    )
+    assert torch.equal(cast_e2m1(x), FP4_E2M1_DATA.cast_to_fp4(x.clone()))
+    xb = x.bfloat16()
+    assert cast_e2m1(xb).dtype == torch.bfloat16
+    assert torch.equal(cast_e2m1(xb), FP4_E2M1_DATA.cast_to_fp4(xb.float()).bfloat16())
+
+
 def test_scales_follow_compressed_tensors():
     torch.manual_seed(0)
     w = torch.randn(32, 64) * 3
