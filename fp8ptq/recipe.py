@@ -208,7 +208,10 @@ class Calibration(_Frozen):
     # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error)
     kv_observer: Literal["minmax", "mse"] = "minmax"
     # weight scales (mse: per-group / per-block clip search; integer, FP4 and FP8 block weights)
-    weight_observer: Literal["minmax", "mse"] = "minmax"
+    # hessian_mse: with GPTQ's static groups (act-order) on integer and NVFP4 grids, the clip search's
+    # error weighted per input column by the Hessian diagonal (the output error each column's rounding
+    # causes on its own); elsewhere (RTN, lazy groups, MXFP4, FP8 block) the same as mse
+    weight_observer: Literal["minmax", "mse", "hessian_mse"] = "minmax"
     weight_method: Literal["rtn", "gptq"] = "rtn"
     # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
     # without VNNI (AVX2: vpmaddubsw) saturate int16 pair sums when codes exceed 64 (measured in
@@ -286,14 +289,15 @@ class Recipe(_Frozen):
         ):
             raise ValueError("calibration.group_scales fp8 is for symmetric 4-bit integer group weights")
         if (
-            self.calibration.weight_observer == "mse"
+            self.calibration.weight_observer != "minmax"
             and self.mixed is None
             and (w.type, w.strategy) in (("float", "tensor"), ("float", "channel"))
             and w.num_bits == 8
         ):
             raise ValueError(
-                f"weight_observer mse with FP8 {w.strategy} weights: the clip search is for integer, FP4 and FP8 "
-                "block weights (FP8 per-tensor / per-channel scales are min-max; set weight_observer: minmax)"
+                f"weight_observer {self.calibration.weight_observer} with FP8 {w.strategy} weights: the clip "
+                "search is for integer, FP4 and FP8 block weights (FP8 per-tensor / per-channel scales are "
+                "min-max; set weight_observer: minmax)"
             )
         return self
 

@@ -91,6 +91,9 @@ class WeightGrid:
     group_size: int | None = None
     refine: Callable[[Params], Params] | None = None
     row_separable: bool = True
+    # choose_weighted(W rows [R, n], d [R, n]) -> Params: like choose, but each column's error weighted
+    # by d (GPTQ passes the Hessian diagonal: the output error a column's rounding causes on its own)
+    choose_weighted: Callable[[torch.Tensor, torch.Tensor], Params] | None = None
 
 
 def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
@@ -118,27 +121,37 @@ def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
     return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols, row_separable=False)
 
 
-def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False) -> WeightGrid:
+def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = False) -> WeightGrid:
     """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
     input columns, per-row params eff = FP8 group scale / global scale [R, 1]. mse: each group's FP8
     scale from a clip search (amax shrunk by DEFAULT_SHRINK_GRID, min-max first, ties keep it) by the
     group's squared error; the scales stay FP8 values, so the export is as exact as min-max's."""
     gs = global_scale.float().reshape(1)
 
-    def choose(w):
+    def choose_weighted(w, d=None):
         w = finite_values(w)  # finite scales even for a broken group (refused at load; defence in depth)
         amax = w.abs().amax(dim=-1, keepdim=True)
         best = nvfp4_group_scale(amax, gs) / gs
         if not mse:
             return best, None
-        err = (fake_quant_nvfp4(w, best) - w.float()).square().sum(-1, keepdim=True)
+
+        def err_of(eff):
+            e = (fake_quant_nvfp4(w, eff) - w.float()).square()
+            return (e if d is None else e * d).sum(-1, keepdim=True)
+
+        err = err_of(best)
         for shrink in DEFAULT_SHRINK_GRID:
             eff = nvfp4_group_scale(amax * shrink, gs) / gs
-            e = (fake_quant_nvfp4(w, eff) - w.float()).square().sum(-1, keepdim=True)
+            e = err_of(eff)
             best, err = torch.where(e < err, eff, best), torch.minimum(e, err)
         return best, None
 
-    return WeightGrid(choose, lambda w, p: fake_quant_nvfp4(w, p[0]), NVFP4_GROUP)
+    return WeightGrid(
+        lambda w: choose_weighted(w),
+        lambda w, p: fake_quant_nvfp4(w, p[0]),
+        NVFP4_GROUP,
+        choose_weighted=choose_weighted if hessian else None,
+    )
 
 
 def mxfp4_grid(mse: bool = False) -> WeightGrid:
@@ -156,11 +169,13 @@ def int_grid(
     scale_dtype: torch.dtype | None = None,
     params: Params | None = None,
     refine: Callable[[Params], Params] | None = None,
+    hessian: bool = False,
 ) -> WeightGrid:
     """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
 
     mse: choose each scale (per row, per group) by the clipping search of `mse_int_qparams`
-    instead of plain min-max. scale_dtype: round scales to the dtype the engine loads them in.
+    instead of plain min-max; hessian: GPTQ's static groups weight that search's error by diag(H).
+    scale_dtype: round scales to the dtype the engine loads them in.
     params: fixed (scale, zero_point) for TENSOR / CHANNEL grids (e.g. a scale shared by fused shards).
     """
     assert g.kind in ("tensor", "channel", "group"), g
@@ -174,7 +189,18 @@ def int_grid(
         choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
     if params is None:  # scales of a group's finite values (refused at load anyway: defence in depth)
         choose = (lambda c: lambda w: c(finite_values(w)))(choose)
-    return WeightGrid(choose, lambda w, p: fake_quant_int(w, p[0], p[1], within, bits), g.group_size, refine)
+    weighted = None
+    if mse and hessian and params is None:
+        weighted = lambda w, d: mse_int_qparams(  # noqa: E731
+            finite_values(w), within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype, col_weight=d
+        )
+    return WeightGrid(
+        choose,
+        lambda w, p: fake_quant_int(w, p[0], p[1], within, bits),
+        g.group_size,
+        refine,
+        choose_weighted=weighted,
+    )
 
 
 # --- Solver --------------------------------------------------------------------------------------
@@ -321,7 +347,12 @@ def gptq(
             Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
-            if grid.row_separable:
+            if grid.row_separable and grid.choose_weighted is not None:
+                d = H.diagonal().reshape(1, -1).expand(W.shape[0], -1).reshape(-1, n_g)
+                s, z = grid.choose_weighted(W.reshape(-1, n_g), d)
+                scale = s.reshape(W.shape[0], -1)
+                zero_point = None if z is None else z.reshape(W.shape[0], -1)
+            elif grid.row_separable:
                 # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
                 s, z = grid.choose(W.reshape(-1, n_g))
                 scale = s.reshape(W.shape[0], -1)

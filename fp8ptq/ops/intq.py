@@ -185,15 +185,17 @@ def mse_int_qparams(
 
     grid: shrink factors in (0, 1]; 1.0 (plain min-max) is always tried first, so the result is never
     worse than `choose_int_qparams` on that error. Ties keep the earlier (larger) shrink, so the
-    result is deterministic. col_weight [last]: optional per-input-column weights on the error (e.g.
-    diag(H), to measure error where inputs are large). Vectorised over rows and groups; one pass over
-    x per candidate. Returns the same shapes as `choose_int_qparams`.
+    result is deterministic. col_weight [last] (or x's shape): optional weights on each element's error
+    (e.g. diag(H) per input column, to measure error where inputs are large). Vectorised over rows
+    and groups; one pass over x per candidate. Returns the same shapes as `choose_int_qparams`.
     """
     if any(not 0.0 < p <= 1.0 for p in grid):
         raise ValueError(f"shrink grid values must lie in (0, 1], got {grid}")
     lo, hi = reduce_minmax(x, g)
     rows = x.detach().reshape(-1, x.shape[-1]).float()
-    w = None if col_weight is None else col_weight.float().reshape(1, -1)
+    w = None if col_weight is None else col_weight.float()
+    if w is not None and w.dim() == 1:
+        w = w.reshape(1, -1)
     best_s = best_z = best_err = None
     for p in (1.0, *(p for p in grid if p != 1.0)):
         s, z = int_qparams_from_minmax(lo, hi, bits, symmetric, p, scale_dtype)

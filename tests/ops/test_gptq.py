@@ -247,3 +247,37 @@ def test_gptq_result_exports_bit_exactly(bits, symmetric, g, fmt):
     codes = quantize_int(r.weight, r.scale, r.zero_point, g, bits)
     if fmt == "int-quantized":
         assert torch.equal(packed["weight"], codes)
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "int4"])
+def test_hessian_weighted_group_scales(kind):
+    """weight_observer hessian_mse: each group's clip is searched on the error weighted by diag(H), so
+    that weighted error is never above plain mse's choice; GPTQ with act-order uses those static scales."""
+    from fp8ptq.ops.fp4 import fake_quant_nvfp4, nvfp4_global_scale
+    from fp8ptq.ops.gptq import nvfp4_grid
+
+    torch.manual_seed(0)
+    W = torch.randn(32, 64) * torch.rand(1, 64) * 2
+    X = torch.randn(512, 64) * torch.linspace(0.1, 5.0, 64)
+    H = 2 * X.T @ X
+    if kind == "nvfp4":
+        grid = nvfp4_grid(nvfp4_global_scale(W), mse=True, hessian=True)
+        plain = nvfp4_grid(nvfp4_global_scale(W), mse=True)
+        n = 16
+    else:
+        grid = int_grid(4, True, group(32), mse=True, hessian=True)
+        plain = int_grid(4, True, group(32), mse=True)
+        n = 32
+    rows = W.reshape(-1, n)
+    d = H.diagonal().reshape(1, -1).expand(32, -1).reshape(-1, n)
+    pw, pp = grid.choose_weighted(rows, d), plain.choose(rows)
+    assert plain.choose_weighted is None and not torch.equal(pw[0], pp[0])
+
+    def werr(p):
+        return ((grid.fake_quant(rows, p) - rows).square() * d).sum()
+
+    assert werr(pw) < werr(pp)
+    r = gptq(W, H, grid, act_order=True)
+    assert torch.equal(r.scale, pw[0].reshape(32, -1))  # static: the weighted choice on the original W
+    if kind == "nvfp4":
+        assert torch.equal(r.weight[:, :16], fake_quant_nvfp4(r.weight[:, :16], r.scale[:, :1]))

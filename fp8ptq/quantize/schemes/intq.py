@@ -54,7 +54,8 @@ class Int(SchemeHandler):
             bits,
             args.symmetric,
             granularity(args),
-            mse=cal.weight_observer == "mse",
+            mse=cal.weight_observer in ("mse", "hessian_mse"),
+            hessian=cal.weight_observer == "hessian_mse",
             scale_dtype=scale_dtype,
             refine=refine,
         )
