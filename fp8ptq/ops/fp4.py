@@ -117,13 +117,17 @@ def fake_quant_mxfp4(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x.float(), q * scale).to(torch.bfloat16).float()
 
 
-def choose_mxfp4_scale(x: torch.Tensor, mse: bool = False) -> torch.Tensor:
+def choose_mxfp4_scale(x: torch.Tensor, mse: bool = False, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Power-of-two scales [rows, 1] for groups x [rows, 32]. minmax: compressed-tensors' rule; mse:
     of the two exponents around the OCP one (saturate the top vs halve the resolution), the one with
-    the smaller squared error on x."""
+    the smaller squared error on x (weight: x-shaped weights on each element's error, e.g. diag(H))."""
     amax = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1, keepdim=True)
     if not mse:
         return torch.exp2(mxfp4_exponent(amax, compressed_tensors_mx_round_up(amax)))
     lo, hi = torch.exp2(mxfp4_exponent(amax)), torch.exp2(mxfp4_exponent(amax, True))
-    err = lambda s: (fake_quant_mxfp4(x, s) - x.float()).square().nansum(dim=-1, keepdim=True)  # noqa: E731
+
+    def err(s: torch.Tensor) -> torch.Tensor:
+        e = (fake_quant_mxfp4(x, s) - x.float()).square()
+        return (e if weight is None else e * weight).nansum(dim=-1, keepdim=True)
+
     return torch.where(err(hi) < err(lo), hi, lo)

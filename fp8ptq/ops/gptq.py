@@ -162,9 +162,16 @@ def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = Fa
     )
 
 
-def mxfp4_grid(mse: bool = False) -> WeightGrid:
-    """MXFP4 (ops.fp4): groups of 32 input columns, per-row power-of-two scales [R, 1]."""
-    return WeightGrid(lambda w: (choose_mxfp4_scale(w, mse), None), lambda w, p: fake_quant_mxfp4(w, p[0]), MX_GROUP)
+def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
+    """MXFP4 (ops.fp4): groups of 32 input columns, per-row power-of-two scales [R, 1] (hessian: the
+    mse choice weighted by diag(H) per column in GPTQ's static groups)."""
+    weighted = (lambda w, d: (choose_mxfp4_scale(w, True, d), None)) if mse and hessian else None
+    return WeightGrid(
+        lambda w: (choose_mxfp4_scale(w, mse), None),
+        lambda w, p: fake_quant_mxfp4(w, p[0]),
+        MX_GROUP,
+        choose_weighted=weighted,
+    )
 
 
 def int_grid(

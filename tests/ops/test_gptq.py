@@ -249,12 +249,12 @@ def test_gptq_result_exports_bit_exactly(bits, symmetric, g, fmt):
         assert torch.equal(packed["weight"], codes)
 
 
-@pytest.mark.parametrize("kind", ["nvfp4", "int4"])
+@pytest.mark.parametrize("kind", ["nvfp4", "int4", "mxfp4"])
 def test_hessian_weighted_group_scales(kind):
     """weight_observer hessian_mse: each group's clip is searched on the error weighted by diag(H), so
     that weighted error is never above plain mse's choice; GPTQ with act-order uses those static scales."""
     from fp8ptq.ops.fp4 import fake_quant_nvfp4, nvfp4_global_scale
-    from fp8ptq.ops.gptq import nvfp4_grid
+    from fp8ptq.ops.gptq import mxfp4_grid, nvfp4_grid
 
     torch.manual_seed(0)
     W = torch.randn(32, 64) * torch.rand(1, 64) * 2
@@ -264,6 +264,8 @@ def test_hessian_weighted_group_scales(kind):
         grid = nvfp4_grid(nvfp4_global_scale(W), mse=True, hessian=True)
         plain = nvfp4_grid(nvfp4_global_scale(W), mse=True)
         n = 16
+    elif kind == "mxfp4":
+        grid, plain, n = mxfp4_grid(mse=True, hessian=True), mxfp4_grid(mse=True), 32
     else:
         grid = int_grid(4, True, group(32), mse=True, hessian=True)
         plain = int_grid(4, True, group(32), mse=True)

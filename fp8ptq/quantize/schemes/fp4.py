@@ -63,11 +63,12 @@ class FP4(SchemeHandler):
         return {"input_global_scale": (1.0 / scale.float()).reshape(1)}
 
     def weight_grid(self, args, cal, global_scale=None):
-        if args.strategy == "group":  # MXFP4: `weight_observer: mse` picks each group's exponent by error
-            return mxfp4_grid(mse=cal.weight_observer in ("mse", "hessian_mse"))
-        assert global_scale is not None, "NVFP4 grids need the weight's global scale"
         obs = cal.weight_observer
-        return nvfp4_grid(global_scale, mse=obs in ("mse", "hessian_mse"), hessian=obs == "hessian_mse")
+        mse, hessian = obs in ("mse", "hessian_mse"), obs == "hessian_mse"
+        if args.strategy == "group":  # MXFP4: `weight_observer: mse` picks each group's exponent by error
+            return mxfp4_grid(mse=mse, hessian=hessian)
+        assert global_scale is not None, "NVFP4 grids need the weight's global scale"
+        return nvfp4_grid(global_scale, mse=mse, hessian=hessian)
 
     def global_scale(self, args, w):
         return nvfp4_global_scale(w) if args.strategy == "tensor_group" else None
