@@ -13,20 +13,14 @@ import torch
 from safetensors import safe_open
 
 from fp8ptq.models.loader import resolve_model
-from fp8ptq.ops.fp4 import fake_quant_nvfp4, nvfp4_global_scale, nvfp4_group_scale
-from fp8ptq.ops.gptq import NVFP4_SCALE_SEARCH
+from fp8ptq.ops.fp4 import fake_quant_nvfp4, nvfp4_global_scale
+from fp8ptq.ops.gptq import NVFP4_SCALE_SEARCH, nvfp4_search_scale
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID
 
 
 def search_error(w: torch.Tensor, gs: torch.Tensor, factors: tuple[float, ...]) -> float:
-    amax = w.abs().amax(-1, keepdim=True)
-    best = nvfp4_group_scale(amax, gs) / gs
-    err = (fake_quant_nvfp4(w, best) - w).square().sum(-1, keepdim=True)
-    for f in factors:
-        eff = nvfp4_group_scale(amax * f, gs) / gs
-        e = (fake_quant_nvfp4(w, eff) - w).square().sum(-1, keepdim=True)
-        best, err = torch.where(e < err, eff, best), torch.minimum(e, err)
-    return float(err.sum())
+    eff = nvfp4_search_scale(w, gs, factors)  # the recipes' own search (min-max alone when factors is empty)
+    return float((fake_quant_nvfp4(w, eff) - w).square().sum())
 
 
 def main() -> None:

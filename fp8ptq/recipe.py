@@ -208,9 +208,9 @@ class Calibration(_Frozen):
     # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error)
     kv_observer: Literal["minmax", "mse"] = "minmax"
     # weight scales (mse: per-group / per-block clip search; integer, FP4 and FP8 block weights)
-    # hessian_mse: with GPTQ's static groups (act-order) on integer and NVFP4 grids, the clip search's
+    # hessian_mse: with GPTQ's static groups (act-order) on integer, NVFP4 and MXFP4 grids, the search's
     # error weighted per input column by the Hessian diagonal (the output error each column's rounding
-    # causes on its own); elsewhere (RTN, lazy groups, MXFP4, FP8 block) the same as mse
+    # causes on its own); elsewhere (RTN, lazy groups, FP8 block) the same as mse
     weight_observer: Literal["minmax", "mse", "hessian_mse"] = "minmax"
     weight_method: Literal["rtn", "gptq"] = "rtn"
     # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
@@ -233,6 +233,11 @@ class Calibration(_Frozen):
     # MoE: an expert the router sends fewer (token, expert) pairs than this is calibrated on every token
     # (its output still uses only its routed tokens); see calibrate/experts.py
     moe_min_tokens: int = 64
+
+    @property
+    def weight_search(self) -> tuple[bool, bool]:
+        """(search the weight scales, weight that search by diag(H)) from weight_observer."""
+        return self.weight_observer != "minmax", self.weight_observer == "hessian_mse"
 
     @model_validator(mode="after")
     def _check(self):
@@ -288,12 +293,8 @@ class Recipe(_Frozen):
             True,
         ):
             raise ValueError("calibration.group_scales fp8 is for symmetric 4-bit integer group weights")
-        if (
-            self.calibration.weight_observer != "minmax"
-            and self.mixed is None
-            and (w.type, w.strategy) in (("float", "tensor"), ("float", "channel"))
-            and w.num_bits == 8
-        ):
+        fp8_minmax_only = (w.type, w.num_bits) == ("float", 8) and w.strategy in ("tensor", "channel")
+        if self.calibration.weight_search[0] and self.mixed is None and fp8_minmax_only:
             raise ValueError(
                 f"weight_observer {self.calibration.weight_observer} with FP8 {w.strategy} weights: the clip "
                 "search is for integer, FP4 and FP8 block weights (FP8 per-tensor / per-channel scales are "

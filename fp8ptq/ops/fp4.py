@@ -44,7 +44,7 @@ def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     # one binary search instead of eight nested wheres (2x faster, the same bits: tests/ops/test_fp4.py).
     # bucketize(a, B) is the i with B[i-1] < a <= B[i]: the midpoints rounding up to the odd code (0.75,
     # 1.75, 3.5: ties to even go down) are excluded by moving them one fp32 ulp down.
-    a = x.abs().float()
+    a = x.abs().float().contiguous()  # bucketize copies (and warns) otherwise
     q = _E2M1_VALUES.to(a.device)[torch.bucketize(a, _E2M1_BOUNDS.to(a.device))]
     return (q * torch.sign(x.float())).to(x.dtype)
 

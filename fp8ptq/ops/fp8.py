@@ -36,25 +36,31 @@ def block_row_scale(w: torch.Tensor, rows: int) -> torch.Tensor:
     return choose_fp8_scale(finite_values(w), block(rows, w.shape[1])).repeat_interleave(rows, dim=0)
 
 
+def best_scale(scale_of, factors: tuple[float, ...], err_of) -> torch.Tensor:
+    """The scale with the least error among scale_of(1.0) (tried first: a tie keeps it) and
+    scale_of(f) for f in factors, chosen independently per entry of the error's shape. scale_of maps a
+    factor on the max to scales; err_of maps scales to errors broadcastable against them."""
+    best = scale_of(1.0)
+    err = err_of(best)
+    for f in factors:
+        s = scale_of(f)
+        e = err_of(s)
+        best, err = torch.where(e < err, s, best), torch.minimum(e, err)
+    return best
+
+
 def mse_block_row_scale(w: torch.Tensor, rows: int, shrink_grid: tuple[float, ...]) -> torch.Tensor:
     """`block_row_scale` with each block's amax shrunk by the factor of `shrink_grid` whose FP8
-    fake-quant has the least squared error over the block (min-max first; a tie keeps min-max). A
-    clipped block saturates its few largest values and rounds all the others on a finer grid."""
+    fake-quant has the least squared error over the block (`best_scale`). A clipped block saturates
+    its few largest values and rounds all the others on a finer grid."""
     w = finite_values(w).float()
-    g = block(rows, w.shape[1])
-    amax = reduce_amax(w, g)
+    amax = reduce_amax(w, block(rows, w.shape[1]))
 
     def err_of(s: torch.Tensor) -> torch.Tensor:  # squared error per block [R / rows, 1]
         d = fake_quant_fp8(w, s.repeat_interleave(rows, dim=0), CHANNEL) - w
         return d.square().reshape(-1, rows * w.shape[1]).sum(-1, keepdim=True)
 
-    best = scale_from_amax(amax)
-    err = err_of(best)
-    for shrink in shrink_grid:
-        s = scale_from_amax(amax * shrink)
-        e = err_of(s)
-        best, err = torch.where(e < err, s, best), torch.minimum(e, err)
-    return best.repeat_interleave(rows, dim=0)
+    return best_scale(lambda f: scale_from_amax(amax * f), shrink_grid, err_of).repeat_interleave(rows, dim=0)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:

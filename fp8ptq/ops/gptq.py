@@ -24,7 +24,7 @@ from fp8ptq.ops.fp4 import (
     fake_quant_nvfp4,
     nvfp4_group_scale,
 )
-from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale
+from fp8ptq.ops.fp8 import best_scale, block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, finite_values
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
 
@@ -128,37 +128,35 @@ def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
 NVFP4_SCALE_SEARCH: tuple[float, ...] = DEFAULT_SHRINK_GRID + tuple(round(1.0 + 0.02 * i, 2) for i in range(1, 31))
 
 
+def nvfp4_search_scale(
+    w: torch.Tensor, gs: torch.Tensor, factors: tuple[float, ...] = NVFP4_SCALE_SEARCH, d: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Effective scales [R, 1] (FP8 group scale / gs) of NVFP4 groups w [R, 16]: min-max, or with
+    factors, the group amax scaled by the factor whose fake-quant has the least squared error (d:
+    w-shaped weights on each element's error, e.g. diag(H) per column)."""
+    w = finite_values(w)  # finite scales even for a broken group (refused at load; defence in depth)
+    amax = w.abs().amax(dim=-1, keepdim=True)
+
+    def err_of(eff):
+        e = (fake_quant_nvfp4(w, eff) - w.float()).square()
+        return (e if d is None else e * d).sum(-1, keepdim=True)
+
+    return best_scale(lambda f: nvfp4_group_scale(amax * f, gs) / gs, factors, err_of)
+
+
 def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = False) -> WeightGrid:
     """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
     input columns, per-row params eff = FP8 group scale / global scale [R, 1]. mse: each group's FP8
-    scale from a search (amax scaled by NVFP4_SCALE_SEARCH, min-max first, ties keep it) by the group's
-    squared error (hessian: weighted by diag(H) per column, through `choose_weighted`); the scales stay
-    FP8 values, so the export is as exact as min-max's."""
+    scale from `nvfp4_search_scale` over NVFP4_SCALE_SEARCH (hessian: the error weighted by diag(H) per
+    column, through `choose_weighted`); the scales stay FP8 values, so the export is as exact as
+    min-max's."""
     gs = global_scale.float().reshape(1)
-
-    def choose_weighted(w, d=None):
-        w = finite_values(w)  # finite scales even for a broken group (refused at load; defence in depth)
-        amax = w.abs().amax(dim=-1, keepdim=True)
-        best = nvfp4_group_scale(amax, gs) / gs
-        if not mse:
-            return best, None
-
-        def err_of(eff):
-            e = (fake_quant_nvfp4(w, eff) - w.float()).square()
-            return (e if d is None else e * d).sum(-1, keepdim=True)
-
-        err = err_of(best)
-        for factor in NVFP4_SCALE_SEARCH:
-            eff = nvfp4_group_scale(amax * factor, gs) / gs
-            e = err_of(eff)
-            best, err = torch.where(e < err, eff, best), torch.minimum(e, err)
-        return best, None
-
+    factors = NVFP4_SCALE_SEARCH if mse else ()
     return WeightGrid(
-        lambda w: choose_weighted(w),
+        lambda w: (nvfp4_search_scale(w, gs, factors), None),
         lambda w, p: fake_quant_nvfp4(w, p[0]),
         NVFP4_GROUP,
-        choose_weighted=choose_weighted if hessian else None,
+        choose_weighted=(lambda w, d: (nvfp4_search_scale(w, gs, factors, d), None)) if mse and hessian else None,
     )
 
 
@@ -362,14 +360,13 @@ def gptq(
             Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
-            if grid.row_separable and grid.choose_weighted is not None:
-                d = H.diagonal().reshape(1, -1).expand(W.shape[0], -1).reshape(-1, n_g)
-                s, z = grid.choose_weighted(W.reshape(-1, n_g), d)
-                scale = s.reshape(W.shape[0], -1)
-                zero_point = None if z is None else z.reshape(W.shape[0], -1)
-            elif grid.row_separable:
+            if grid.row_separable:
                 # rows of W.reshape(-1, n_g) are (row, group) pairs: one vectorised choose for all groups
-                s, z = grid.choose(W.reshape(-1, n_g))
+                if grid.choose_weighted is not None:  # each column's error weighted by its diag(H)
+                    d = H.diagonal().reshape(1, -1).expand(W.shape[0], -1).reshape(-1, n_g)
+                    s, z = grid.choose_weighted(W.reshape(-1, n_g), d)
+                else:
+                    s, z = grid.choose(W.reshape(-1, n_g))
                 scale = s.reshape(W.shape[0], -1)
                 zero_point = None if z is None else z.reshape(W.shape[0], -1)
             else:

@@ -63,8 +63,7 @@ class FP4(SchemeHandler):
         return {"input_global_scale": (1.0 / scale.float()).reshape(1)}
 
     def weight_grid(self, args, cal, global_scale=None):
-        obs = cal.weight_observer
-        mse, hessian = obs in ("mse", "hessian_mse"), obs == "hessian_mse"
+        mse, hessian = cal.weight_search
         if args.strategy == "group":  # MXFP4: `weight_observer: mse` picks each group's exponent by error
             return mxfp4_grid(mse=mse, hessian=hessian)
         assert global_scale is not None, "NVFP4 grids need the weight's global scale"

@@ -66,7 +66,7 @@ class FP8(SchemeHandler):
 
     def weight_grid(self, args, cal, global_scale=None):
         if args.strategy == "block":
-            return fp8_block_grid(*args.block_structure, mse=cal.weight_observer in ("mse", "hessian_mse"))
+            return fp8_block_grid(*args.block_structure, mse=cal.weight_search[0])
         return fp8_grid(granularity(args))
 
     def act_grid(self, args):

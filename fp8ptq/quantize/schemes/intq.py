@@ -54,8 +54,8 @@ class Int(SchemeHandler):
             bits,
             args.symmetric,
             granularity(args),
-            mse=cal.weight_observer in ("mse", "hessian_mse"),
-            hessian=cal.weight_observer == "hessian_mse",
+            mse=cal.weight_search[0],
+            hessian=cal.weight_search[1],
             scale_dtype=scale_dtype,
             refine=refine,
         )
