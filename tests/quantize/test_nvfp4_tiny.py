@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fp8ptq.api import QuantizeConfig, quantize
+from fp8ptq.calibrate import transforms
 from fp8ptq.eval.quality import load_simulated
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.ops.fp4 import nvfp4_global_scale
@@ -17,13 +18,22 @@ pytestmark = pytest.mark.tiny
 
 @pytest.fixture(scope="module")
 def nvfp4_exports(tmp_path_factory, tiny_dir):
-    out = {}
+    out, searched = {}, []
+    real = transforms.fake_quant_weight
+
+    def spy(w, args, cal):  # the weight rounding SmoothQuant's alpha search scores candidates with
+        searched.append(cal.weight_observer)
+        return real(w, args, cal)
+
     for recipe in ("nvfp4a16", "nvfp4"):
         d = tmp_path_factory.mktemp("nvfp4") / recipe
-        quantize(
-            QuantizeConfig(model=str(tiny_dir), recipe=recipe, output=d, num_samples=4, seq_len=64, eval_samples=0)
-        )
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(transforms, "fake_quant_weight", spy)
+            quantize(
+                QuantizeConfig(model=str(tiny_dir), recipe=recipe, output=d, num_samples=4, seq_len=64, eval_samples=0)
+            )
         out[recipe] = d
+    out["searched"] = searched
     return out
 
 
@@ -43,8 +53,12 @@ def test_tensors_and_shared_global_scales(recipe, nvfp4_exports, tiny_dir):
     qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
     gs = [t[n + ".weight_global_scale"] for n in qkv]
     assert all(torch.equal(g, gs[0]) for g in gs)  # one for the fused q/k/v GEMM
-    stacked = torch.cat([src[n + ".weight"].float() for n in qkv])
-    assert torch.equal(gs[0], nvfp4_global_scale(stacked))
+    # nvfp4 smooths (SmoothQuant folds 1/s into the norm, s into the weights) where it measurably
+    # helps: the global scale is the smoothed stack's, s read back from the exported norm
+    norm = p + "input_layernorm.weight"
+    s_eff = src[norm].float() / t[norm].float()
+    stacked = torch.cat([src[n + ".weight"].float() * s_eff for n in qkv])
+    assert torch.equal(gs[0], nvfp4_global_scale(stacked.float()))
     if recipe == "nvfp4":
         ig = [t[n + ".input_global_scale"] for n in qkv]
         assert all(torch.equal(g, ig[0]) for g in ig) and ig[0].dtype == torch.float32
@@ -52,6 +66,11 @@ def test_tensors_and_shared_global_scales(recipe, nvfp4_exports, tiny_dir):
         assert m.item() == 0.5  # a power of two: its reciprocal, the simulated scale, is exact
     else:
         assert not any(k.endswith("input_global_scale") for k in t)
+
+
+def test_w4a4_smoothing_searches_with_min_max_weights(nvfp4_exports):
+    # nvfp4 smooths (its weight_observer is hessian_mse); nvfp4a16 has no smoothing, so no search ran
+    assert nvfp4_exports["searched"] and set(nvfp4_exports["searched"]) == {"minmax"}
 
 
 def test_w4a4_simulates_static_fp4_inputs(nvfp4_exports):
