@@ -167,7 +167,9 @@ def _hf_loses_fused_experts(out) -> None:
     _, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
     missing = {k.rpartition(".mlp.experts.")[2] for k in info["missing_keys"]}
     assert missing == _FUSED_EXPERTS and all(".mlp.experts." in k for k in info["missing_keys"]), info
-    assert info["unexpected_keys"] and all(".mlp.experts." in k for k in info["unexpected_keys"]), info
+    # besides the per-expert tensors, transformers >= 5.24 leaves every model's KV-cache scales unread
+    stray = [k for k in info["unexpected_keys"] if ".mlp.experts." not in k]
+    assert info["unexpected_keys"] and all(k.endswith(("self_attn.k_scale", "self_attn.v_scale")) for k in stray), info
 
 
 def _fp4_weights(recipe: str) -> bool:

@@ -68,9 +68,9 @@ def test_tensors_and_shared_global_scales(recipe, nvfp4_exports, tiny_dir):
         assert not any(k.endswith("input_global_scale") for k in t)
 
 
-def test_w4a4_smoothing_searches_with_min_max_weights(nvfp4_exports):
-    # nvfp4 smooths (its weight_observer is hessian_mse); nvfp4a16 has no smoothing, so no search ran
-    assert nvfp4_exports["searched"] and set(nvfp4_exports["searched"]) == {"minmax"}
+def test_w4a4_smoothing_scores_alphas_with_the_recipes_weight_rounding(nvfp4_exports):
+    # nvfp4 smooths and rounds weights with hessian_mse; nvfp4a16 has no smoothing, so no search ran
+    assert nvfp4_exports["searched"] and set(nvfp4_exports["searched"]) == {"hessian_mse"}
 
 
 def test_w4a4_simulates_static_fp4_inputs(nvfp4_exports):
