@@ -66,7 +66,9 @@ def test_clamped_swiglu_expert_block_matches_transformers():
     with torch.inference_mode():
         gate_up = x.reshape(-1, cfg.hidden_size) @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
         assert gate_up.abs().max() > 2 * cfg.swiglu_limit  # the clamps matter for these inputs
-        torch.testing.assert_close(ours(x)[0], hf(x)[0], rtol=1e-5, atol=1e-5)
+        # fp32 summation order: transformers 5.24's expert path differs from ours by up to 1.2e-4 on outputs
+        # of a few units with 2 threads (a clamp or routing error would be O(1))
+        torch.testing.assert_close(ours(x)[0], hf(x)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_export_quantizes_every_expert_keeps_router_sinks_and_biases_float(tiny_model, tmp_path):
