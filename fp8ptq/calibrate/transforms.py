@@ -24,6 +24,7 @@ from fp8ptq.quantize.schemes import dynamic_inputs, handler
 from fp8ptq.quantize.weights import fake_quant_weight
 
 SMOOTH_ROWS = 2048  # calibration rows for the alpha search
+SMOOTH_RESCORE = 3  # candidates scored again with the recipe's weight search after a min-max screen
 
 
 def make_transforms(recipe, src: ModelSource) -> Callable | None:
@@ -63,10 +64,14 @@ def _act_quant(recipe):
 def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, result: LayerResult) -> dict:
     arch = src.arch
     modules = dict(layer.named_modules())
-    # Candidates are scored with the recipe's own weight rounding (its weight_observer's scale search):
-    # on NVFP4 W4A4 scoring with min-max weights instead was ~4x faster but 4% worse in KL (BENCHMARKS.md,
-    # issue 17 part 5).
+    # Candidates are scored with the recipe's own weight rounding. Where that is a scale search (NVFP4's
+    # costs ~25x min-max rounding), every candidate is screened with min-max weights and only the best
+    # SMOOTH_RESCORE are scored with the search (BENCHMARKS.md, issue 17 part 5).
     wq = lambda w: fake_quant_weight(w, recipe.scheme.weights, recipe.calibration)  # noqa: E731
+    screen = None
+    if recipe.calibration.weight_observer != "minmax":
+        minmax = recipe.calibration.model_copy(update={"weight_observer": "minmax"})
+        screen = lambda w: fake_quant_weight(w, recipe.scheme.weights, minmax)  # noqa: E731
     groups = {g.key: g for g in arch.smooth}
     out = {}
     for key in recipe.smooth.groups:
@@ -79,7 +84,9 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
         weights = [modules[n].weight.data for n in names]
         rows = st.rows.to(weights[0].device)
         if recipe.smooth.alpha == "auto":
-            alpha, errors = choose_alpha(rows, st.channel_amax, weights, recipe.smooth.alphas, _act_quant(recipe), wq)
+            alpha, errors = choose_alpha(
+                rows, st.channel_amax, weights, recipe.smooth.alphas, _act_quant(recipe), wq, screen, SMOOTH_RESCORE
+            )
         else:
             alpha, errors = recipe.smooth.alpha, {}
         out[key] = {"alpha": alpha, "errors": errors}

@@ -69,15 +69,31 @@ def quantized_output_error(
 
 
 def choose_alpha(
-    rows: torch.Tensor, act_amax: torch.Tensor, weights: list[torch.Tensor], alphas, act_quant, weight_quant
+    rows: torch.Tensor,
+    act_amax: torch.Tensor,
+    weights: list[torch.Tensor],
+    alphas,
+    act_quant,
+    weight_quant,
+    screen_quant=None,
+    rescore: int = 3,
 ) -> tuple[float | None, dict]:
-    """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors)."""
+    """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors).
+
+    screen_quant: a cheaper weight rounding (min-max scales where the recipe searches them): every
+    candidate is scored with it first and only the `rescore` best are scored again with weight_quant,
+    which decides; errors then holds the final scores and, under "screen", the screening ones."""
     w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
-    errors = {"none": quantized_output_error(rows, weights, torch.ones(rows.shape[1]), act_quant, weight_quant)}
-    best, best_err = None, errors["none"]
-    for a in alphas:
-        err = quantized_output_error(rows, weights, smooth_scales(act_amax, w_amax, a), act_quant, weight_quant)
-        errors[f"{a:g}"] = err
-        if err < best_err:
-            best, best_err = a, err
-    return best, errors
+    scales = {"none": torch.ones(rows.shape[1])} | {f"{a:g}": smooth_scales(act_amax, w_amax, a) for a in alphas}
+    value = {"none": None} | {f"{a:g}": a for a in alphas}
+    names = list(scales)
+    screen = None
+    if screen_quant is not None:
+        screen = {n: quantized_output_error(rows, weights, scales[n], act_quant, screen_quant) for n in names}
+        names = sorted(names, key=lambda n: (screen[n], names.index(n)))[:rescore]
+        names.sort(key=list(scales).index)  # scored in the grid's order: ties go to the earlier one
+    errors = {n: quantized_output_error(rows, weights, scales[n], act_quant, weight_quant) for n in names}
+    best = min(errors, key=lambda n: (errors[n], names.index(n)))
+    if screen is not None:
+        errors["screen"] = screen
+    return value[best], errors

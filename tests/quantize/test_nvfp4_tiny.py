@@ -68,9 +68,12 @@ def test_tensors_and_shared_global_scales(recipe, nvfp4_exports, tiny_dir):
         assert not any(k.endswith("input_global_scale") for k in t)
 
 
-def test_w4a4_smoothing_scores_alphas_with_the_recipes_weight_rounding(nvfp4_exports):
-    # nvfp4 smooths and rounds weights with hessian_mse; nvfp4a16 has no smoothing, so no search ran
-    assert nvfp4_exports["searched"] and set(nvfp4_exports["searched"]) == {"hessian_mse"}
+def test_w4a4_smoothing_screens_with_min_max_then_scores_with_the_recipes_rounding(nvfp4_exports):
+    # nvfp4 smooths and rounds weights with hessian_mse: all 9 candidates (none + 8 alphas) are screened
+    # with min-max weights, the best 3 scored with hessian_mse. nvfp4a16 has no smoothing: no search.
+    searched = nvfp4_exports["searched"]
+    assert searched.count("hessian_mse") > 0 and searched.count("minmax") == 3 * searched.count("hessian_mse")
+    assert set(searched) == {"minmax", "hessian_mse"}
 
 
 def test_w4a4_simulates_static_fp4_inputs(nvfp4_exports):
