@@ -24,7 +24,6 @@ from fp8ptq.quantize.schemes import dynamic_inputs, handler
 from fp8ptq.quantize.weights import fake_quant_weight
 
 SMOOTH_ROWS = 2048  # calibration rows for the alpha search
-SMOOTH_RESCORE = 3  # candidates scored again with the recipe's weight search after a min-max screen
 
 
 def make_transforms(recipe, src: ModelSource) -> Callable | None:
@@ -66,7 +65,7 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
     modules = dict(layer.named_modules())
     # Candidates are scored with the recipe's own weight rounding. Where that is a scale search (NVFP4's
     # costs ~25x min-max rounding), every candidate is screened with min-max weights and only the best
-    # SMOOTH_RESCORE are scored with the search (BENCHMARKS.md, issue 17 part 5).
+    # RESCORE (outliers/smooth.py) are scored with the search (BENCHMARKS.md, issue 17 part 5).
     wq = lambda w: fake_quant_weight(w, recipe.scheme.weights, recipe.calibration)  # noqa: E731
     screen = None
     if recipe.calibration.weight_observer != "minmax":
@@ -85,7 +84,7 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
         rows = st.rows.to(weights[0].device)
         if recipe.smooth.alpha == "auto":
             alpha, errors = choose_alpha(
-                rows, st.channel_amax, weights, recipe.smooth.alphas, _act_quant(recipe), wq, screen, SMOOTH_RESCORE
+                rows, st.channel_amax, weights, recipe.smooth.alphas, _act_quant(recipe), wq, screen_quant=screen
             )
         else:
             alpha, errors = recipe.smooth.alpha, {}

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 _EPS = 1e-5
+RESCORE = 3  # candidates scored again with the recipe's weight rounding after a cheaper screen
 
 
 def smooth_scales(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -75,8 +76,9 @@ def choose_alpha(
     alphas,
     act_quant,
     weight_quant,
+    *,
     screen_quant=None,
-    rescore: int = 3,
+    rescore: int = RESCORE,
 ) -> tuple[float | None, dict]:
     """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors).
 
@@ -84,16 +86,18 @@ def choose_alpha(
     candidate is scored with it first and only the `rescore` best are scored again with weight_quant,
     which decides; errors then holds the final scores and, under "screen", the screening ones."""
     w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
-    scales = {"none": torch.ones(rows.shape[1])} | {f"{a:g}": smooth_scales(act_amax, w_amax, a) for a in alphas}
-    value = {"none": None} | {f"{a:g}": a for a in alphas}
-    names = list(scales)
+    candidates = {"none": None} | {f"{a:g}": a for a in alphas}  # grid order: ties go to the earlier one
+    scales = {
+        n: torch.ones(rows.shape[1]) if a is None else smooth_scales(act_amax, w_amax, a) for n, a in candidates.items()
+    }
+    names = list(candidates)
     screen = None
     if screen_quant is not None:
         screen = {n: quantized_output_error(rows, weights, scales[n], act_quant, screen_quant) for n in names}
-        names = sorted(names, key=lambda n: (screen[n], names.index(n)))[:rescore]
-        names.sort(key=list(scales).index)  # scored in the grid's order: ties go to the earlier one
+        kept = set(sorted(names, key=screen.__getitem__)[:rescore])  # a stable sort: ties keep grid order
+        names = [n for n in names if n in kept]
     errors = {n: quantized_output_error(rows, weights, scales[n], act_quant, weight_quant) for n in names}
-    best = min(errors, key=lambda n: (errors[n], names.index(n)))
+    best = min(errors, key=errors.__getitem__)  # the first of equal minima, in grid order
     if screen is not None:
         errors["screen"] = screen
-    return value[best], errors
+    return candidates[best], errors
