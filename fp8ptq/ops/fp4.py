@@ -29,24 +29,18 @@ NVFP4_GROUP = 16
 _ZERO_SCALE = 0.125  # compressed-tensors' replacement for an FP8 group scale that rounds to 0
 
 
-_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_BOUNDS = torch.where(
-    torch.tensor([False, True, False, True, False, True, False]),
-    torch.nextafter(_E2M1_BOUNDS, torch.zeros(7)),
-    _E2M1_BOUNDS,
-)
-
-
 def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round x (already clamped to [-6, 6]) to the nearest E2M1 value, ties to even; same dtype.
     NaN becomes 0 (torch.sign(NaN) is 0): the fake-quants that must show a NaN put it back."""
-    # one binary search instead of eight nested wheres (2x faster, the same bits: tests/ops/test_fp4.py).
-    # bucketize(a, B) is the i with B[i-1] < a <= B[i]: the midpoints rounding up to the odd code (0.75,
-    # 1.75, 3.5: ties to even go down) are excluded by moving them one fp32 ulp down.
-    a = x.abs().float().contiguous()  # bucketize copies (and warns) otherwise
-    q = _E2M1_VALUES.to(a.device)[torch.bucketize(a, _E2M1_BOUNDS.to(a.device))]
-    return (q * torch.sign(x.float())).to(x.dtype)
+    # E2M1's values are 0.5 apart below 2, 1 apart in [2, 4), 2 apart in [4, 6]: dividing |x| by that
+    # step is exact (a power of two), and round-half-even of the quotient is ties-to-even of the code
+    # (each binade starts on an even code). Bit for bit the former table lookup (torch.bucketize, 3x
+    # slower, the NVFP4 recipe's largest cost) on a dense sweep, every tie, both zeros: tests/ops/test_fp4.py.
+    xf = x.float()
+    a = xf.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    q = a.div_(step).round_().mul_(step).mul_(torch.sign(xf)).nan_to_num_(0.0)
+    return q.to(x.dtype)
 
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:

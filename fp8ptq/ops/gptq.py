@@ -36,14 +36,23 @@ Params = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def hessian_partial(x: torch.Tensor) -> torch.Tensor:
-    """2 X^T X (fp32, [in, in]) over the rows of x [..., in]: one chunk's unnormalised contribution.
-
-    Partials can be summed in any fixed order; `gptq` does not need them divided by the row count.
-    fp32 matmuls are only bit-reproducible for a fixed BLAS thread count (the reduction may be
-    split differently), so compute partials with the same thread count wherever bits must match.
-    """
+    """2 X^T X (fp32, [in, in]) over the rows of x [..., in]: one chunk's unnormalised contribution, to be
+    summed in a fixed order (`gptq` needs no division by the row count). fp32 matmuls are bit-reproducible
+    only for a fixed BLAS thread count: compute partials with one thread count wherever bits must match."""
     rows = x.detach().reshape(-1, x.shape[-1]).float()
-    return (rows.T @ rows).mul_(2.0)
+    return _gram(rows).mul_(2.0)
+
+
+def _gram(rows: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    """rows^T rows, exactly symmetric: from 512 wide the upper row blocks only (5/8 of the work), mirrored."""
+    n = rows.shape[1]
+    if n < 512:
+        return rows.T @ rows
+    b, H = -(-n // blocks), torch.empty(n, n, dtype=rows.dtype, device=rows.device)
+    for i in range(0, n, b):
+        torch.mm(rows[:, i : i + b].T, rows[:, i:], out=H[i : i + b, i:])
+        H[i + b :, i : i + b] = H[i : i + b, i + b :].T
+    return H
 
 
 def accumulate_hessian(
@@ -60,9 +69,9 @@ def accumulate_hessian(
         H = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float32, device=rows.device)
     total = count + n
     if mean:
-        H.mul_(count / total).add_(rows.T @ rows, alpha=2.0 / total)
+        H.mul_(count / total).add_(_gram(rows), alpha=2.0 / total)
     else:
-        H.add_(rows.T @ rows, alpha=2.0)
+        H.add_(_gram(rows), alpha=2.0)
     return H, total
 
 

@@ -43,8 +43,9 @@ def test_e2m1_rounding_is_compressed_tensors():
 
 
 def test_e2m1_rounding_around_every_boundary_and_in_bf16():
-    """The binary-search rounding equals compressed-tensors' on a dense sweep and one fp32 ulp on either
-    side of every midpoint (ties to even), both signs, and for bf16 inputs."""
+    """The step rounding equals compressed-tensors' on a dense sweep and one fp32 ulp on either side of
+    every midpoint (ties to even), both signs, and for bf16 inputs; every 97th fp32 bit pattern in
+    [0, 6] (denormals included) against the E2M1 table lookup it replaced, signs of zero and NaN too."""
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 6.0])
     mids = torch.cat([mids, -mids])
     x = torch.cat([torch.linspace(-6, 6, 200_001), mids])
@@ -55,6 +56,14 @@ def test_e2m1_rounding_around_every_boundary_and_in_bf16():
     xb = x.bfloat16()
     assert cast_e2m1(xb).dtype == torch.bfloat16
     assert torch.equal(cast_e2m1(xb), FP4_E2M1_DATA.cast_to_fp4(xb.float()).bfloat16())
+    v = torch.arange(0, 0x40C00001, 97, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.cat([v, -v, torch.tensor([-0.0, float("nan")])])
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    bounds = torch.where(torch.arange(7) % 2 == 1, torch.nextafter(bounds, torch.zeros(7)), bounds)  # ties to even
+    table = values[torch.bucketize(v.abs(), bounds)] * torch.sign(v)
+    out = cast_e2m1(v)
+    assert torch.equal(out, table) and torch.equal(out.signbit(), table.signbit())
 
 
 def test_scales_follow_compressed_tensors():

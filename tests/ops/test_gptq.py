@@ -283,3 +283,16 @@ def test_hessian_weighted_group_scales(kind):
     assert torch.equal(r.scale, pw[0].reshape(32, -1))  # static: the weighted choice on the original W
     if kind == "nvfp4":
         assert torch.equal(r.weight[:, :16], fake_quant_nvfp4(r.weight[:, :16], r.scale[:, :1]))
+
+
+def test_hessian_blocks_equal_the_full_product():
+    # wide inputs take the symmetric block path: every entry one dot product over the rows, mirrored
+    g = torch.Generator().manual_seed(3)
+    for width in (64, 513, 576, 1536):
+        X = torch.randn(700, width, generator=g)
+        H = hessian_partial(X)
+        full = 2.0 * (X.T @ X)
+        assert H.shape == (width, width) and torch.equal(H, H.T)
+        assert torch.allclose(H, full, rtol=1e-5, atol=1e-3), (width, float((H - full).abs().max()))
+        Hacc, _ = accumulate_hessian(None, X, 0, mean=False)
+        assert torch.equal(Hacc, H)
