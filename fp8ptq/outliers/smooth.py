@@ -53,20 +53,19 @@ def fold(
 
 def quantized_output_error(
     rows: torch.Tensor,
+    refs: list[torch.Tensor],
     weights: list[torch.Tensor],
     s: torch.Tensor,
     act_quant: Callable[[torch.Tensor, float], torch.Tensor],
     weight_quant: Callable[[torch.Tensor], torch.Tensor],
-    refs: list[torch.Tensor] | None = None,
 ) -> float:
     """||Q_a(x/s) Q_w(W s)^T - x W^T||^2 summed over the group, on calibration rows x [r, C].
     act_quant(x, amax) fake-quantizes x with a scale covering amax (static) or per token (dynamic).
-    refs: the float outputs x W^T per weight, when the caller scores several s on the same rows."""
+    refs: the float outputs x W^T per weight (computed once by the caller: the same for every s)."""
     xs = rows / s[None, :]
     xq = act_quant(xs, float(xs.abs().max()))
     err = 0.0
-    for i, w in enumerate(weights):
-        ref = rows @ w.float().T if refs is None else refs[i]
+    for ref, w in zip(refs, weights):
         err += float((xq @ weight_quant(w.float() * s[None, :]).T - ref).pow(2).sum())
     return err
 
@@ -96,10 +95,10 @@ def choose_alpha(
     refs = [rows @ w.float().T for w in weights]  # the float outputs, the same for every candidate
     screen = None
     if screen_quant is not None:
-        screen = {n: quantized_output_error(rows, weights, scales[n], act_quant, screen_quant, refs) for n in names}
+        screen = {n: quantized_output_error(rows, refs, weights, scales[n], act_quant, screen_quant) for n in names}
         kept = set(sorted(names, key=screen.__getitem__)[:rescore])  # a stable sort: ties keep grid order
         names = [n for n in names if n in kept]
-    errors = {n: quantized_output_error(rows, weights, scales[n], act_quant, weight_quant, refs) for n in names}
+    errors = {n: quantized_output_error(rows, refs, weights, scales[n], act_quant, weight_quant) for n in names}
     best = min(errors, key=errors.__getitem__)  # the first of equal minima, in grid order
     if screen is not None:
         errors["screen"] = screen
