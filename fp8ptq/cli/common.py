@@ -43,6 +43,20 @@ def progress_bar(enabled: bool):
     if not enabled:
         yield None
         return
+    if not console.is_terminal:  # a log file or CI: plain lines, each stage every 30 s and when it ends
+        import time
+
+        last: dict[str, float] = {}
+        t0 = time.perf_counter()
+
+        def line(stage: str, done: int, total: int) -> None:
+            now = time.perf_counter()
+            if done >= total or now - last.setdefault(stage, t0) >= 30.0:
+                last[stage] = now
+                console.print(f"{stage}: {done}/{total} ({now - t0:.0f} s)", highlight=False)
+
+        yield line
+        return
     with Progress(
         TextColumn("{task.description:<10}"),
         BarColumn(),

@@ -155,7 +155,7 @@ def rotate_model(src: ModelSource, out: Path, seed: int, dtype: torch.dtype | No
     model = build_skeleton(config)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
-    final_norm = arch.layers.rpartition(".")[0] + ".norm.weight"
+    final_norm = arch.final_norm + ".weight"
     embed = f"{arch.embed}.weight"
     untied = not src.has(head_name)
     weight_map, count = {}, 0

@@ -204,10 +204,15 @@ def batch_indices(step: int, batch: int, n: int, seed: int) -> list[int]:
     return out
 
 
-def lr_at(step: int, cfg: DraftTrainConfig) -> float:
+def lr_at(step: int, cfg, elapsed_s: float = 0.0) -> float:
+    """Linear warm-up, then a cosine from lr down to 0.1·lr over the run's progress: the larger of the
+    step fraction and, with a time budget, the fraction of the budget spent — so the rate decays by
+    whichever bound ends the run (the draft model's and the EAGLE-3 head's trainers)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.time_budget_s:
+        t = max(t, elapsed_s / cfg.time_budget_s)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
@@ -278,7 +283,7 @@ def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=
             stopped = "time_budget"
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
         loss = kl_loss(draft, data, batch_indices(step, cfg.batch_size, n, cfg.seed), cfg.device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)

@@ -212,7 +212,24 @@ def build_head(target_model, layer_ids: list[int], draft_vocab: int) -> Eagle3He
         lm = target_model.get_output_embeddings()
         if lm is not None and draft_vocab == s.vocab:
             head.lm_head.weight.copy_(lm.weight.detach().float())
+        final = target_final_norm(target_model, s.hidden)
+        if final is not None:  # the LM-head rows are the target's: read them through the target's norm
+            head.norm.weight.copy_(final)
     return head
+
+
+def target_final_norm(target_model, hidden: int) -> torch.Tensor | None:
+    """The weight of the target's final norm when its family's RMSNorm computes weight · x / rms(x) (not
+    Gemma's (1 + weight)); None for a family fp8ptq has no adapter for, or another shape."""
+    from fp8ptq.errors import Fp8ptqError
+    from fp8ptq.models.arch import arch_for
+
+    try:
+        arch = arch_for(target_model.config)
+        w = target_model.get_submodule(arch.final_norm).weight
+    except (Fp8ptqError, AttributeError):
+        return None
+    return w.detach().float().cpu() if arch.norm_offset == 0.0 and tuple(w.shape) == (hidden,) else None
 
 
 def init_lm_head(head: Eagle3Head, target_model, kept: torch.Tensor) -> None:

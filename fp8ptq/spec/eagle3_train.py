@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.spec import SpecError
+from fp8ptq.spec.draft_train import lr_at, train_summary
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
 from fp8ptq.spec.eagle3_loop import AuxCapture
 
@@ -182,13 +183,6 @@ def step_rows(step: int, n_shards: int, seed: int) -> int:
     return int(torch.randperm(n_shards, generator=torch.Generator().manual_seed(seed * 7919 + epoch))[off])
 
 
-def lr_at(step: int, cfg: Eagle3TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
 def trainable(head) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in head.named_parameters() if p.requires_grad]
 
@@ -241,7 +235,7 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
             stopped = "time_budget"
             break
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
         shard = load_file(str(work / f"shard-{step_rows(step, n_shards, cfg.seed):05d}.safetensors"))
         loss = ttt_loss(head, shard, list(range(shard["ids"].shape[0])), cfg.ttt_steps, t2d_rows, cfg.device)
         loss.backward()
@@ -256,7 +250,6 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
             save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
     save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
     head.eval()
-    from fp8ptq.spec.draft_train import train_summary
 
     return train_summary(step, start, stopped, t0, losses)
 

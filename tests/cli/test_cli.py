@@ -144,3 +144,18 @@ def test_help_and_api_import_no_torch():
     r = subprocess.run([sys.executable, "-c", HELP_IMPORTS], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "none", r.stdout
+
+
+def test_progress_in_a_log_is_plain_lines(capsys, monkeypatch):
+    """Not a terminal (a log file, CI): one line per stage when it ends and every 30 s, no live bar."""
+    import fp8ptq.cli.common as common
+
+    clock = iter([0.0, 1.0, 40.0, 41.0, 42.0])
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    with common.progress_bar(True) as update:
+        update("generate", 1, 4)  # 1 s: quiet
+        update("generate", 2, 4)  # 40 s: a line
+        update("generate", 3, 4)  # 41 s: quiet
+        update("generate", 4, 4)  # ends: a line
+    lines = capsys.readouterr().err.splitlines()  # progress goes to stderr, like every message
+    assert lines == ["generate: 2/4 (40 s)", "generate: 4/4 (42 s)"], lines

@@ -183,3 +183,34 @@ def test_draft_bundle_eagle3_writes_head_and_eagle3_configs(tmp_path, target4):
     with pytest.raises(SpecError, match="unknown draft kind"):
         build_draft_bundle(target4, tmp_path / "x", kind="medusa")
     assert not (tmp_path / "x").exists()
+
+
+def test_head_reads_lm_rows_through_the_targets_final_norm(target4):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target4))
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 2.0)
+    head = build_head(model, [1, 2], 256)
+    assert torch.equal(head.norm.weight, model.model.norm.weight.float())
+    assert torch.equal(head.midlayer.hidden_norm.weight, torch.ones_like(head.midlayer.hidden_norm.weight))
+
+    model.config.model_type = "gemma3_text"  # Gemma's norm computes (1 + weight) · x / rms(x): not copied
+    assert torch.equal(build_head(model, [1, 2], 256).norm.weight, torch.ones(model.config.hidden_size))
+    model.config.model_type = "not-a-family"
+    assert torch.equal(build_head(model, [1, 2], 256).norm.weight, torch.ones(model.config.hidden_size))
+
+
+def test_lr_decays_by_whichever_bound_ends_the_run():
+    from types import SimpleNamespace
+
+    from fp8ptq.spec.draft_train import lr_at
+
+    cfg = SimpleNamespace(lr=1.0, warmup_steps=10, max_steps=1000, time_budget_s=None)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(1000, cfg) == pytest.approx(0.1) and lr_at(505, cfg, 1e9) == pytest.approx(0.55)
+    timed = SimpleNamespace(lr=1.0, warmup_steps=10, max_steps=1000, time_budget_s=100.0)
+    assert lr_at(20, timed, 0.0) == pytest.approx(lr_at(20, cfg))  # steps bind: as before
+    assert lr_at(20, timed, 50.0) == pytest.approx(0.55)  # half the budget spent: the cosine's midpoint
+    assert lr_at(20, timed, 100.0) == pytest.approx(0.1)  # budget spent: the floor
+    assert lr_at(5, timed, 99.0) == pytest.approx(0.6)  # warm-up is by steps

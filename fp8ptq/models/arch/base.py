@@ -111,6 +111,11 @@ class Arch:
     eager_attention: bool = False  # transformers' SDPA cannot compute the attention (gpt-oss's sinks)
 
     # -- where things are ---------------------------------------------------------------------------
+    @property
+    def final_norm(self) -> str:
+        """The norm after the last decoder layer (beside the layer list: model.norm)."""
+        return self.layers.rpartition(".")[0] + ".norm"
+
     def layer_prefix(self, index: int) -> str:
         return f"{self.layers}.{index}."
 
