@@ -96,7 +96,8 @@ def generate_data(
 
     Returns tokens [N, L] (prompt then generation, right-padded with 0), prompt_len [N], gen_len [N]
     (generated tokens, up to and including EOS), topk_ids [N, G, k] int32, topk_logp [N, G, k] fp16:
-    topk_*[i, j] is the target's distribution for generated token j of sample i."""
+    topk_*[i, j] is the target's distribution for generated token j of sample i. topk 0: tokens only (the
+    EAGLE-3 trainer recomputes the distributions in its capture pass): generate keeps no [b, G, V] logits."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     N, G = len(prompts), gen_tokens
@@ -121,13 +122,15 @@ def generate_data(
             top_p=None,
             pad_token_id=pad,
             eos_token_id=eos,
-            output_logits=True,
+            output_logits=topk > 0,
             return_dict_in_generate=True,
         )
         new = gen.sequences[:, width:].cpu()
-        logits = torch.stack(gen.logits, 1).float()  # [b, steps, V], raw (before temperature)
-        logp = torch.log_softmax(logits, -1).topk(topk, -1)
-        logp = type(logp)((logp.values.cpu(), logp.indices.cpu()))
+        if topk > 0:
+            logits = torch.stack(gen.logits, 1).float()  # [b, steps, V], raw (before temperature)
+            logp = torch.log_softmax(logits, -1).topk(topk, -1)
+            logp = type(logp)((logp.values.cpu(), logp.indices.cpu()))
+            del logits
         for r, p in enumerate(chunk):
             i = start + r
             row = new[r]
@@ -137,8 +140,9 @@ def generate_data(
             tokens[i, : len(p)] = torch.tensor(p)
             tokens[i, len(p) : len(p) + n] = row[:n]
             plen[i], glen[i] = len(p), n
-            tids[i, :n] = logp.indices[r, :n].int()
-            tlogp[i, :n] = logp.values[r, :n].half()
+            if topk > 0:
+                tids[i, :n] = logp.indices[r, :n].int()
+                tlogp[i, :n] = logp.values[r, :n].half()
         if progress:
             progress("generate", min(start + batch_size, N), N)
     return {"tokens": tokens, "prompt_len": plen, "gen_len": glen, "topk_ids": tids, "topk_logp": tlogp}

@@ -345,3 +345,17 @@ def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir)
     assert 1 <= spec["recommendation"]["gamma"] <= 8
     report = (out / "report.md").read_text()
     assert f'"model": "{out}/draft"' in report and "--speculative-config" in report
+
+
+def test_generate_data_without_logits_gives_the_same_tokens(tiny_dir):
+    """topk 0 (the EAGLE-3 trainer) keeps no logits; the greedy and the sampled batches are unchanged."""
+    from fp8ptq.spec.draft_train import generate_data
+    from fp8ptq.spec.prompts import builtin_prompts, encode_prompts
+
+    target, src = load_target(str(tiny_dir), "cpu")
+    tok = src.tokenizer()
+    prompts = encode_prompts(tok, builtin_prompts("calibration", 4), max_tokens=24)
+    runs = [generate_data(target, tok, prompts, gen_tokens=6, batch_size=2, topk=k, seed=3) for k in (2, 0)]
+    for key in ("tokens", "prompt_len", "gen_len"):
+        assert torch.equal(runs[0][key], runs[1][key]), key
+    assert runs[1]["topk_ids"].shape == (4, 6, 0) and runs[0]["topk_logp"][0, 0, 0] > -30
