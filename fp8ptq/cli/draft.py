@@ -18,7 +18,9 @@ def _echo_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
-def _eagle3_train(*, target, output, layer_ids, draft_vocab, ttt_steps, plain_texts, json_out, **kw):
+def _eagle3_train(
+    *, target, output, layer_ids, draft_vocab, ttt_steps, plain_texts, fc_norm, warm_start, json_out, **kw
+):
     from fp8ptq.spec import SpecError
     from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train
 
@@ -41,6 +43,8 @@ def _eagle3_train(*, target, output, layer_ids, draft_vocab, ttt_steps, plain_te
             draft_vocab=draft_vocab,
             ttt_steps=ttt_steps,
             plain_texts=plain_texts,
+            fc_norm=fc_norm,
+            warm_start=warm_start,
             **given,
         )
         meta = eagle3_train(cfg, progress)
@@ -67,6 +71,8 @@ def _draft_train(
     draft_vocab,
     ttt_steps,
     plain_texts,
+    fc_norm,
+    warm_start,
     target,
     output,
     layers,
@@ -97,6 +103,8 @@ def _draft_train(
             draft_vocab=draft_vocab,
             ttt_steps=ttt_steps,
             plain_texts=plain_texts,
+            fc_norm=fc_norm,
+            warm_start=warm_start,
             json_out=json_out,
             prompts=prompts,
             text_field=text_field,
@@ -194,6 +202,8 @@ def draft_train_cmd(
     draft_vocab: int = typer.Option(16384, help="eagle3: LM-head rows (most frequent generated ids); 0 = full"),
     ttt_steps: int = typer.Option(3, help="eagle3: training-time-test unroll steps"),
     plain_texts: int = typer.Option(32, help="eagle3: plain built-in text passages added to the generations"),
+    fc_norm: bool = typer.Option(True, help="eagle3: an RMSNorm per aux layer before fc (vLLM's fc_norm)"),
+    warm_start: bool = typer.Option(True, help="eagle3: fit fc by ridge regression before training"),
     layers: int = typer.Option(2, help="decoder layers of the draft (initialised from the target's first ones)"),
     prompts: Optional[str] = typer.Option(None, help="prompt file (.txt blocks, .jsonl, .parquet); default: built-in"),
     text_field: str = typer.Option("text", help="field with the prompt in .jsonl/.parquet"),

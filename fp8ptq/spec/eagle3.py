@@ -1,10 +1,12 @@
 """EAGLE-3 draft head: the module, its exact vLLM 0.32 checkpoint layout, and loading it back.
 
 The head computes what vLLM 0.32's `Eagle3LlamaForCausalLM` (vllm/model_executor/models/llama_eagle3.py)
-computes, with the default flags (no norm_before_fc, no fc_norm, norm_before_residual False,
-norm_output False), in the same tensor names (docs/speculative.md, "EAGLE-3 heads"):
+computes, with its flags no norm_before_fc, norm_before_residual False, norm_output False, and fc_norm as
+the head says (True for heads fp8ptq trains: one RMSNorm per aux layer, vLLM's "Eagle 3.1" option), in the
+same tensor names (docs/speculative.md, "EAGLE-3 heads"):
 
-    g      = fc(cat(aux_0, aux_1, aux_2))          # target residual streams at eagle_aux_hidden_state_layer_ids
+    g      = fc(cat(n_0(aux_0), n_1(aux_1), n_2(aux_2)))   # residual streams at eagle_aux_hidden_state_layer_ids;
+                                                           # n_j = fc_norm.j (RMSNorm), or identity without fc_norm
     x      = cat(input_layernorm(embed(token)), hidden_norm(g))           # [.., 2H]: the attention input
     r      = o_proj(attn(q/k/v_proj(x))) + g                              # residual = g (norm after residual)
     out    = mlp(post_attention_layernorm(r)) + r                         # pre-norm output, fed to the next step
@@ -57,9 +59,10 @@ class HeadShape:
     vocab: int
     draft_vocab: int
     layer_ids: list[int]
+    fc_norm: bool = False  # an RMSNorm per aux layer before fc (vLLM config `fc_norm`)
 
 
-def shape_from_target(config, layer_ids: list[int], draft_vocab: int) -> HeadShape:
+def shape_from_target(config, layer_ids: list[int], draft_vocab: int, fc_norm: bool = False) -> HeadShape:
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     return HeadShape(
@@ -72,6 +75,7 @@ def shape_from_target(config, layer_ids: list[int], draft_vocab: int) -> HeadSha
         vocab=int(config.vocab_size),
         draft_vocab=int(draft_vocab),
         layer_ids=list(layer_ids),
+        fc_norm=bool(fc_norm),
     )
 
 
@@ -144,6 +148,9 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(len(s.layer_ids) * s.hidden, s.hidden, bias=False)
+        # The target's residual streams carry a few huge channels whose size grows with depth: normalising each
+        # aux layer keeps fc's input (and AdamW's per-weight steps) on one scale.
+        self.fc_norm = nn.ModuleList([RMSNorm(s.hidden, s.eps) for _ in s.layer_ids]) if s.fc_norm else None
         self.midlayer = MidLayer(s)
         self.norm = RMSNorm(s.hidden, s.eps)
         self.lm_head = nn.Linear(s.hidden, s.draft_vocab, bias=False)
@@ -191,15 +198,21 @@ class Eagle3Head(nn.Module):
         return out, self.lm_head(self.norm(out)), (k, v)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux)
+        """aux [.., n·H] (the aux layers' residual streams, concatenated in id order) -> g [.., H]."""
+        return self.fc(self.fc_input(aux))
+
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.fc_norm is None:
+            return aux
+        return torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
 
 
-def build_head(target_model, layer_ids: list[int], draft_vocab: int) -> Eagle3Head:
+def build_head(target_model, layer_ids: list[int], draft_vocab: int, fc_norm: bool = False) -> Eagle3Head:
     """A fresh head for `target_model` (an HF causal LM): its shapes, its RoPE, its embedding (frozen copy)."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     cfg = target_model.config
-    s = shape_from_target(cfg, check_layer_ids(layer_ids, int(cfg.num_hidden_layers)), draft_vocab)
+    s = shape_from_target(cfg, check_layer_ids(layer_ids, int(cfg.num_hidden_layers)), draft_vocab, fc_norm)
     rotary = LlamaRotaryEmbedding(config=cfg)
     head = Eagle3Head(s, rotary)
     with torch.no_grad():
@@ -264,6 +277,7 @@ def export_config(target_config_json: dict, s: HeadShape) -> dict:
         torch_dtype="bfloat16",
         eagle_aux_hidden_state_layer_ids=list(s.layer_ids),
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(s.layer_ids), "use_aux_hidden_state": True},
+        fc_norm=s.fc_norm,
     )
     cfg.pop("layer_types", None)
     cfg.pop("dtype", None)
@@ -312,7 +326,9 @@ def load_head(path: str | Path, target_model, device: str = "cpu") -> Eagle3Head
             fix="use a head trained for this target (fp8ptq draft-train TARGET --kind eagle3)",
         )
     ids = ids or default_layer_ids(int(tcfg.num_hidden_layers))
-    head = build_head(target_model, ids, int(cfg.get("draft_vocab_size") or cfg["vocab_size"]))
+    head = build_head(
+        target_model, ids, int(cfg.get("draft_vocab_size") or cfg["vocab_size"]), bool(cfg.get("fc_norm", False))
+    )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SpecError(f"EAGLE-3 head '{path}' has no .safetensors weights", fix="point at a draft-train output")

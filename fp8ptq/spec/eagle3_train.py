@@ -36,7 +36,8 @@ from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.draft_train import lr_at, train_summary
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
-from fp8ptq.spec.eagle3_loop import AuxCapture
+from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
+from fp8ptq.spec.eagle3_warm import linear_warm_start
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Eagle3TrainConfig:
     plain_texts: int = 32  # plain built-in text passages added to the generations
     topk: int = 32
     ttt_steps: int = 3
+    fc_norm: bool = True  # an RMSNorm per aux layer before fc (vLLM's fc_norm)
+    warm_start: bool = True  # start from a closed-form linear predictor (fp8ptq.spec.eagle3_warm)
     batch_size: int = 4  # sequences per step (= per shard)
     lr: float = 1e-3
     warmup_steps: int = 20
@@ -81,6 +84,14 @@ def _same_data(fp_file: Path, cfg: Eagle3TrainConfig, layer_ids: list[int]) -> b
     stored = json.loads(fp_file.read_text())
     stored.pop("draft_vocab", None)
     return stored == _fingerprint(cfg, layer_ids)
+
+
+def _has_final(shard: Path) -> bool:
+    """The shard exists and holds the target's final feature (captures before the warm start lack it)."""
+    if not shard.is_file():
+        return False
+    with safe_open(str(shard), "pt") as f:
+        return "final" in f.keys()
 
 
 def plain_sequences(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
@@ -112,9 +123,13 @@ def sequences(data: dict, plain: list[list[int]]) -> list[list[int]]:
 @torch.inference_mode()
 def capture(target, seqs: list[list[int]], layer_ids, work: Path, *, batch: int, topk: int, device: str, progress=None):
     """Shard files work/shard-XXXXX.safetensors: aux [b, T, n·H] bf16, ids [b, T] int64, lens [b], top-k
-    next-token ids [b, T, k] int32 and log-probs fp16 of the target at every position. Returns the count."""
+    next-token ids [b, T, k] int32 and log-probs fp16 of the target at every position, and `final` [b, T, H]
+    bf16: the target's last residual stream divided by its RMS (what its final norm scales for the LM head;
+    the linear warm start's regression target). Returns the count."""
     n_shards = math.ceil(len(seqs) / batch)
-    with AuxCapture(target.model, list(layer_ids)) as cap:
+    L = len(decoder_layers(target.model))
+    ids_all = list(layer_ids) + [L]  # id L = after the last layer (AuxCapture), before the final norm
+    with AuxCapture(target.model, ids_all) as cap:
         for s in range(n_shards):
             chunk = seqs[s * batch : (s + 1) * batch]
             T = max(len(c) for c in chunk)
@@ -124,8 +139,12 @@ def capture(target, seqs: list[list[int]], layer_ids, work: Path, *, batch: int,
                 ids[r, : len(c)], mask[r, : len(c)] = torch.tensor(c), 1
             logits = target.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
             top = torch.log_softmax(logits, -1).topk(topk, -1)
+            feats = cap.take()
+            H = feats.shape[-1] // len(ids_all)
+            last = feats[..., -H:]
             shard = {
-                "aux": cap.take().to(torch.bfloat16).cpu().contiguous(),
+                "aux": feats[..., :-H].to(torch.bfloat16).cpu().contiguous(),
+                "final": (last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).cpu(),
                 "ids": ids,
                 "lens": mask.sum(1),
                 "top_ids": top.indices.int().cpu().contiguous(),
@@ -225,8 +244,12 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     if cfg.resume and ckpt.is_file():
         with safe_open(str(ckpt), "pt") as f:
             saved = f.get_slice("model.lm_head.weight").get_shape()[0]
-        if saved == head.s.draft_vocab:  # else: a head of another trim on the same data, trained afresh
+            same = saved == head.s.draft_vocab and all(f"model.{n}" in f.keys() for n, _ in params)
+        if same:  # else: a head of another trim (or without fc_norm) on the same data, trained afresh
             step, losses, elapsed = load_checkpoint(ckpt, head, opt, cfg.device)
+    warm = None
+    if cfg.warm_start and step == 0 and cfg.max_steps > 0:
+        warm = linear_warm_start(head, work, n_shards, cfg.seed)
     t2d_rows = head.target_to_draft()
     start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"
     head.train()
@@ -251,7 +274,7 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
     head.eval()
 
-    return train_summary(step, start, stopped, t0, losses)
+    return train_summary(step, start, stopped, t0, losses) | {"warm_start": warm}
 
 
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
@@ -277,7 +300,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
     L, V = int(tconf.num_hidden_layers), int(tconf.vocab_size)
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(L)
     keep = min(cfg.draft_vocab or V, V)  # a draft vocabulary as large as the target's is no trim
-    head = build_head(target.model, layer_ids, keep)  # validates the layer ids before the expensive part
+    head = build_head(target.model, layer_ids, keep, cfg.fc_norm)  # validates the layer ids before the expensive part
     layer_ids = head.s.layer_ids  # sorted, distinct: vLLM's order of the fc input
     work = work_dir(cfg.output)
     work.mkdir(parents=True, exist_ok=True)
@@ -311,7 +334,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
         data, plain_sequences(tokenizer, cfg.plain_texts, cfg.max_prompt_tokens + cfg.gen_tokens, cfg.seed)
     )
     n_shards = math.ceil(len(seqs) / cfg.batch_size)
-    if fresh or not (work / f"shard-{n_shards - 1:05d}.safetensors").is_file():
+    if fresh or not _has_final(work / f"shard-{n_shards - 1:05d}.safetensors"):
         t = time.perf_counter()
         capture(
             target, seqs, layer_ids, work, batch=cfg.batch_size, topk=cfg.topk, device=cfg.device, progress=progress

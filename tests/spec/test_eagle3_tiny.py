@@ -13,6 +13,7 @@ from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import ARCH, build_head, default_layer_ids, is_eagle3, load_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft, eagle3_generate, eagle3_replay
 from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train, ttt_mask
+from fp8ptq.spec.eagle3_warm import linear_warm_start
 from fp8ptq.spec.measure import SpecStats, plain_generate
 from fp8ptq.spec.models import load_target
 
@@ -53,6 +54,8 @@ def test_export_layout_is_vllms(trained, target4):
     assert t["midlayer.self_attn.k_proj.weight"].shape == (kv * hd, 2 * H)
     assert t["midlayer.hidden_norm.weight"].shape == (H,) and t["norm.weight"].shape == (H,)
     assert t["lm_head.weight"].shape == (256, H)
+    assert cfg["fc_norm"] is True and t["fc_norm.0.weight"].shape == t["fc_norm.1.weight"].shape == (H,)
+    assert meta["warm_start"]["tokens"] > 0
     assert "embed_tokens.weight" not in t  # vLLM shares the target's embedding
     kept = torch.arange(256) + t["d2t"]
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
@@ -214,3 +217,78 @@ def test_lr_decays_by_whichever_bound_ends_the_run():
     assert lr_at(20, timed, 50.0) == pytest.approx(0.55)  # half the budget spent: the cosine's midpoint
     assert lr_at(20, timed, 100.0) == pytest.approx(0.1)  # budget spent: the floor
     assert lr_at(5, timed, 99.0) == pytest.approx(0.6)  # warm-up is by steps
+
+
+def test_linear_warm_start_recovers_a_linear_target(tmp_path, target4):
+    """Shards whose next-position feature is an exact linear map of the (per-layer normalised) aux states:
+    the warm start finds that map, zeroes the attention and MLP outputs, and the head's logits are then the
+    target LM-head rows over norm(fc(...))."""
+    from safetensors.torch import save_file
+
+    target, _ = load_target(str(target4))
+    head = build_head(target.model, [1, 2], 256, fc_norm=True)
+    with torch.no_grad():
+        head.fc_norm[1].weight.uniform_(0.5, 2.0)
+    H = head.s.hidden
+    g = torch.Generator().manual_seed(3)
+    w_true = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+    for s in range(3):
+        aux = torch.randn(4, 40, 2 * H, generator=g)
+        aux[..., 7] *= 300.0  # a massive channel, as real residual streams have
+        aux = aux.bfloat16().float()
+        with torch.no_grad():
+            y = head.fc_input(aux) @ w_true.T
+        final = torch.cat([torch.zeros(4, 1, H), y[:, :-1]], 1)  # final[i + 1] = f(aux[i])
+        lens = torch.tensor([40, 33, 40, 12])
+        save_file({"aux": aux.bfloat16(), "final": final, "lens": lens}, str(tmp_path / f"shard-{s:05d}.safetensors"))
+    fit = linear_warm_start(head, tmp_path, 3, seed=0, embed=False, ridge=1e-9)
+    assert fit["tokens"] == 3 * (39 + 32 + 39 + 11) and fit["r2"] > 0.9999, fit
+    torch.testing.assert_close(head.fc.weight, w_true, atol=2e-3, rtol=0)
+    assert not head.midlayer.self_attn.o_proj.weight.any() and not head.midlayer.mlp.down_proj.weight.any()
+    toks, aux = torch.randint(0, 300, (1, 5)), torch.randn(1, 5, 2 * H)
+    with torch.no_grad():
+        hid = head.fuse(aux)
+        out, logits, _ = head.block(toks, hid, torch.arange(5))
+        torch.testing.assert_close(out, hid)  # both branches start at zero: the head is the linear predictor
+        torch.testing.assert_close(logits, head.lm_head(head.norm(hid)))
+    (tmp_path / "shard-00000.safetensors").unlink()
+    old = {"aux": aux.bfloat16(), "lens": torch.tensor([5]), "ids": toks}  # a capture from before `final`
+    save_file(old, str(tmp_path / "shard-00000.safetensors"))
+    with pytest.raises(SpecError, match="final feature"):
+        linear_warm_start(head, tmp_path, 1, seed=0)
+
+
+def test_warm_start_embedding_path_is_a_same_token_attention(tmp_path, target4):
+    """With the embedding term, the next token's contribution B · n(e) goes through attention: v/o_proj hold
+    B's factorisation (B of rank ≤ kv_heads · head_dim is recovered exactly) and q/k make each position
+    attend to its own token, so on a sequence of distinct tokens the head's output is ≈ fc(...) + B · n(e)."""
+    from safetensors.torch import save_file
+
+    target, _ = load_target(str(target4))
+    head = build_head(target.model, [1, 2], 256, fc_norm=True)
+    s, H = head.s, head.s.hidden
+    r = min(H, s.kv_heads * s.head_dim)
+    g = torch.Generator().manual_seed(4)
+    w_true = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+    b_true = (torch.randn(H, r, generator=g) @ torch.randn(r, H, generator=g)) / H
+    kept = head.draft_to_target(torch.arange(256))
+    for i in range(3):
+        aux = torch.randn(4, 40, 2 * H, generator=g).bfloat16().float()
+        ids = kept[torch.randint(0, 256, (4, 40), generator=g)]
+        with torch.no_grad():
+            e = head.midlayer.input_layernorm(head.embed_tokens(ids))
+            y = head.fc_input(aux[:, :-1]) @ w_true.T + e[:, 1:] @ b_true.T
+        final = torch.cat([torch.zeros(4, 1, H), y], 1)
+        shard = {"aux": aux.bfloat16(), "final": final, "lens": torch.full((4,), 40), "ids": ids}
+        save_file(shard, str(tmp_path / f"shard-{i:05d}.safetensors"))
+    fit = linear_warm_start(head, tmp_path, 3, seed=0, ridge=1e-9)
+    assert fit["embed"] and fit["r2"] > 0.9999, fit
+    torch.testing.assert_close(head.fc.weight, w_true, atol=3e-3, rtol=0)
+    toks = kept[torch.randperm(256, generator=g)[:6]].view(1, 6)  # distinct tokens
+    aux = torch.randn(1, 6, 2 * H, generator=g)
+    with torch.no_grad():
+        hid = head.fuse(aux)
+        out, _, _ = head.block(toks, hid, torch.arange(6))
+        want = hid + head.midlayer.input_layernorm(head.embed_tokens(toks)) @ b_true.T
+    err = (out - want).norm() / (want - hid).norm()
+    assert err < 0.1, float(err)  # the softmax is sharp, not one-hot (measured 0.026)
