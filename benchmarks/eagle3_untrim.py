@@ -33,7 +33,7 @@ def main() -> None:
     target, src = load_target(args.target)
     small = load_head(args.trimmed, target.model)
     V = int(target.model.config.vocab_size)
-    full = build_head(target.model, list(small.s.layer_ids), V)  # LM head = the target's rows
+    full = build_head(target.model, list(small.s.layer_ids), V, small.s.fc_norm)  # LM head = the target's rows
     with torch.no_grad():
         mine = dict(full.named_parameters())
         for name, p in small.named_parameters():
