@@ -203,7 +203,7 @@ def draft_train_cmd(
     ttt_steps: int = typer.Option(3, help="eagle3: training-time-test unroll steps"),
     plain_texts: int = typer.Option(32, help="eagle3: plain built-in text passages added to the generations"),
     fc_norm: bool = typer.Option(True, help="eagle3: an RMSNorm per aux layer before fc (vLLM's fc_norm)"),
-    warm_start: bool = typer.Option(True, help="eagle3: fit fc by ridge regression before training"),
+    warm_start: bool = typer.Option(True, help="eagle3: start from a linear predictor fitted in closed form"),
     layers: int = typer.Option(2, help="decoder layers of the draft (initialised from the target's first ones)"),
     prompts: Optional[str] = typer.Option(None, help="prompt file (.txt blocks, .jsonl, .parquet); default: built-in"),
     text_field: str = typer.Option("text", help="field with the prompt in .jsonl/.parquet"),
