@@ -128,7 +128,8 @@ def capture(target, seqs: list[list[int]], layer_ids, work: Path, *, batch: int,
     the linear warm start's regression target). Returns the count."""
     n_shards = math.ceil(len(seqs) / batch)
     L = len(decoder_layers(target.model))
-    ids_all = list(layer_ids) + [L]  # id L = after the last layer (AuxCapture), before the final norm
+    # id L = after the last layer (AuxCapture), before the final norm; hooked once if the head reads it too
+    ids_all = list(layer_ids) + ([] if L in layer_ids else [L])
     with AuxCapture(target.model, ids_all) as cap:
         for s in range(n_shards):
             chunk = seqs[s * batch : (s + 1) * batch]
@@ -139,11 +140,10 @@ def capture(target, seqs: list[list[int]], layer_ids, work: Path, *, batch: int,
                 ids[r, : len(c)], mask[r, : len(c)] = torch.tensor(c), 1
             logits = target.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
             top = torch.log_softmax(logits, -1).topk(topk, -1)
-            feats = cap.take()
-            H = feats.shape[-1] // len(ids_all)
-            last = feats[..., -H:]
+            by_id = dict(zip(ids_all, cap.take().chunk(len(ids_all), -1)))
+            last = by_id[L]
             shard = {
-                "aux": feats[..., :-H].to(torch.bfloat16).cpu().contiguous(),
+                "aux": torch.cat([by_id[i] for i in layer_ids], -1).to(torch.bfloat16).cpu().contiguous(),
                 "final": (last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).cpu(),
                 "ids": ids,
                 "lens": mask.sum(1),

@@ -292,3 +292,21 @@ def test_warm_start_embedding_path_is_a_same_token_attention(tmp_path, target4):
         want = hid + head.midlayer.input_layernorm(head.embed_tokens(toks)) @ b_true.T
     err = (out - want).norm() / (want - hid).norm()
     assert err < 0.1, float(err)  # the softmax is sharp, not one-hot (measured 0.026)
+
+
+def test_head_reading_the_last_residual_stream_trains(tmp_path, target4):
+    """Aux id L (after the last layer) is also the warm start's target: captured once, used for both."""
+    out = tmp_path / "h"
+    meta = eagle3_train(
+        Eagle3TrainConfig(
+            target=str(target4), output=out, layer_ids=(1, 4), draft_vocab=256, max_steps=2, time_budget_s=None,
+            keep_work=True, **SMALL,
+        )
+    )  # fmt: skip
+    assert meta["layer_ids"] == [1, 4] and meta["steps"] == 2 and meta["warm_start"]["tokens"] > 0
+    shard = load_file(str(tmp_path / ".h.draft-work" / "shard-00000.safetensors"))
+    H = shard["final"].shape[-1]
+    assert shard["aux"].shape[-1] == 2 * H  # not three chunks
+    last = shard["aux"][..., H:].float()
+    normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(normed, shard["final"].float(), atol=3e-2, rtol=3e-2)
