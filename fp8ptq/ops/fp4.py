@@ -36,9 +36,11 @@ def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     # step is exact (a power of two), and round-half-even of the quotient is ties-to-even of the code
     # (each binade starts on an even code). Bit for bit the former table lookup (torch.bucketize, 3x
     # slower, the NVFP4 recipe's largest cost) on a dense sweep, every tie, both zeros: tests/ops/test_fp4.py.
+    # The step is |x|'s power of two (its exponent bits) clamped to [1, 4], halved: 0.5 below 2, 1 in
+    # [2, 4), 2 from 4 (and for NaN); the same values as two nested torch.where, in a third of the time.
     xf = x.float()
     a = xf.abs()
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    step = (a.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(1.0, 4.0).mul_(0.5)
     q = a.div_(step).round_().mul_(step).mul_(torch.sign(xf)).nan_to_num_(0.0)
     return q.to(x.dtype)
 

@@ -49,6 +49,24 @@ def best_scale(scale_of, factors: tuple[float, ...], err_of) -> torch.Tensor:
     return best
 
 
+def best_row_scale(cands: torch.Tensor, err_of_rows, chunk: int = 1 << 16) -> torch.Tensor:
+    """`best_scale` for per-row candidates, scoring each distinct (row, scale) pair once. cands [R, K]:
+    row r's candidate scales in the order `best_scale` tries them (column 0 first); err_of_rows(rows,
+    scales [P, 1]) -> errors [P] of those rows at those scales. The choice is `best_scale`'s: the first
+    candidate of least error (a repeated scale has its first occurrence's error, so it never wins).
+    Searches whose candidates round to few distinct values (FP8 group scales: about 8 per octave)
+    skip most evaluations; pairs are scored `chunk` at a time to bound memory. Returns [R, 1]."""
+    srt, order = cands.sort(dim=1, stable=True)
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    rows, cols = torch.zeros_like(first).scatter_(1, order, first).nonzero(as_tuple=True)
+    err = torch.full(cands.shape, float("inf"), device=cands.device)
+    for a in range(0, rows.numel(), chunk):
+        r, k = rows[a : a + chunk], cols[a : a + chunk]
+        err[r, k] = err_of_rows(r, cands[r, k].unsqueeze(1)).nan_to_num(nan=float("inf")).to(err.dtype)
+    return cands.gather(1, err.argmin(dim=1, keepdim=True))
+
+
 def mse_block_row_scale(w: torch.Tensor, rows: int, shrink_grid: tuple[float, ...]) -> torch.Tensor:
     """`block_row_scale` with each block's amax shrunk by the factor of `shrink_grid` whose FP8
     fake-quant has the least squared error over the block (`best_scale`). A clipped block saturates

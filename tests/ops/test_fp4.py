@@ -147,3 +147,41 @@ def test_mse_group_scales_export_exactly_and_never_lose():
         assert torch.equal(_ct_round_trip(fake, scale, gs), fake)
         errs[mse] = (fake - W).reshape(-1, 16).square().sum(-1)
     assert (errs[True] <= errs[False]).all() and errs[True].sum() < 0.95 * errs[False].sum()
+
+
+def test_scale_search_scores_each_distinct_scale_once_and_chooses_as_the_full_search():
+    """nvfp4_search_scale scores each distinct (group, FP8 scale) pair once (best_row_scale); its choice is
+    the full search's (best_scale over all 58 factors, first of equal minima), bit for bit, weighted or not,
+    including all-zero groups (every candidate ties) and a chunk smaller than the pair count."""
+    from fp8ptq.ops.fp8 import best_row_scale, best_scale
+    from fp8ptq.ops.gptq import NVFP4_SCALE_SEARCH, nvfp4_search_scale
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.rand(1, 256) * 3
+    w[5] = 0.0
+    gs = nvfp4_global_scale(w)
+    groups = w.reshape(-1, 16)
+    d = (torch.rand(256) * 5).reshape(1, -1).expand(64, -1).reshape(-1, 16)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    for weight in (None, d):
+
+        def err_of(eff, weight=weight):
+            e = (fake_quant_nvfp4(groups, eff) - groups).square()
+            return (e if weight is None else e * weight).sum(-1, keepdim=True)
+
+        full = best_scale(lambda f: nvfp4_group_scale(amax * f, gs) / gs, NVFP4_SCALE_SEARCH, err_of)
+        assert torch.equal(nvfp4_search_scale(groups, gs, NVFP4_SCALE_SEARCH, weight), full)
+    # fewer evaluations: ~15 distinct FP8 scales among the 58 candidates of a group
+    calls = []
+    cands = torch.tensor([[2.0, 1.0, 1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    err = {1.0: 5.0, 2.0: 5.0, 3.0: 4.0}
+    pick = best_row_scale(
+        cands, lambda r, s: calls.append(len(r)) or torch.tensor([err[float(v)] for v in s[:, 0]]), chunk=2
+    )
+    assert pick.flatten().tolist() == [3.0, 1.0] and sum(calls) == 4 and max(calls) <= 2
+    # a tie between distinct scales keeps the earlier one, as best_scale does
+    err[3.0] = 9.0
+    assert best_row_scale(cands, lambda r, s: torch.tensor([err[float(v)] for v in s[:, 0]])).flatten().tolist() == [
+        2.0,
+        1.0,
+    ]
