@@ -13,8 +13,7 @@ import torch
 from safetensors import safe_open
 
 from fp8ptq.models.loader import resolve_model
-from fp8ptq.ops.fp4 import fake_quant_nvfp4, nvfp4_global_scale
-from fp8ptq.ops.gptq import NVFP4_SCALE_SEARCH, nvfp4_search_scale
+from fp8ptq.ops.fp4 import NVFP4_SCALE_SEARCH, fake_quant_nvfp4, nvfp4_global_scale, nvfp4_search_scale
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID
 
 

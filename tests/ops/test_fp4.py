@@ -153,8 +153,8 @@ def test_scale_search_scores_each_distinct_scale_once_and_chooses_as_the_full_se
     """nvfp4_search_scale scores each distinct (group, FP8 scale) pair once (best_row_scale); its choice is
     the full search's (best_scale over all 58 factors, first of equal minima), bit for bit, weighted or not,
     including all-zero groups (every candidate ties) and a chunk smaller than the pair count."""
+    from fp8ptq.ops.fp4 import NVFP4_SCALE_SEARCH, nvfp4_search_scale
     from fp8ptq.ops.fp8 import best_row_scale, best_scale
-    from fp8ptq.ops.gptq import NVFP4_SCALE_SEARCH, nvfp4_search_scale
 
     torch.manual_seed(0)
     w = torch.randn(64, 256) * torch.rand(1, 256) * 3
