@@ -44,6 +44,8 @@ def test_rotated_export_runs_in_vllm(tmp_path, monkeypatch):
             output=out,
             weights="rtn",
             rotate=True,
+            num_samples=8,  # W8A8's SmoothQuant alpha search calibrates: small, as the other engine tests
+            seq_len=256,
             eval_samples=0,
             recipe_gates=False,
         )
