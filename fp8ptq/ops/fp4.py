@@ -101,8 +101,8 @@ def nvfp4_search_scale(
     cands = torch.cat([nvfp4_group_scale(amax * f, gs) / gs for f in (1.0, *factors)], dim=1)
 
     def err_of_rows(rows, eff):  # the 58 factors give ~15 distinct FP8 scales per group: each scored once
-        wr = w[rows].float()  # finite: fake_quant_nvfp4's NaN pass-through is a no-op, left out
-        e = cast_e2m1((wr / eff).clamp_(-FP4_MAX, FP4_MAX)).mul_(eff).to(torch.bfloat16).float().sub_(wr).square_()
+        wr = w[rows]
+        e = (fake_quant_nvfp4(wr, eff) - wr.float()).square_()
         return (e if d is None else e.mul_(d[rows])).sum(-1)
 
     return best_row_scale(cands, err_of_rows)
