@@ -189,7 +189,7 @@ def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
 
     check_option("--num-samples", cfg.num_samples, minimum=1, example=32)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
-    check_output(cfg.output, cfg.overwrite)
+    check_output(cfg.output, cfg.overwrite, (cfg.model, cfg.data))
     device = resolve_device(cfg.device)
     src = resolve_model(cfg.model)
     ids = data_mod.load_samples(
@@ -252,7 +252,9 @@ def convert(cfg: ConvertConfig) -> dict:
     if cfg.recipe is not None and cfg.to != "compressed-tensors":
         raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
     from fp8ptq.convert.detect import check_source
+    from fp8ptq.io import check_not_input
 
+    check_not_input(cfg.output, (cfg.source,))
     if cfg.to == "gguf":  # its own checks name what a compressed-tensors source lacks
         if cfg.source_format is not None:
             check_source(cfg.source, cfg.source_format)

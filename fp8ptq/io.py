@@ -69,13 +69,93 @@ def write_json_atomic(path: Path, data, *, trailing_newline: bool = False) -> No
     write_bytes_atomic(path, text.encode())
 
 
-def check_output(out: Path, overwrite: bool) -> None:
-    """Fail early (before any work) if `out` exists and may not be replaced."""
-    if out.exists() and not overwrite:
-        raise OutputError(f"output '{out}' already exists", fix="choose another -o path or pass --overwrite")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output '{out}' exists and is not a directory", fix="choose another -o path")
-    check_writable(Path(out).parent)
+# Written into every directory fp8ptq creates through atomic_output_dir; a quantized checkpoint is
+# recognised by its fp8ptq_manifest.json instead (its files stay as they were). --overwrite replaces only
+# a directory that carries one of the two: fp8ptq deletes nothing it did not write.
+OUTPUT_MARKER = ".fp8ptq-output"
+OWN_FILES = (OUTPUT_MARKER, "fp8ptq_manifest.json")
+
+
+def written_by_fp8ptq(path: Path) -> bool:
+    return Path(path).is_dir() and any((Path(path) / f).is_file() for f in OWN_FILES)
+
+
+def path_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what is at `path` now (a symlink itself, not its target), None if nothing."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _run_in_progress(path: Path) -> bool:
+    """fp8ptq's own unfinished run directory (export/rundir.py: `.NAME.partial` holding state.json): a
+    quantize run writes its draft bundle into it, the draft reading the target beside it."""
+    return path.name.startswith(".") and path.name.endswith(".partial") and (path / "state.json").is_file()
+
+
+def check_not_input(out: Path, inputs=()) -> None:
+    """OutputError unless `out` is apart from every input: not the input, not inside it, not a folder
+    that holds it. Inputs that are not local paths (aliases, hub ids) are skipped."""
+    target = Path(out).expanduser().resolve()
+    for given in inputs:
+        if given is None or str(given) == "":
+            continue
+        p = Path(str(given)).expanduser()
+        if not p.exists():
+            continue
+        src = p.resolve()
+        if target == src:
+            raise OutputError(f"output '{out}' is the input '{given}'", fix="choose an -o path apart from the input")
+        if src in target.parents and not _run_in_progress(src):
+            raise OutputError(
+                f"output '{out}' lies inside the input '{given}'", fix="choose an -o path outside the input folder"
+            )
+        if target in src.parents:
+            raise OutputError(
+                f"output '{out}' holds the input '{given}': writing it would replace the input",
+                fix="choose an -o path that does not contain the input",
+            )
+
+
+def check_output(out: Path, overwrite: bool, inputs=()) -> None:
+    """Fail early (before any work) if `out` may not be written: it is (or holds, or is inside) one of
+    `inputs`, or it exists and either --overwrite is not given or fp8ptq did not write it."""
+    out = Path(out)
+    check_not_input(out, inputs)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise OutputError(f"output '{out}' already exists", fix="choose another -o path or pass --overwrite")
+        if out.is_symlink() or not out.is_dir():
+            raise OutputError(f"output '{out}' exists and is not a directory", fix="choose another -o path")
+        if not written_by_fp8ptq(out):
+            raise OutputError(
+                f"--overwrite: '{out}' was not written by fp8ptq (it holds no {' or '.join(OWN_FILES)}), "
+                "and fp8ptq replaces only folders it wrote",
+                fix="delete it yourself if it may go, or choose another -o path",
+            )
+    check_writable(out.parent)
+
+
+def replace_dir(tmp: Path, out: Path, approved: tuple[int, int] | None) -> None:
+    """Rename the finished `tmp` onto `out`. `approved` is what was at `out` when the run started
+    (check_output let it be replaced; None: nothing was there). Anything else found there now (a folder
+    made during the run, or one swapped in) is left alone: OutputError, and `tmp` is kept for the user."""
+    now = path_identity(out)
+    if now is not None and (now != approved or not written_by_fp8ptq(out)):
+        raise OutputError(
+            f"'{out}' appeared or changed while this run was writing it; it was left as it is and the finished "
+            f"result is in '{tmp}'",
+            fix=f"move '{tmp}' where you want it (or remove '{out}' and rename it)",
+        )
+    old = None
+    if now is not None:
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_writable(directory: Path) -> None:
@@ -99,11 +179,13 @@ def check_writable(directory: Path) -> None:
 
 
 @contextmanager
-def atomic_output_dir(out: Path, overwrite: bool = False):
+def atomic_output_dir(out: Path, overwrite: bool = False, inputs=()):
     """A non-resumable temp dir (small outputs: converted models, drafts): on success it becomes `out`
-    (replacing it if overwrite), on error it is removed."""
+    (replacing it if overwrite and fp8ptq wrote it; see check_output, replace_dir), on error it is
+    removed. The result carries OUTPUT_MARKER."""
     out = Path(out)
-    check_output(out, overwrite)
+    check_output(out, overwrite, inputs)
+    approved = path_identity(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     umask = os.umask(0)
@@ -111,16 +193,11 @@ def atomic_output_dir(out: Path, overwrite: bool = False):
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should look like any other dir
     try:
         yield tmp
+        (tmp / OUTPUT_MARKER).write_text("written by fp8ptq: `--overwrite` may replace this folder\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out, approved)
 
 
 _LIBC = None

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from fp8ptq.errors import Fp8ptqError, OutputError
-from fp8ptq.io import check_output, write_json_atomic
+from fp8ptq.io import check_output, path_identity, replace_dir, write_json_atomic
 
 STATE = "state.json"
 
@@ -35,15 +35,26 @@ def _fresh_dir(path: Path) -> None:
 class RunDir:
     """The hidden work directory of one run. Use as a context manager; `commit()` renames it to `out`."""
 
-    def __init__(self, out: Path, *, overwrite: bool = False, resume: bool = False, fingerprint: dict | None = None):
+    def __init__(
+        self,
+        out: Path,
+        *,
+        overwrite: bool = False,
+        resume: bool = False,
+        fingerprint: dict | None = None,
+        inputs=(),
+    ):
         self.out, self.path = Path(out), partial_path(Path(out))
         self.overwrite, self.resume, self.fingerprint = overwrite, resume, fingerprint or {}
+        self.inputs = tuple(inputs)
+        self.approved = None  # what was at `out` when the run started (replace_dir)
         self.state: dict = {}
         self.resumed = False
         self._lock = None
 
     def __enter__(self) -> RunDir:
-        check_output(self.out, self.overwrite)
+        check_output(self.out, self.overwrite, self.inputs)
+        self.approved = path_identity(self.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self._lock = open(self.out.parent / f".{self.out.name}.lock", "w")
         try:
@@ -93,15 +104,10 @@ class RunDir:
         write_json_atomic(self.path / STATE, self.state)
 
     def commit(self) -> None:
-        """Rename the finished directory into place (replacing `out` when overwriting)."""
+        """Rename the finished directory into place (replacing `out` when overwriting what was there at the
+        start and fp8ptq wrote; anything else there now is left alone: io.replace_dir)."""
         (self.path / STATE).unlink(missing_ok=True)
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-            os.replace(self.out, old)
-        os.replace(self.path, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(self.path, self.out, self.approved)
 
     def _release(self) -> None:
         if self._lock is not None:

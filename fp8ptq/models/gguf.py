@@ -97,7 +97,7 @@ class GgufModel:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name, trust_remote_code=False)
 
 
 def open_gguf(path: Path) -> GgufModel:

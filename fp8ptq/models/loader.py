@@ -148,7 +148,34 @@ class ModelSource:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
+
+
+def model_roots(path: Path) -> tuple[Path, ...]:
+    """The folders a checkpoint's files may live in, symlinks resolved: the model folder itself and, for
+    a Hugging Face cache snapshot (…/models--org--name/snapshots/REV, whose files are links into
+    …/models--org--name/blobs), that repository's cache entry."""
+    root = path.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        roots.append(root.parent.parent)
+    return tuple(roots)
+
+
+def inside_model(path: Path, name: str, what: str) -> Path:
+    """`path / name` for a file name read from a checkpoint's own files (an index, a config), or a
+    ModelError when it is absolute or resolves (symlinks followed) outside the model folder: a hostile
+    index must not make fp8ptq read, and export, another folder's tensors."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ModelError(f"{what} names {name!r}, which is not a file name", fix="repair or re-download the model")
+    f = path / name
+    target = f.resolve()
+    if Path(name).is_absolute() or not any(target == r or r in target.parents for r in model_roots(path)):
+        raise ModelError(
+            f"{what} names '{name}', which lies outside the model folder '{path}'",
+            fix="use a checkpoint whose files are all inside its folder (a hostile or broken download?)",
+        )
+    return f
 
 
 def _weight_map(path: Path) -> dict[str, str]:
@@ -156,8 +183,12 @@ def _weight_map(path: Path) -> dict[str, str]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as err:
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"weight_map is a {type(weight_map).__name__}, not a mapping")
+        except (ValueError, KeyError, TypeError) as err:
             raise ModelError(f"'{index}' is not a valid safetensors index ({err})") from None
+        for shard in set(weight_map.values()):
+            inside_model(path, shard, f"'{index}'")
         shards = sorted(set(weight_map.values()))
     else:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
@@ -173,7 +204,7 @@ def _weight_map(path: Path) -> dict[str, str]:
         raise ModelError(f"'{path}' contains no *.safetensors weights", fix="pass a Hugging Face model directory")
     found = {}
     for shard in shards:
-        f = path / shard
+        f = inside_model(path, shard, "the model folder")  # a *.safetensors symlink pointing elsewhere
         if not f.is_file():
             raise ModelError(f"shard '{f}' named in the index is missing")
         try:
@@ -192,6 +223,13 @@ def _weight_map(path: Path) -> dict[str, str]:
             ) from None
         for n in names:
             found[n] = shard
+    for name, shard in weight_map.items():  # what the index promises, each in the shard it names
+        if found.get(name) != shard:
+            raise ModelError(
+                f"'{path / 'model.safetensors.index.json'}' places tensor '{name}' in '{shard}', which does not "
+                + ("hold it" if name not in found else f"hold it ('{found[name]}' does)"),
+                fix="repair the index (or re-download the model)",
+            )
     return weight_map or found
 
 
@@ -298,9 +336,13 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
         raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(registered())}")
     with atomic_output_dir(out, overwrite=True) as tmp:
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+            str(gguf.parent),
+            gguf_file=gguf.name,
+            dtype=dtype,
+            quantization_config=GgufConfig(dequantize=True),
+            trust_remote_code=False,
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
         # The weights are plain tensors now; drop the GGUF quantizer so save_pretrained accepts them.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

@@ -150,7 +150,7 @@ def write_random(
     from fp8ptq.models.arch import ARCHS
 
     arch = ARCHS[model_type]
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     ids = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
     cfg = AutoConfig.for_model(
         model_type, **{**arch.tiny, **ids, "num_hidden_layers": layers, "vocab_size": len(tok), **config}

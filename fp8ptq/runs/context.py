@@ -69,6 +69,11 @@ class RunContext:
         }
 
 
+def run_inputs(cfg: QuantizeConfig) -> tuple:
+    """The paths a quantize run reads: its output may be none of them, nor hold nor sit inside one."""
+    return (cfg.model, cfg.data)
+
+
 def chunk_samples(chunk_tokens: int, ids: torch.Tensor) -> int:
     return max(1, chunk_tokens // ids.shape[1])
 
@@ -88,7 +93,7 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     join the process group (torchrun) or run alone."""
     recipe = load_recipe(cfg.recipe)
     _check_options(cfg, recipe)
-    check_output(cfg.output, cfg.overwrite)
+    check_output(cfg.output, cfg.overwrite, run_inputs(cfg))
     device = resolve_device(cfg.device)
     overrides = {
         k: v
@@ -237,7 +242,13 @@ def open_run(ctx: RunContext):
     On success the caller commits; on error the directory is kept only if it holds finished layers."""
     run, msg = None, None
     if ctx.comm.rank == 0:
-        run = RunDir(ctx.cfg.output, overwrite=ctx.cfg.overwrite, resume=ctx.cfg.resume, fingerprint=ctx.fingerprint())
+        run = RunDir(
+            ctx.cfg.output,
+            overwrite=ctx.cfg.overwrite,
+            resume=ctx.cfg.resume,
+            fingerprint=ctx.fingerprint(),
+            inputs=run_inputs(ctx.cfg),
+        )
         try:
             run.__enter__()
             msg = {"ok": True, "state": run.state, "resumed": run.resumed, "path": str(run.path)}

@@ -327,7 +327,7 @@ def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
     """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary."""
     from fp8ptq.io import atomic_output_dir, check_output
 
-    check_output(Path(cfg.output), cfg.overwrite)
+    check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))
     if cfg.layers < 1 or cfg.max_steps < 0 or cfg.topk < 1 or cfg.num_prompts < 1 or cfg.gen_tokens < 1:
         raise SpecError(
             f"bad draft-train settings: layers={cfg.layers}, max_steps={cfg.max_steps}, topk={cfg.topk}, "

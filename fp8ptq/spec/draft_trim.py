@@ -91,7 +91,7 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.models.loader import resolve_model
 
-    check_output(Path(cfg.output), cfg.overwrite)
+    check_output(Path(cfg.output), cfg.overwrite, (cfg.draft, cfg.target))
     dsrc = resolve_model(str(cfg.draft))
     if (Path(cfg.draft) / TRIM_META).is_file():
         raise SpecError(f"'{cfg.draft}' is already trimmed", fix="trim the full draft written by draft-train")

@@ -285,7 +285,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
     from fp8ptq.spec.models import load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
-    check_output(Path(cfg.output), cfg.overwrite)
+    check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))
     if cfg.ttt_steps < 1 or cfg.max_steps < 0 or cfg.topk < 1 or cfg.batch_size < 1 or cfg.draft_vocab < 0:
         raise SpecError(
             f"bad eagle3 settings: ttt_steps={cfg.ttt_steps}, max_steps={cfg.max_steps}, topk={cfg.topk}, "

@@ -247,12 +247,18 @@ def engine_check(
     return out
 
 
+def _inputs(cfg: RecommendConfig) -> tuple:
+    """The paths a recommendation reads: its output may be none of them, nor hold nor sit inside one."""
+    m = cfg.measure
+    return (cfg.measured, cfg.token_map, cfg.draft_for_engine) + (() if m is None else (m.target, m.draft, m.prompts))
+
+
 def recommend(cfg: RecommendConfig, progress=None) -> dict:
     """Choose γ and write the configs into cfg.output (atomically). Returns the summary dict."""
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.spec.eagle3 import is_eagle3
 
-    check_output(Path(cfg.output), cfg.overwrite)
+    check_output(Path(cfg.output), cfg.overwrite, _inputs(cfg))
     if cfg.device_memory:
         from fp8ptq.spec.memory import KV_BYTES, parse_size
 

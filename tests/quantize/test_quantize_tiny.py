@@ -115,8 +115,16 @@ def test_output_exists_needs_overwrite(tmp_path, tiny_dir):
     with pytest.raises(OutputError, match="already exists"):
         _run(tiny_dir, out, "fp8-dynamic", eval_samples=0)
     assert (out / "keep.txt").read_text() == "mine"
+    # --overwrite replaces only what fp8ptq wrote (issue 32): a user's folder stays as it is
+    with pytest.raises(OutputError, match="was not written by fp8ptq"):
+        _run(tiny_dir, out, "fp8-dynamic", eval_samples=0, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    _run(tiny_dir, out, "fp8-dynamic", eval_samples=0)
+    (out / "stale.txt").write_text("from the first run")
     _run(tiny_dir, out, "fp8-dynamic", eval_samples=0, overwrite=True)
-    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
+    assert (out / "config.json").is_file() and not (out / "stale.txt").exists()
 
 
 def test_failure_leaves_no_complete_output_and_resumes(tmp_path, tiny_dir, monkeypatch):

@@ -1,0 +1,165 @@
+"""Hostile or careless input (issue 32): a checkpoint is a closed folder that never runs code, and no
+command deletes what fp8ptq did not write. Each case is refused with one `error:` line and exit 2, and
+the inputs (and strangers' folders) are left exactly as they were."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from fp8ptq.cli import app
+from fp8ptq.errors import OutputError
+from fp8ptq.io import OUTPUT_MARKER, atomic_output_dir
+
+pytestmark = pytest.mark.tiny
+runner = CliRunner()
+QUICK = ["--num-samples", "2", "--seq-len", "32", "--eval-samples", "0", "--no-recipe-gates", "--weights", "rtn"]
+
+
+def _run(*args) -> tuple[int, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def _one_line_error(rc: int, output: str, phrase: str) -> None:
+    assert rc == 2, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and phrase in errors[0], output
+    assert "Traceback" not in output, output
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _sharded_with_outside_shard(tiny_dir: Path, root: Path) -> tuple[Path, Path]:
+    """A model whose index sends one tensor to ../victim/secret.safetensors (a file outside the folder)."""
+    model, victim = root / "model", root / "victim"
+    shutil.copytree(tiny_dir, model)
+    victim.mkdir()
+    t = load_file(str(model / "model.safetensors"))
+    name = "model.norm.weight"
+    save_file({name: torch.full_like(t[name], 7.0)}, str(victim / "secret.safetensors"), metadata={"format": "pt"})
+    rest = {k: v for k, v in t.items() if k != name}
+    (model / "model.safetensors").unlink()
+    save_file(rest, str(model / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
+    weight_map = {k: "model-00001-of-00001.safetensors" for k in rest} | {name: "../victim/secret.safetensors"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return model, victim
+
+
+def test_index_naming_a_file_outside_the_model_is_refused(tiny_dir, tmp_path):
+    model, _ = _sharded_with_outside_shard(tiny_dir, tmp_path)
+    for cmd in (["quantize", model, "-o", tmp_path / "out", *QUICK], ["analyze", model, "-o", tmp_path / "a"]):
+        rc, output = _run(*cmd)
+        _one_line_error(rc, output, "'../victim/secret.safetensors', which lies outside the model folder")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "a").exists()
+
+
+def test_shard_symlinked_outside_the_model_is_refused(tiny_dir, tmp_path):
+    model, victim = _sharded_with_outside_shard(tiny_dir, tmp_path)
+    (model / "model.safetensors.index.json").unlink()
+    (model / "extra.safetensors").symlink_to(victim / "secret.safetensors")
+    rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
+    _one_line_error(rc, output, "'extra.safetensors', which lies outside the model folder")
+
+
+def test_index_placing_a_tensor_in_a_shard_that_lacks_it(tiny_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    names = list(load_file(str(model / "model.safetensors")))
+    weight_map = {k: "model.safetensors" for k in names} | {"model.layers.0.mlp.up_proj.weight": "other.safetensors"}
+    save_file({"x": torch.zeros(1)}, str(model / "other.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
+    _one_line_error(rc, output, "places tensor 'model.layers.0.mlp.up_proj.weight' in 'other.safetensors'")
+
+
+def test_tokenizer_remote_code_never_runs(tiny_dir, tmp_path):
+    """A tokenizer_config.json whose auto_map names a .py in the folder: transformers would ask to run it
+    (and run it on 'y'); fp8ptq passes trust_remote_code=False, so the standard class loads, no prompt."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    pwned = tmp_path / "PWNED"
+    (model / "evil.py").write_text(
+        f"open({str(pwned)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    r = runner.invoke(app, ["quantize", str(model), "-o", str(tmp_path / "out"), *QUICK], input="y\n")
+    assert r.exit_code == 0, r.output
+    assert not pwned.exists() and "custom code" not in r.output
+
+
+@pytest.fixture
+def workspace(tiny_dir, tmp_path) -> Path:
+    """A user's folder: two models and a notes file."""
+    ws = tmp_path / "ws"
+    shutil.copytree(tiny_dir, ws / "model-a")
+    shutil.copytree(tiny_dir, ws / "model-b")
+    (ws / "notes.txt").write_text("my notes")
+    return ws
+
+
+@pytest.mark.parametrize(
+    "out, phrase",
+    [
+        ("model-a", "is the input"),
+        (".", "holds the input"),
+        ("model-a/quantized", "lies inside the input"),
+    ],
+)
+def test_output_that_is_holds_or_sits_in_the_input_is_refused(workspace, out, phrase):
+    before = _snapshot(workspace)
+    rc, output = _run("quantize", workspace / "model-a", "-o", workspace / out, "--overwrite", *QUICK)
+    _one_line_error(rc, output, phrase)
+    assert _snapshot(workspace) == before
+
+
+def test_overwrite_replaces_only_what_fp8ptq_wrote(workspace, tmp_path):
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "thesis.tex").write_text("years of work")
+    rc, output = _run("quantize", workspace / "model-a", "-o", stranger, "--overwrite", *QUICK)
+    _one_line_error(rc, output, "was not written by fp8ptq")
+    assert (stranger / "thesis.tex").read_text() == "years of work"
+    # fp8ptq's own outputs are replaced: a quantized checkpoint (its manifest) and an analysis (the marker)
+    out = tmp_path / "q"
+    for _ in range(2):
+        rc, output = _run("quantize", workspace / "model-a", "-o", out, "--overwrite", *QUICK)
+        assert rc == 0, output
+    rc, output = _run("analyze", workspace / "model-a", "-o", tmp_path / "a", "--num-samples", "2", "--seq-len", "32")
+    assert rc == 0 and (tmp_path / "a" / OUTPUT_MARKER).is_file(), output
+    rc, output = _run("quantize", workspace / "model-a", "-o", tmp_path / "a", *QUICK)
+    _one_line_error(rc, output, "already exists")  # no --overwrite: analyze's report stays
+    assert (tmp_path / "a" / OUTPUT_MARKER).is_file()
+
+
+def test_draft_trim_onto_its_own_draft_is_refused(workspace):
+    draft = workspace / "model-b"
+    before = _snapshot(workspace)
+    rc, output = _run(
+        "draft-trim", draft, "--target", workspace / "model-a", "--keep", "100", "-o", draft, "--overwrite"
+    )
+    _one_line_error(rc, output, "is the input")
+    assert _snapshot(workspace) == before
+
+
+def test_a_folder_that_appears_during_the_run_is_never_deleted(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="appeared or changed while this run was writing it") as err:
+        with atomic_output_dir(out) as tmp:
+            (tmp / "result.txt").write_text("finished")
+            out.mkdir()  # somebody else's folder, made while the run was going
+            (out / "theirs.txt").write_text("keep me")
+    assert (out / "theirs.txt").read_text() == "keep me" and not (out / OUTPUT_MARKER).exists()
+    kept = Path(str(err.value).split("the finished result is in '")[1].split("'")[0])
+    assert (kept / "result.txt").read_text() == "finished"
