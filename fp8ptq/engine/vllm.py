@@ -198,7 +198,7 @@ def _max_positions(model: Path) -> int | None:
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def run_vllm(
+def vllm_request(
     model: Path,
     prompts: list[list[int]],
     max_tokens: int,
@@ -209,20 +209,16 @@ def run_vllm(
     kv_cache_dtype: str = "auto",
     max_model_len: int = 1024,
     speculative_config: dict | None = None,
-    python: str | None = None,
-    timeout_s: int = 900,
     extra: dict | None = None,
     prompt_logprobs: bool = False,
     capture_layers: int = 0,
     probe_layers: int = 0,
-) -> VllmRun:
-    """Generate from token-id prompts with vLLM in its own venv. Never raises for engine failures: a
-    failed load is a result (ok=False, error=root cause) so callers can report or assert on it."""
-    py = vllm_python(python)
+) -> dict:
+    """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts."""
     positions = _max_positions(Path(model))
     if positions:  # vLLM refuses a max_model_len beyond the model's (small test models: 512)
         max_model_len = min(max_model_len, positions)
-    req = dict(
+    return dict(
         model=str(Path(model).resolve()),
         prompts=prompts,
         max_tokens=max_tokens,
@@ -237,49 +233,81 @@ def run_vllm(
         capture_layers=capture_layers,
         probe_layers=probe_layers,
     )
+
+
+def run_vllm(
+    model: Path, prompts: list[list[int]], max_tokens: int, *, python: str | None = None, timeout_s: int = 900, **kw
+) -> VllmRun:
+    """Generate from token-id prompts with vLLM in its own venv (vllm_request's keywords). Never raises
+    for engine failures: a failed load is a result (ok=False, error=root cause) so callers can report or
+    assert on it."""
+    return run_vllm_jobs([vllm_request(model, prompts, max_tokens, **kw)], python=python, timeout_s=timeout_s)[0]
+
+
+def run_vllm_jobs(jobs: list[dict], *, python: str | None = None, timeout_s: int = 900) -> list[VllmRun]:
+    """Run vllm_request jobs in one vLLM process, one after the other (several: the engine in process,
+    vLLM imported once for all of them; one: exactly as before, vLLM's engine-core process included).
+    One VllmRun per job, in order; a job's failure does not stop the next. timeout_s: per job."""
+    py = vllm_python(python)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # default reserves most of RAM and refuses to start under load
     with tempfile.TemporaryDirectory(prefix="fp8ptq-vllm-") as tmp:
         rq, rs = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        rq.write_text(json.dumps(req))
+        rq.write_text(json.dumps(jobs[0] if len(jobs) == 1 else {"jobs": jobs}))
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
                 [str(py), "-I", str(WORKER), str(rq), str(rs)],
                 capture_output=True,
                 text=True,
-                timeout=timeout_s,
+                timeout=timeout_s * len(jobs),
                 env=env,
                 cwd=tmp,
             )
         except subprocess.TimeoutExpired as err:
-            return VllmRun(
+            run = VllmRun(
                 ok=False,
-                error=f"vLLM did not finish in {timeout_s} s",
+                error=f"vLLM did not finish in {timeout_s * len(jobs)} s",
                 stage="timeout",
                 log_tail=str(err.stderr or "")[-4000:],
                 wall_s=time.perf_counter() - t0,
             )
+            return [run] * len(jobs)
         wall = time.perf_counter() - t0
         log = (proc.stdout or "") + (proc.stderr or "")
         if not rs.is_file():
-            return VllmRun(
+            run = VllmRun(
                 ok=False,
                 error=root_cause(log) or f"worker exited {proc.returncode}",
                 stage="crash",
                 log_tail=log[-4000:],
                 wall_s=wall,
             )
+            return [run] * len(jobs)
         res = json.loads(rs.read_text())
-        from safetensors.torch import load_file
+        if len(jobs) == 1:
+            return [_parse(res, log, wall)]
+        logs = _job_logs(proc.stdout or "", len(jobs)), _job_logs(proc.stderr or "", len(jobs))
+        return [_parse(r, o + e, wall / len(jobs)) for r, o, e in zip(res["jobs"], *logs)]
 
-        layers = probed = None
-        if res.get("layers_file"):
-            t = load_file(res["layers_file"])
-            layers = [t[f"layer.{i}"] for i in range(len(t))]
-        if res.get("probe_file"):
-            probed = load_file(res["probe_file"])
+
+def _job_logs(stream: str, n: int) -> list[str]:
+    """The worker's output split at its `@@fp8ptq-job N@@` lines: job i's own lines."""
+    parts = re.split(r"^@@fp8ptq-job \d+@@$", stream, flags=re.MULTILINE)
+    parts = parts[1:] if len(parts) == n + 1 else [stream] * n
+    return parts
+
+
+def _parse(res: dict, log: str, wall: float) -> VllmRun:
+    from safetensors.torch import load_file
+
+    layers = probed = None
+    if res.get("layers_file"):
+        t = load_file(res["layers_file"])
+        layers = [t[f"layer.{i}"] for i in range(len(t))]
+    if res.get("probe_file"):
+        probed = load_file(res["probe_file"])
     if not res["ok"]:
         return VllmRun(
             ok=False,

@@ -11,6 +11,11 @@ capture_layers (int: save the first N decoder layers' outputs for prompt 0), pro
 the effective weights of the first N layers' Linears), extra (LLM kwargs).
 RESULT keys: ok, token_ids (per prompt), load_s, generate_s, generated_tokens, metrics (vLLM's own
 counters whose name contains 'spec_decode'), versions; or ok=false with error / error_type / stage.
+
+A REQUEST {"jobs": [REQUEST, ...]} runs them one after the other in this one process (the engine in
+process, each LLM shut down before the next): vLLM is imported once, not once per checkpoint plus once per
+engine-core process (~8 CPU-s each on a 2-core machine). RESULT is then {"jobs": [RESULT, ...]}; each
+job's log lines follow a line `@@fp8ptq-job N@@` on stdout and stderr.
 """
 
 import json
@@ -70,12 +75,46 @@ def _probe_linears(llm, n: int) -> dict:
     return out
 
 
+def _shutdown(llm) -> None:
+    """Release an in-process engine so the next job starts clean (what vLLM's own tests do)."""
+    import gc
+
+    if llm is not None:  # None: the load failed part way; its distributed state is cleaned up all the same
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 def main(request_path: str, result_path: str) -> int:
     req = json.loads(open(request_path).read())
+    if "jobs" not in req:
+        result = run(req, os.path.dirname(result_path), "")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process for every job
+        results = []
+        for i, job in enumerate(req["jobs"]):
+            for stream in (sys.stdout, sys.stderr):
+                print(f"\n@@fp8ptq-job {i}@@", file=stream, flush=True)
+            results.append(run(job, os.path.dirname(result_path), f"-{i}", keep=False))
+        result = {"jobs": results, "ok": all(r["ok"] for r in results)}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
+    """One job: load, optionally probe / capture, generate. keep=False: shut the engine down after."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_space_gib", 1)))
     if req.get("capture_layers") or req.get("probe_layers"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process
     result = {"ok": False, "stage": "import"}
+    llm = None
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -114,7 +153,7 @@ def main(request_path: str, result_path: str) -> int:
             try:  # vLLM-internal layout; a failure is reported, not fatal
                 from safetensors.torch import save_file
 
-                probe = os.path.join(os.path.dirname(result_path), "probe.safetensors")
+                probe = os.path.join(work, f"probe{tag}.safetensors")
                 save_file(_probe_linears(llm, req["probe_layers"]), probe)
                 result["probe_file"] = probe
             except Exception as err:
@@ -126,7 +165,7 @@ def main(request_path: str, result_path: str) -> int:
                 llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
                 from safetensors.torch import save_file
 
-                cap = os.path.join(os.path.dirname(result_path), "layers.safetensors")
+                cap = os.path.join(work, f"layers{tag}.safetensors")
                 save_file({f"layer.{i}": captured[i].contiguous() for i in sorted(captured)}, cap)
                 result["layers_file"] = cap
             except Exception as err:
@@ -148,9 +187,12 @@ def main(request_path: str, result_path: str) -> int:
         result["error_type"] = type(err).__name__
         result["error"] = str(err)
         result["traceback"] = traceback.format_exc()[-6000:]
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0 if result["ok"] else 1
+    if not keep:
+        try:
+            _shutdown(llm)
+        except Exception as err:  # the next job would start on a dirty process: say so in its result
+            result["shutdown_error"] = f"{type(err).__name__}: {err}"
+    return result
 
 
 if __name__ == "__main__":  # vLLM spawns workers that re-import this module: keep the guard

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fp8ptq.engine.vllm import VllmRun, cpu_engine_numerics, gpu_only_reason, run_vllm
+from fp8ptq.engine.vllm import VllmRun, cpu_engine_numerics, gpu_only_reason, run_vllm_jobs, vllm_request
 from fp8ptq.eval.quality import load_simulated
 from fp8ptq.models.loader import resolve_model
 
@@ -130,7 +130,31 @@ def weight_errors(model: torch.nn.Module, arch, probed: dict[str, torch.Tensor])
     return out
 
 
-def check_engine(cfg: EngineCheck) -> dict:
+def engine_job(cfg: EngineCheck) -> dict:
+    """The vLLM job (engine.vllm.vllm_request) that check_engine runs for cfg."""
+    src = resolve_model(cfg.model)
+    # not the last decoder layer: vLLM's last layer hands (hidden, residual) to the final norm in a form
+    # that is not the layer's output (measured on 2- and 3-layer models: 96-145% "error" there only)
+    capture = min(cfg.capture_layers, max(0, src.config.num_hidden_layers - 1))
+    return vllm_request(
+        Path(cfg.model),
+        [list(p) for p in cfg.prompts],
+        cfg.max_tokens,
+        dtype=cfg.dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        prompt_logprobs=True,
+        capture_layers=capture,
+        probe_layers=cfg.probe_layers,
+    )
+
+
+def check_engines(cfgs: list[EngineCheck], python: str | None = None) -> list[dict]:
+    """check_engine for several checkpoints with one vLLM process (engine.vllm.run_vllm_jobs)."""
+    runs = run_vllm_jobs([engine_job(c) for c in cfgs], python=python or (cfgs[0].vllm_python if cfgs else None))
+    return [check_engine(c, run) for c, run in zip(cfgs, runs)]
+
+
+def check_engine(cfg: EngineCheck, run: VllmRun | None = None) -> dict:
     """Run the checkpoint in vLLM and score it against fp8ptq's simulation of the same checkpoint:
     - `weight_rel_err`: the first layers' Linears as vLLM applies them to unit vectors (see module doc);
     - `layer_rel_err`: the first decoder layers' outputs (prompt 0), where the two implementations must
@@ -139,23 +163,12 @@ def check_engine(cfg: EngineCheck) -> dict:
     - greedy `agreement` (prefix match, teacher-forced top-1);
     - `logprob_delta`: mean |log p_sim - log p_vllm| of the prompt tokens, and the same for the unquantized
       reference: the simulation should be the closer of the two.
+    `run`: engine_job(cfg)'s result when it already ran (check_engines); else it runs here.
     On engine failure the result carries ok=False and vLLM's root-cause error instead of raising."""
     prompts = [list(p) for p in cfg.prompts]
     src = resolve_model(cfg.model)
-    # not the last decoder layer: vLLM's last layer hands (hidden, residual) to the final norm in a form
-    # that is not the layer's output (measured on 2- and 3-layer models: 96-145% "error" there only)
-    capture = min(cfg.capture_layers, max(0, src.config.num_hidden_layers - 1))
-    run: VllmRun = run_vllm(
-        Path(cfg.model),
-        prompts,
-        cfg.max_tokens,
-        dtype=cfg.dtype,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        python=cfg.vllm_python,
-        prompt_logprobs=True,
-        capture_layers=capture,
-        probe_layers=cfg.probe_layers,
-    )
+    if run is None:
+        run = run_vllm_jobs([engine_job(cfg)], python=cfg.vllm_python)[0]
     out = {"model": cfg.model, "engine": "vllm", "ok": run.ok, "vllm": run.as_dict()}
     if not run.ok:
         why = gpu_only_reason(Path(cfg.model))
