@@ -24,7 +24,8 @@ BUILTIN_DIR = Path(__file__).parent / "recipes"
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: a NaN or inf in any recipe number is refused at load, naming the field
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # The QuantizationArgs keys a recipe may set, in the order recipes are written back (recipe.yaml).
@@ -165,6 +166,13 @@ class Smooth(_Frozen):
     alphas: tuple[float, ...] = (0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
     groups: tuple[Literal["qkv", "gate_up"], ...] = ("qkv", "gate_up")
 
+    @model_validator(mode="after")
+    def _check(self):
+        values = self.alphas + (() if self.alpha == "auto" else (self.alpha,))
+        if not self.alphas or any(not 0.0 <= a <= 1.0 for a in values):
+            raise ValueError(f"smooth: alpha and every alphas value must be in [0, 1], got {self.alpha}, {self.alphas}")
+        return self
+
 
 class Flatten(_Frozen):
     """FlattenQuant on the down_proj input: split each layer's largest intermediate channels k ways
@@ -179,6 +187,13 @@ class Flatten(_Frozen):
     def _check(self):
         if self.extra_channels < 1 or self.tp < 1 or self.multiple < 1:
             raise ValueError("flatten: extra_channels, tp and multiple must be >= 1")
+        # each extra channel is a copied column of down_proj in every layer: 65536 is already several
+        # times any model's intermediate width (1e9 once grew the process to 21 GB before it was killed)
+        if self.extra_channels > 65536 or self.tp > 1024 or self.multiple > 65536:
+            raise ValueError(
+                f"flatten: extra_channels ({self.extra_channels}) and multiple ({self.multiple}) must be <= 65536, "
+                f"tp ({self.tp}) <= 1024"
+            )
         return self
 
 
@@ -241,8 +256,14 @@ class Calibration(_Frozen):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.num_samples < 1 or self.seq_len < 8:
-            raise ValueError("num_samples must be >= 1 and seq_len >= 8")
+        if not 1 <= self.num_samples <= 1 << 20 or not 8 <= self.seq_len <= 1 << 20:
+            raise ValueError("num_samples must be in [1, 1048576] and seq_len in [8, 1048576]")
+        if not 0.0 < self.gptq_damp <= 1.0:
+            raise ValueError(
+                f"gptq_damp must be in (0, 1] (a fraction of the Hessian's mean diagonal), got {self.gptq_damp}"
+            )
+        if not 1 <= self.gptq_block_size <= 65536 or self.moe_min_tokens < 0 or self.seed < 0:
+            raise ValueError("gptq_block_size must be in [1, 65536], moe_min_tokens and seed >= 0")
         return self
 
 

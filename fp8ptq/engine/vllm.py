@@ -213,8 +213,10 @@ def vllm_request(
     prompt_logprobs: bool = False,
     capture_layers: int = 0,
     probe_layers: int = 0,
+    warmup: bool = False,
 ) -> dict:
-    """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts."""
+    """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts.
+    warmup: one untimed 1-token generate first, so generate_s is the engine's steady rate."""
     positions = _max_positions(Path(model))
     if positions:  # vLLM refuses a max_model_len beyond the model's (small test models: 512)
         max_model_len = min(max_model_len, positions)
@@ -232,6 +234,7 @@ def vllm_request(
         prompt_logprobs=prompt_logprobs,
         capture_layers=capture_layers,
         probe_layers=probe_layers,
+        warmup=warmup,
     )
 
 

