@@ -19,6 +19,8 @@ from fp8ptq.errors import Fp8ptqError, OutputError
 from fp8ptq.io import check_output, path_identity, replace_dir, write_json_atomic
 
 STATE = "state.json"
+# fingerprint keys (runs/context.py) as a refusal names them
+WHAT = {"model_content": "model weights (same sizes, other content)", "model_bytes": "model size"}
 
 
 def partial_path(out: Path) -> Path:
@@ -74,7 +76,7 @@ class RunDir:
     def _open(self) -> None:
         state_file = self.path / STATE
         if self.path.exists():
-            state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+            state = {} if self.overwrite and not self.resume else self._read_state(state_file)
             if self.resume and state:
                 diff = sorted(
                     k
@@ -82,8 +84,9 @@ class RunDir:
                     if state.get("fingerprint", {}).get(k) != self.fingerprint.get(k)
                 )
                 if diff:
+                    names = [WHAT.get(k, k) for k in diff]
                     raise OutputError(
-                        f"cannot resume '{self.out}': the interrupted run used different {', '.join(diff)}",
+                        f"cannot resume '{self.out}': the interrupted run used different {', '.join(names)}",
                         fix="repeat the original command with --resume, or pass --overwrite to start over",
                     )
                 self.state, self.resumed = state, True
@@ -98,6 +101,24 @@ class RunDir:
         _fresh_dir(self.path)
         self.state = {"fingerprint": self.fingerprint}
         self.save_state()
+
+    def _read_state(self, state_file: Path) -> dict:
+        """The interrupted run's state.json ({} when there is none), or a one-line refusal when it is
+        corrupt or of another shape (a crash mid-write cannot tear it: write_json_atomic)."""
+        if not state_file.is_file():
+            return {}
+        try:
+            state = json.loads(state_file.read_text())
+            if not isinstance(state, dict) or not isinstance(state.get("fingerprint", {}), dict):
+                raise ValueError("not an fp8ptq run state")
+            if not isinstance(state.get("layers_done", 0), int) or not isinstance(state.get("checkpoint", 0), int):
+                raise ValueError("layers_done / checkpoint are not integers")
+        except (OSError, ValueError) as err:
+            raise OutputError(
+                f"cannot resume '{self.out}': its run state '{state_file}' is unreadable ({err})",
+                fix="pass --overwrite to start over",
+            ) from None
+        return state
 
     def save_state(self, **updates) -> None:
         self.state.update(updates)

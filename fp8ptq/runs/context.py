@@ -61,6 +61,7 @@ class RunContext:
         return {
             "model": self.src.label,
             "model_bytes": self.src.size_bytes(),
+            "model_content": self.src.content_hash(),
             "fp8ptq": fp8ptq.__version__,
             "recipe": self.recipe.model_dump(mode="json"),
             "calibration_data": None if ids is None else hashlib.sha256(ids.numpy().tobytes()).hexdigest(),

