@@ -11,7 +11,8 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import app
-from fp8ptq.cli.common import console, offline, out, progress_bar, user_errors
+from fp8ptq.cli.common import console, fail, offline, out, progress_bar, user_errors
+from fp8ptq.errors import Fp8ptqError, check_option
 
 
 def _echo_json(obj) -> None:
@@ -95,6 +96,11 @@ def _draft_train(
     json_out,
 ):
     offline()
+    for flag, value, lo, hi in (("--lr", lr, 1e-9, 1.0), ("--time-budget", time_budget, 0.0, None)):
+        try:  # NaN fails every comparison, so it is refused here with the range, before any work
+            check_option(flag, value, minimum=lo, maximum=hi)
+        except Fp8ptqError as err:
+            fail(err)
     if kind == "eagle3":
         return _eagle3_train(
             target=target,

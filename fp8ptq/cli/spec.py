@@ -7,6 +7,7 @@ Like the rest of the CLI: each command builds one config object, calls one libra
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +24,8 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     try:
         if "-" in text and "," not in text:
             lo, hi = (int(x) for x in text.split("-"))
+            if hi - lo > 1024:  # checked before the range is built: 1-1000000000 is a typo, not a plan
+                fail(Fp8ptqError(f"{what} '{text}' spans {hi - lo + 1} values", fix="write e.g. 1-8 or 1,2,4"))
             vals = tuple(range(lo, hi + 1))
         else:
             vals = tuple(int(x) for x in text.split(",") if x.strip())
@@ -35,9 +38,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         fail(Fp8ptqError(f"cannot read {what} '{text}'", fix="write e.g. 0,1 or 0.3,0.5"))
+    bad = [v for v in vals if not math.isfinite(v)]
+    if bad:
+        fail(Fp8ptqError(f"{what} '{text}' holds {bad[0]}", fix="write finite numbers, e.g. 0,1 or 0.3,0.5"))
+    return vals
 
 
 def _echo_json(obj) -> None:

@@ -214,3 +214,14 @@ def test_resume_refuses_changed_weights_and_a_corrupt_state(tiny_dir, tmp_path, 
     _one_line_error(rc, output, "is unreadable")
     rc, output = _run("quantize", model, "-o", out, *QUICK, "--overwrite")  # starting over still works
     assert rc == 0 and (out / "fp8ptq_manifest.json").is_file(), output
+
+
+def test_unbounded_or_nan_options_are_refused_before_any_work(tiny_dir, tmp_path):
+    rc, output = _run("spec", "measure", tiny_dir, tiny_dir, "--gammas", "1-1000000000")
+    _one_line_error(rc, output, "spans 1000000000 values")
+    rc, output = _run("spec", "measure", tiny_dir, tiny_dir, "--temperatures", "nan")
+    _one_line_error(rc, output, "holds nan")
+    for flag in ("--lr", "--time-budget"):
+        rc, output = _run("draft-train", tiny_dir, "-o", tmp_path / "d", flag, "nan")
+        _one_line_error(rc, output, f"{flag} nan is out of range")
+    assert not (tmp_path / "d").exists()
