@@ -113,6 +113,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
     from fp8ptq import gates as gates_mod
     from fp8ptq.manifest import GateRecord
     from fp8ptq.models.loader import resolve_model
+    from fp8ptq.models.skeleton import check_agrees
     from fp8ptq.report import write_report
     from fp8ptq.runs.calibrated import calibrate_into
     from fp8ptq.runs.context import check_group_sizes, open_run, prepare_run
@@ -129,6 +130,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
 
         ctx.src, _ = rotated_source(ctx.src, cal.seed)
     ctx.tokenizer = ctx.src.tokenizer()
+    check_agrees(ctx.src, ctx.tokenizer)  # the weights are the model their config describes, before any work
     if ctx.recipe.needs_data:
         ctx.ids = data_mod.load_samples(
             cfg.data,

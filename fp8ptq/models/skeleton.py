@@ -44,6 +44,47 @@ def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module
     return model
 
 
+def check_agrees(src: ModelSource, tokenizer=None) -> None:
+    """ModelError unless an unquantized source holds what its own config builds: at least one decoder
+    layer, every parameter and persistent buffer of the module tree (the LM head, or a tied embedding),
+    each in the shape the config gives it, and an embedding with a row for every token of its tokenizer.
+    Run before any work: transformers would initialise a missing layer at random, and a wrong shape would
+    surface as a traceback deep in calibration. (Quantized checkpoints store other names and shapes;
+    their own readers check them.)"""
+    from fp8ptq.errors import ModelError
+
+    config = src.config
+    where = f"'{src.path}'"
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        raise ModelError(f"{where}: config.json says num_hidden_layers {layers!r}", fix="repair config.json")
+    if getattr(config, "quantization_config", None) is not None:
+        return
+    model = build_skeleton(config)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in stored_names(model):
+            continue
+        stored = source_name(src, name)
+        if not src.has(stored):
+            raise ModelError(
+                f"{where} lacks tensor '{stored}' (shape {list(t.shape)}), which its config builds",
+                fix="use a complete checkpoint: the config and the weights must describe the same model",
+            )
+        shape = src.tensor_shape(stored)
+        if tuple(shape) != tuple(t.shape):
+            raise ModelError(
+                f"{where}: tensor '{stored}' is {list(shape)} but its config builds {list(t.shape)}",
+                fix="use a checkpoint whose config.json matches its weights",
+            )
+    if tokenizer is not None:
+        rows = src.tensor_shape(f"{src.arch.embed}.weight")[0]
+        if len(tokenizer) > rows:
+            raise ModelError(
+                f"{where}: the tokenizer has {len(tokenizer)} tokens but the embedding only {rows} rows",
+                fix="use the tokenizer that belongs to these weights",
+            )
+
+
 def source_name(src: ModelSource, name: str) -> str:
     """Tied LM heads are stored only as the embedding."""
     arch = src.arch

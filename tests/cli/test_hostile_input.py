@@ -225,3 +225,52 @@ def test_unbounded_or_nan_options_are_refused_before_any_work(tiny_dir, tmp_path
         rc, output = _run("draft-train", tiny_dir, "-o", tmp_path / "d", flag, "nan")
         _one_line_error(rc, output, f"{flag} nan is out of range")
     assert not (tmp_path / "d").exists()
+
+
+def _edit_config(model: Path, **changes) -> None:
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(changes)
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(model: Path, edit) -> None:
+    t = load_file(str(model / "model.safetensors"))
+    edit(t)
+    save_file(t, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "case, phrase",
+    [
+        ("no layers", "num_hidden_layers -1"),
+        ("more layers than weights", "lacks tensor 'model.layers.2."),
+        ("untied, no lm_head", "lacks tensor 'lm_head.weight'"),
+        ("norm of the wrong shape", "tensor 'model.norm.weight' is [32] but its config builds [64]"),
+        ("embedding smaller than the tokenizer", "rows"),
+    ],
+)
+def test_a_model_that_disagrees_with_its_config_is_refused(case, phrase, tiny_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    tied = json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False)
+    if case == "no layers":
+        _edit_config(model, num_hidden_layers=-1)
+    elif case == "more layers than weights":
+        _edit_config(model, num_hidden_layers=5)
+    elif case == "untied, no lm_head":
+        _edit_config(model, tie_word_embeddings=False)
+        _edit_tensors(model, lambda t: t.pop("lm_head.weight", None))
+    elif case == "norm of the wrong shape":
+        _edit_tensors(model, lambda t: t.update({"model.norm.weight": torch.ones(32, dtype=torch.bfloat16)}))
+    else:
+        _edit_config(model, vocab_size=100)
+
+        def shrink(t):
+            t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:100].clone()
+            if not tied and "lm_head.weight" in t:
+                t["lm_head.weight"] = t["lm_head.weight"][:100].clone()
+
+        _edit_tensors(model, shrink)
+    rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
+    _one_line_error(rc, output, phrase)
+    assert not (tmp_path / "out").exists()
