@@ -189,6 +189,17 @@ def _lint_draft(src, config: dict, out: list[Finding]) -> None:
         out.append(Finding("error", "d2t-range", "d2t", f"maps draft tokens outside the target vocabulary ({vocab})"))
 
 
+def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]) -> None:
+    """What every engine needs before the first token: decoder layers, and the LM head an untied config
+    builds (tied heads read the embedding)."""
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        out.append(Finding("error", "no-layers", "config.json", f"num_hidden_layers is {layers!r}"))
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+    if "lm_head" in modules and not tied and not any(n.startswith("lm_head.") for n in weight_map):
+        out.append(Finding("error", "missing-head", "lm_head", "the config is untied but no lm_head tensor is stored"))
+
+
 def _inspect_gguf(path: Path) -> dict:
     from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, gguf_architecture, open_reader
 
@@ -252,6 +263,7 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
     if fmt == "compressed-tensors":
         schemes = _lint_ct(src, config, modules, findings)
     _lint_draft(src, config, findings)
+    _lint_head(config, weight_map, modules, findings)
     size = src.size_bytes()
     params = 0
     for name in weight_map:

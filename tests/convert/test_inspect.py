@@ -184,3 +184,17 @@ def test_quantize_lints_its_own_output(ct, tmp_path):
     bad = _copy(ct, tmp_path / "bad", edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale"))
     with pytest.raises(OutputError, match=r"up_proj: format pack-quantized needs weight_scale \[missing-tensors\]"):
         _lint_own_output(bad)
+
+
+def test_an_export_without_the_head_or_layers_its_config_needs_fails_the_lint(kv8, tmp_path):
+    def untie(c):
+        c["tie_word_embeddings"] = False
+
+    headless = _copy(kv8, tmp_path / "headless", untie, lambda t: t.pop("lm_head.weight", None))
+    assert _codes(headless)["missing-head"] == "error"
+    assert "missing-head" not in _codes(kv8)  # the export as written passes
+
+    def no_layers(c):
+        c["num_hidden_layers"] = 0
+
+    assert _codes(_copy(kv8, tmp_path / "nolayers", no_layers))["no-layers"] == "error"
