@@ -195,7 +195,7 @@ def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]
     layers = config.get("num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:
         out.append(Finding("error", "no-layers", "config.json", f"num_hidden_layers is {layers!r}"))
-    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+    tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False))
     if "lm_head" in modules and not tied and not any(n.startswith("lm_head.") for n in weight_map):
         out.append(Finding("error", "missing-head", "lm_head", "the config is untied but no lm_head tensor is stored"))
 
