@@ -115,20 +115,19 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
     from fp8ptq.models.loader import resolve_model
     from fp8ptq.report import write_report
     from fp8ptq.runs.calibrated import calibrate_into
-    from fp8ptq.runs.context import check_source, open_run, prepare_run
+    from fp8ptq.runs.context import check_model, open_run, prepare_run
     from fp8ptq.runs.data_free import data_free_into
     from fp8ptq.runs.finish import finish
 
     ctx = prepare_run(cfg, progress)
     t0 = time.perf_counter()
     ctx.src = resolve_model(cfg.model, cfg.revision)
-    check_source(ctx.src, ctx.recipe)
+    ctx.tokenizer = check_model(ctx.src, ctx.recipe)
     cal = ctx.recipe.calibration
     if "rotate" in ctx.recipe.transforms:  # the float model is rotated (once, cached) before anything reads it
         from fp8ptq.outliers.rotate import rotated_source
 
         ctx.src, _ = rotated_source(ctx.src, cal.seed)
-    ctx.tokenizer = ctx.src.tokenizer()
     if ctx.recipe.needs_data:
         ctx.ids = data_mod.load_samples(
             cfg.data,

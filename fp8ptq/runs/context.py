@@ -275,13 +275,16 @@ def open_run(ctx: RunContext):
 _EXPERT_INDEX = re.compile(r"[.][0-9]+[.]")  # experts.7.w2 -> experts.N.w2: each expert weight named once
 
 
-def check_source(src, recipe: Recipe) -> None:
+def check_model(src, recipe: Recipe):
     """Before any work: the weights are the model their config describes (models.skeleton.check_agrees)
-    and the recipe's groups and blocks fit them."""
+    and the recipe's groups and blocks fit them. Returns the source's tokenizer (loaded once, for the run:
+    a rotated copy of the model carries the same tokenizer files)."""
     from fp8ptq.models.skeleton import check_agrees
 
-    check_agrees(src, src.tokenizer())
+    tokenizer = src.tokenizer()
+    check_agrees(src, tokenizer)
     check_group_sizes(src, recipe)
+    return tokenizer
 
 
 def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
