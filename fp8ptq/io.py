@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import json
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -150,15 +154,73 @@ def replace_dir(tmp: Path, out: Path, approved: tuple[int, int] | None) -> None:
             fix=f"move '{tmp}' where you want it (or remove '{out}' and rename it)",
         )
     old = None
-    if now is not None:
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
+    with _no_interrupt():  # Ctrl-C between the two renames would leave neither the old nor the new result
+        if now is not None:
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def check_writable(directory: Path) -> None:
+@contextmanager
+def _no_interrupt():
+    """SIGINT/SIGTERM held back (delivered after the block) in the main thread; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+# errno -> (what happened, the fix); {where} is the file or output the failure concerns.
+_ENVIRONMENT = {
+    errno.ENOSPC: ("no space left on the device", "free space where {where} lies, or write elsewhere"),
+    errno.EDQUOT: ("disk quota exceeded", "free space in your quota, or write elsewhere"),
+    errno.EROFS: ("read-only file system", "choose a path on a writable file system"),
+    errno.EACCES: ("permission denied", "check the permissions of {where}, or choose a path you can write"),
+    errno.EPERM: ("operation not permitted", "check the permissions of {where}, or choose another path"),
+    errno.EBUSY: ("resource busy", "another program holds {where}: close it and retry"),
+    errno.ETXTBSY: ("file busy", "another program holds {where}: close it and retry"),
+    errno.EFBIG: ("file too large", "raise the file-size limit (ulimit -f) or write to a file system that allows it"),
+    errno.EMFILE: ("too many open files", "raise the open-file limit (ulimit -n) and retry"),
+    errno.ENFILE: ("too many open files in the system", "close other programs and retry"),
+    errno.EIO: ("input/output error", "check the disk holding {where} (dmesg), then retry"),
+    errno.ENOENT: ("no such file or directory", "check that {where} exists and was not moved during the run"),
+    errno.ENOTDIR: ("not a directory", "check that the folders on the way to {where} are folders"),
+    errno.EISDIR: ("is a directory", "name a file, not a folder, at {where}"),
+}
+_OS_ERROR_CODE = re.compile(r"os error (\d+)|\[Errno (\d+)\]")
+
+
+def environment_error(exc: BaseException, where: Path | str | None = None) -> OutputError | None:
+    """A one-line OutputError for a failure of the machine rather than of fp8ptq (full disk, read-only or
+    forbidden path, busy file, file limits), found on `exc` or the exceptions it came from (safetensors'
+    Rust writer reports it only in its message); None for anything else, which stays a bug."""
+    seen = 0
+    while exc is not None and seen < 8:
+        code, path = None, None
+        if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT:
+            code, path = exc.errno, exc.filename
+        else:
+            m = _OS_ERROR_CODE.search(str(exc))
+            if m and int(m.group(1) or m.group(2)) in _ENVIRONMENT:
+                code = int(m.group(1) or m.group(2))
+        if code is not None:
+            what, fix = _ENVIRONMENT[code]
+            if path is not None and Path(str(path)).name.startswith("."):  # a temp file of write_atomic & co
+                path = where or Path(str(path)).parent
+            place = str(path or where or "the output")
+            return OutputError(f"{what} while working on '{place}'", fix=fix.format(where=f"'{place}'"))
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def check_writable(directory: Path, flag: str = "-o") -> None:
     """Fail early unless files can be created in `directory` (or in the nearest existing ancestor it
     would be created under): a probe file is made and removed, so root, ACLs and read-only or pseudo
     file systems (/proc) all answer truthfully."""
@@ -174,7 +236,7 @@ def check_writable(directory: Path) -> None:
         why = "permission denied" if isinstance(err, PermissionError) else (err.strerror or type(err).__name__)
         raise OutputError(
             f"cannot write under '{directory}' ({why} at '{probe}')",
-            fix="choose an -o path in a directory you can write",
+            fix=f"choose a path for {flag} in a directory you can write",
         ) from None
 
 

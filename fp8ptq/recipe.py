@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -128,6 +129,12 @@ class Scheme(_Frozen):
         _check_block_pairing(w, a)
         if kv is not None:
             handler(kv).check_kv(kv, "kv_cache")
+        for field in ("targets", "ignore"):  # compressed-tensors and vLLM compile these with `re`
+            for pattern in getattr(self, field):
+                try:
+                    re.compile(pattern[3:]) if pattern.startswith("re:") else None
+                except re.error as err:
+                    raise ValueError(f"{field}: '{pattern}' is not a valid regular expression ({err})") from None
         return self
 
 

@@ -84,8 +84,23 @@ def fail(err: Exception) -> None:
     raise typer.Exit(code=2)
 
 
+def _resume_hint(output) -> str:
+    """Where an interrupted quantize run kept its finished layers (export/rundir.py), if it did."""
+    if output is None:
+        return ""
+    from pathlib import Path
+
+    partial = Path(output).parent / f".{Path(output).name}.partial"
+    return f"; the finished layers are kept in '{partial}': repeat with --resume to go on" if partial.is_dir() else ""
+
+
 @contextmanager
-def user_errors():
+def user_errors(output=None):
+    """Library errors and failures of the machine (full disk, read-only or forbidden paths, busy files:
+    io.environment_error) become one `error:` line and exit 2; anything else is a bug and keeps its
+    traceback. `output`: the path the command writes, named when the failure carries none."""
+    from fp8ptq.io import environment_error
+
     try:
         yield
     except Fp8ptqError as err:
@@ -96,6 +111,53 @@ def user_errors():
             "layers hidden in .OUT.partial: repeat the command with --resume to continue)"
         )
         raise typer.Exit(code=130) from None
+    except Exception as err:
+        env = environment_error(err, output)
+        if env is None:
+            raise
+        console.print(f"[bold red]error:[/] {env}{_resume_hint(output)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2) from None
+
+
+def check_save(save, inputs=()) -> None:
+    """`--save FILE`, checked before any work: a file (not a folder) in a writable place, apart from
+    every input."""
+    if save is None:
+        return
+    from fp8ptq.errors import OutputError
+    from fp8ptq.io import check_not_input, check_writable
+
+    with user_errors(save):
+        if save.is_dir():
+            raise OutputError(f"--save '{save}' is a directory", fix=f"name a file, e.g. --save {save / 'result.json'}")
+        if save.exists() and not save.is_file():  # a device or a pipe: the atomic rename would replace it
+            raise OutputError(f"--save '{save}' is not a regular file", fix="name a file, e.g. --save result.json")
+        check_not_input(save, inputs)
+        check_writable(save.parent, "--save")
+
+
+def write_save(save, result: dict, indent: int = 2) -> None:
+    """Write `--save`'s JSON atomically (a full disk leaves the old file, and one error line)."""
+    if save is None:
+        return
+    import json
+
+    from fp8ptq.io import write_bytes_atomic
+
+    with user_errors(save):
+        save.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(save, (json.dumps(result, indent=indent) + "\n").encode())
+
+
+def record_eval(model, name: str, result: dict):
+    """Record an evaluation in an fp8ptq checkpoint's report (report.save_eval), one error line if the
+    machine refuses the write."""
+    from pathlib import Path
+
+    from fp8ptq.report import save_eval
+
+    with user_errors(model):
+        return save_eval(Path(model), name, result)
 
 
 GATE_FAILED_EXIT = 3

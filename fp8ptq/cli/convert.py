@@ -86,7 +86,7 @@ def convert(
 
     if dtype not in ("bfloat16", "float16", "float32"):
         fail(Fp8ptqError(f"unknown --dtype '{dtype}'", fix="use bfloat16, float16 or float32"))
-    with user_errors():
+    with user_errors(output):
         with console.status(f"converting {source}"):
             report = run(
                 ConvertConfig(

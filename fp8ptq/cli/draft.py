@@ -30,7 +30,7 @@ def _eagle3_train(
     given = {k: kw[k] for k in names if kw.get(k) is not None}
     if kw.get("time_budget") is not None:
         given["time_budget_s"] = None if kw["time_budget"] <= 0 else kw["time_budget"]
-    with user_errors(), progress_bar(not json_out) as progress:
+    with user_errors(output), progress_bar(not json_out) as progress:
         try:
             ids = tuple(int(x) for x in layer_ids.split(",")) if layer_ids else None
         except ValueError:
@@ -157,7 +157,7 @@ def _draft_train(
         keep_work=keep_work,
         device=device,
     )
-    with user_errors(), progress_bar(not json_out) as progress:
+    with user_errors(output), progress_bar(not json_out) as progress:
         meta = draft_train(cfg, progress)
     if json_out:
         _echo_json({k: v for k, v in meta.items() if k != "losses"})
@@ -178,7 +178,7 @@ def _draft_trim(draft, target, keep, output, overwrite, json_out):
     from fp8ptq.spec.draft_trim import DraftTrimConfig, draft_trim
 
     cfg = DraftTrimConfig(draft=draft, target=target, keep=keep, output=output, overwrite=overwrite)
-    with user_errors(), progress_bar(not json_out) as progress:
+    with user_errors(output), progress_bar(not json_out) as progress:
         s = draft_trim(cfg, progress)
     if json_out:
         _echo_json(s)

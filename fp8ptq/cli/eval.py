@@ -13,6 +13,7 @@ from fp8ptq.cli.app import app, eval_app
 from fp8ptq.cli.common import (
     ENGINE_FAILED_EXIT,
     EVAL_OPTS,
+    check_save,
     console,
     fail,
     finish_gates,
@@ -20,7 +21,9 @@ from fp8ptq.cli.common import (
     out,
     progress_bar,
     quality_rows,
+    record_eval,
     user_errors,
+    write_save,
 )
 from fp8ptq.errors import Fp8ptqError
 
@@ -64,9 +67,7 @@ def eval_quality(
     with user_errors(), progress_bar(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
     if not no_record:
-        from fp8ptq.report import save_eval
-
-        save_eval(Path(model), "quality", result)
+        record_eval(model, "quality", result)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -97,18 +98,17 @@ def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save,
     offline()
     from fp8ptq.eval.harness import HarnessConfig, run
     from fp8ptq.report import fmt_num as f
-    from fp8ptq.report import save_eval
 
     cfg = HarnessConfig(tasks=tuple(tasks), simulate=not no_simulate, gates=tuple(gate), **fields)
     model, baseline = cfg.model, cfg.baseline
+    check_save(save, (model, baseline))
     with user_errors():
         console.print(
             f"lm-eval: {', '.join(cfg.tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False
         )
         result = run(cfg)
-    if save:
-        save.write_text(json.dumps(result, indent=2) + "\n")
-    recorded = None if no_record else save_eval(Path(model), name, result)
+    write_save(save, result)
+    recorded = None if no_record else record_eval(model, name, result)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -249,9 +249,7 @@ def verify(
         with console.status(f"running {model} in vLLM"):
             res = run(cfg)
     if not no_record:
-        from fp8ptq.report import save_eval
-
-        save_eval(Path(model), "engine", res)
+        record_eval(model, "engine", res)
     if json_out:
         typer.echo(json.dumps(res, indent=2))
     elif res["ok"]:

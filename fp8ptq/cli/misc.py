@@ -26,7 +26,7 @@ def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output di
 
     if not (output / MANIFEST).is_file():
         fail(Fp8ptqError(f"'{output}' has no {MANIFEST}", fix="pass a directory written by `fp8ptq quantize`"))
-    with user_errors():
+    with user_errors(output):
         written = write_report(output)
     for p in written:
         out.print(f"wrote {p}")
@@ -72,7 +72,7 @@ def analyze(
         overwrite=overwrite,
         device=device,
     )
-    with user_errors(), progress_bar(not json_out) as progress:
+    with user_errors(output), progress_bar(not json_out) as progress:
         rep = run(cfg, progress)
     if json_out:
         typer.echo(json.dumps(rep, indent=2))

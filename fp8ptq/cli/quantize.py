@@ -129,7 +129,7 @@ def quantize(
         draft_steps=draft_steps,
         draft_time_budget_s=draft_time_budget,
     )
-    with user_errors(), progress_bar(not json_out and is_rank0()) as progress:
+    with user_errors(output), progress_bar(not json_out and is_rank0()) as progress:
         manifest = run(cfg, progress)
     if manifest is None:  # a non-zero rank of a torchrun job: rank 0 reports
         return

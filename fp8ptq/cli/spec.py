@@ -15,7 +15,17 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import spec_app
-from fp8ptq.cli.common import console, fail, human, offline, out, progress_bar, user_errors
+from fp8ptq.cli.common import (
+    check_save,
+    console,
+    fail,
+    human,
+    offline,
+    out,
+    progress_bar,
+    user_errors,
+    write_save,
+)
 from fp8ptq.errors import Fp8ptqError
 
 
@@ -147,10 +157,10 @@ def measure_cmd(
         seed=seed,
         device=device,
     )
+    check_save(save, (target, draft))
     with user_errors(), progress_bar(not json_out) as progress:
         result = measure(cfg, progress)
-    if save:
-        save.write_text(json.dumps(result, indent=1) + "\n")
+    write_save(save, result, indent=1)
     if json_out:
         _echo_json(result)
         return
@@ -242,7 +252,7 @@ def recommend_cmd(
         engine_check=engine_check,
         vllm_python=vllm_python,
     )
-    with user_errors(), progress_bar(not json_out) as progress:
+    with user_errors(output), progress_bar(not json_out) as progress:
         rec = recommend(cfg, progress)
     if json_out:
         _echo_json(rec)

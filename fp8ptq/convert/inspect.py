@@ -215,6 +215,14 @@ def _inspect_gguf(path: Path) -> dict:
         findings.append(
             Finding("info", "gguf-requantize", str(path), f"types {other} have no exact compressed-tensors form")
         )
+    from fp8ptq.models.arch import registered
+    from fp8ptq.models.gguf import check_gguf
+
+    if gguf_architecture(reader) in registered():  # the file against its own metadata, as quantize checks it
+        try:
+            check_gguf(path)
+        except ModelError as err:
+            findings.append(Finding("error", "gguf-incomplete", str(path), err.message))
     size = path.stat().st_size
     return {
         "format": "gguf",

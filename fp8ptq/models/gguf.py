@@ -9,6 +9,7 @@ dequantized weights: it only moves rows, and a Q4_0/Q8_0 block lies within one r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +101,9 @@ class GgufModel:
         return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name, trust_remote_code=False)
 
 
-def open_gguf(path: Path) -> GgufModel:
-    """Read the metadata of a GGUF file (no tensor data) into a GgufModel."""
+def _read(path: Path):
+    """(reader, architecture, transformers' parsed config, config, processor class, meta skeleton,
+    GGUF -> HF name map) of a GGUF file, reading no tensor data."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -117,16 +119,13 @@ def open_gguf(path: Path) -> GgufModel:
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     config = AutoConfig.for_model(**parsed)  # what AutoConfig.from_pretrained(gguf_file=...) builds
     processor_cls = TENSOR_PROCESSORS.get(name, TensorProcessor)
-    if processor_cls.__name__ not in ROW_PROCESSORS:
-        raise ModelError(
-            f"GGUF architecture '{name}' needs transformers' {processor_cls.__name__}, which fp8ptq does not "
-            "apply to quantized codes",
-            fix="convert it to float with `fp8ptq convert --to hf` and quantize that",
-        )
-    processor = processor_cls(config=parsed)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    name_map = get_gguf_hf_weights_map(skeleton, processor_cls(config=parsed))
+    return reader, name, parsed, config, processor_cls, skeleton, name_map
+
+
+def _tensors(reader, name_map) -> tuple[list[GgufTensor], list[str]]:
     tensors, dropped = [], []
     for t in reader.tensors:
         if t.name not in name_map:
@@ -134,4 +133,59 @@ def open_gguf(path: Path) -> GgufModel:
             continue
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 (the row length) first
         tensors.append(GgufTensor(t.name, name_map[t.name], t.tensor_type.name, shape, t.data))
-    return GgufModel(path, reader, config, arch_for(config), tensors, dropped, processor, skeleton)
+    return tensors, dropped
+
+
+def open_gguf(path: Path) -> GgufModel:
+    """Read the metadata of a GGUF file (no tensor data) into a GgufModel."""
+    reader, name, parsed, config, processor_cls, skeleton, name_map = _read(path)
+    if processor_cls.__name__ not in ROW_PROCESSORS:
+        raise ModelError(
+            f"GGUF architecture '{name}' needs transformers' {processor_cls.__name__}, which fp8ptq does not "
+            "apply to quantized codes",
+            fix="convert it to float with `fp8ptq convert --to hf` and quantize that",
+        )
+    tensors, dropped = _tensors(reader, name_map)
+    check_complete(path, skeleton, tensors)
+    return GgufModel(path, reader, config, arch_for(config), tensors, dropped, processor_cls(config=parsed), skeleton)
+
+
+def check_gguf(path: Path) -> None:
+    """open_gguf's checks (a supported architecture, every tensor its metadata builds present and in
+    shape) for a GGUF that transformers dequantizes as a whole."""
+    reader, _, _, _, _, skeleton, name_map = _read(path)
+    check_complete(path, skeleton, _tensors(reader, name_map)[0])
+
+
+def check_complete(path: Path, skeleton: torch.nn.Module, tensors: list[GgufTensor]) -> None:
+    """ModelError unless the file holds what its own metadata builds: a tensor in every one of the blocks
+    it declares and none beyond, the embedding, the final norm and an untied head, and every tensor that
+    maps onto a module in that module's shape. transformers would initialise a missing block at random.
+    (Per-block tensor sets are not compared: some architectures vary them, e.g. dense-then-MoE.)"""
+    from fp8ptq.models.skeleton import stored_names
+
+    blocks = getattr(skeleton.config, "num_hidden_layers", None)
+    held = {int(t.gguf_name.split(".")[1]) for t in tensors if re.match(r"blk\.\d+\.", t.gguf_name)}
+    missing = sorted(set(range(blocks or 0)) - held)
+    extra = sorted(held - set(range(blocks or 0)))
+    if missing or extra:
+        which = f"holds no tensor of block {missing[0]}" if missing else f"holds tensors of block {extra[0]}"
+        raise ModelError(
+            f"'{path}' declares {blocks} blocks but {which} ({len(held)} blocks present)",
+            fix="use a complete GGUF: its metadata and its tensors must describe the same model",
+        )
+    have = {t.name: t.shape for t in tensors}
+    params = {n: tuple(t.shape) for n, t in skeleton.named_parameters()}
+    tied = getattr(skeleton.config, "tie_word_embeddings", False)
+    for name in stored_names(skeleton):
+        if name in have:
+            if name in params and tuple(have[name]) != params[name]:
+                raise ModelError(
+                    f"'{path}': tensor '{name}' is {list(have[name])} but its metadata builds {list(params[name])}",
+                    fix="use a GGUF whose metadata matches its tensors",
+                )
+        elif ".layers." not in name and not (name == "lm_head.weight" and tied):
+            raise ModelError(
+                f"'{path}' lacks tensor '{name}', which its metadata builds",
+                fix="use a complete GGUF: its metadata and its tensors must describe the same model",
+            )

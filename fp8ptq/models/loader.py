@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from fp8ptq.errors import ModelError, NonFiniteError, OutputError
 from fp8ptq.io import ST_DTYPES
-from fp8ptq.models.arch import Arch, arch_for, registered
+from fp8ptq.models.arch import Arch, arch_for
 from fp8ptq.models.arch.base import SourceView
 from fp8ptq.models.folder import inside_model
 
@@ -315,11 +315,9 @@ def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from fp8ptq.io import atomic_output_dir
-    from fp8ptq.models.gguf import gguf_architecture, open_reader
+    from fp8ptq.models.gguf import check_gguf
 
-    arch = gguf_architecture(open_reader(gguf))
-    if arch not in registered():
-        raise ModelError(f"unsupported GGUF architecture '{arch}'", fix=f"supported: {', '.join(registered())}")
+    check_gguf(gguf)  # a supported architecture, every tensor its metadata builds present and in shape
     with atomic_output_dir(out, overwrite=True) as tmp:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent),

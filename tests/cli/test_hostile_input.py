@@ -173,6 +173,7 @@ def test_a_folder_that_appears_during_the_run_is_never_deleted(tmp_path):
         (lambda r: r.update(smooth={"alpha": float("nan")}), "smooth"),
         (lambda r: r.update(smooth={"alpha": 1.5}), "smooth.alpha"),
         (lambda r: r.update(flatten={"extra_channels": 1_000_000_000}), "flatten.extra_channels"),
+        (lambda r: r["scheme"]["ignore"].append("re:model.layers.(["), "not a valid regular expression"),
     ],
 )
 def test_recipe_numbers_out_of_range_are_refused_before_any_work(edit, phrase, tiny_dir, tmp_path):
