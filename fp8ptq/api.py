@@ -27,21 +27,8 @@ if TYPE_CHECKING:
 # torch, transformers and compressed-tensors (seconds to import) are imported by the entry points that
 # use them, not by `import fp8ptq.api`: the configs are plain dataclasses (issue 19: start-up).
 
-__all__ = [
-    "QuantizeConfig",
-    "EvalConfig",
-    "AnalyzeConfig",
-    "VerifyConfig",
-    "ConvertConfig",
-    "quantize",
-    "analyze",
-    "verify",
-    "convert",
-    "evaluate_quality",
-    "InspectConfig",
-    "inspect",
-    "resolve_device",
-]
+__all__ = ["QuantizeConfig", "EvalConfig", "AnalyzeConfig", "VerifyConfig", "ConvertConfig", "InspectConfig"]
+__all__ += ["quantize", "analyze", "verify", "convert", "evaluate_quality", "inspect", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -370,12 +357,14 @@ def _convert_to_gguf(cfg: ConvertConfig) -> dict:
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
     from fp8ptq.eval.stream import compare_streaming
+    from fp8ptq.models.config_checks import check_same_vocabulary
     from fp8ptq.models.loader import resolve_model
 
     check_option("--num-samples", cfg.num_samples, minimum=1, example=16)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
     tokenizer = ref_src.tokenizer()
+    check_same_vocabulary(cand_src, ref_src, tokenizer)
     sources = [cfg.data] + ([cfg.eval_data] if cfg.eval_data is not None else [])
     ids = [  # every source read and packed before the (long) comparisons: a bad file fails fast
         data_mod.load_samples(

@@ -165,16 +165,21 @@ def replace_dir(tmp: Path, out: Path, approved: tuple[int, int] | None) -> None:
 
 @contextmanager
 def _no_interrupt():
-    """SIGINT/SIGTERM held back (delivered after the block) in the main thread; elsewhere a no-op."""
+    """SIGINT/SIGTERM arriving during the block are held and delivered after it (main thread only; a
+    no-op elsewhere). The Python-level handlers are swapped, not the thread's signal mask: the kernel may
+    deliver a process signal to any thread, and CPython runs the handler in the main thread anyway."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s, handler in held.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if caught:
+            signal.raise_signal(caught[0])  # now, to the handler that was there (Ctrl-C: KeyboardInterrupt)
 
 
 # errno -> (what happened, the fix); {where} is the file or output the failure concerns.

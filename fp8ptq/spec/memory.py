@@ -160,6 +160,8 @@ def plan(
         raise SpecError(f"utilization {utilization} is not in (0, 1]", fix="pass e.g. 0.9")
     if context < 1 or batch < 1:
         raise SpecError(f"context {context} and batch {batch} must be ≥ 1", fix="pass positive numbers")
+    if draft is not None and gamma < 1:
+        raise SpecError(f"--gamma {gamma} must be ≥ 1 (draft tokens per step)", fix="pass e.g. --gamma 4")
     usable = int(device_bytes * utilization) - reserve_bytes
     t_kv = target.kv_bytes_per_token()
     d_w = draft.weight_bytes if draft else 0

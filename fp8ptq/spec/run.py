@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fp8ptq.errors import check_option
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, vllm_config, write_outputs
 
@@ -73,6 +74,8 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
         raise SpecError(f"temperatures {list(cfg.temperatures)} must be ≥ 0", fix="0 = greedy, 1 = plain sampling")
     if any(not 0 < t < 1 for t in cfg.thresholds):
         raise SpecError(f"thresholds {list(cfg.thresholds)} must be in (0, 1)", fix="e.g. --thresholds 0.3,0.5")
+    check_option("--num-prompts", cfg.num_prompts, minimum=1, maximum=100_000, example=8)
+    check_option("--max-tokens", cfg.max_tokens, minimum=1, maximum=1 << 16, example=64)
     t0 = time.perf_counter()
     target, src = load_target(cfg.target, cfg.device)
     draft = load_any_draft(cfg.draft, target, cfg.device)

@@ -106,18 +106,20 @@ def test_ctrl_c_during_the_final_rename_loses_neither_result(tmp_path, monkeypat
     assert (out / "new.txt").read_text() == "new"  # the signal waited until the new result was in place
 
 
-def test_gguf_that_declares_more_blocks_than_it_holds_is_refused(tiny_model, tmp_path):
-    import json
-    import shutil
+def test_gguf_that_declares_more_blocks_than_it_holds_is_refused(tiny_dir, tmp_path, monkeypatch):
+    import fp8ptq.convert.gguf_meta as meta
 
     from helpers import write_gguf
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model("llama"), model)
-    config = json.loads((model / "config.json").read_text())
-    config["num_hidden_layers"] = 5  # the metadata says 5 blocks; the tensors are those of 2
-    (model / "config.json").write_text(json.dumps(config))
-    gguf = write_gguf(model, tmp_path / "five.gguf", {}, "F16")
+    real = meta.add_metadata
+
+    def five_blocks(writer, config, *args):  # the metadata says 5 blocks; the tensors are those of 2
+        config.num_hidden_layers = 5
+        real(writer, config, *args)
+
+    monkeypatch.setattr(meta, "add_metadata", five_blocks)
+    gguf = write_gguf(tiny_dir, tmp_path / "five.gguf", {}, "F16")
+    monkeypatch.undo()
     rc, output = _run("quantize", gguf, "-o", tmp_path / "out", *QUICK)
     _one_line_error(rc, output, "declares 5 blocks", "block 2")
     rc, output = _run("inspect", gguf)

@@ -243,8 +243,12 @@ def _edit_tensors(model: Path, edit) -> None:
 @pytest.mark.parametrize(
     "case, phrase",
     [
-        ("no layers", "num_hidden_layers -1"),
-        ("more layers than weights", "lacks tensor 'model.layers.2."),
+        ("no layers", "num_hidden_layers is -1"),
+        ("more layers than weights", "says num_hidden_layers 5 but the weights hold 2"),
+        ("a billion layers", "says num_hidden_layers 1000000000"),  # refused before a skeleton fills memory
+        ("negative vocabulary", "vocab_size is -1, not a positive integer"),
+        ("a size that is text", "num_attention_heads"),
+        ("corrupt tokenizer", "cannot load the tokenizer"),
         ("untied, no lm_head", "lacks tensor 'lm_head.weight'"),
         ("norm of the wrong shape", "tensor 'model.norm.weight' is [32] but its config builds [64]"),
         ("embedding smaller than the tokenizer", "rows"),
@@ -258,6 +262,14 @@ def test_a_model_that_disagrees_with_its_config_is_refused(case, phrase, tiny_di
         _edit_config(model, num_hidden_layers=-1)
     elif case == "more layers than weights":
         _edit_config(model, num_hidden_layers=5)
+    elif case == "a billion layers":
+        _edit_config(model, num_hidden_layers=10**9)
+    elif case == "negative vocabulary":
+        _edit_config(model, vocab_size=-1)
+    elif case == "a size that is text":
+        _edit_config(model, num_attention_heads="four")
+    elif case == "corrupt tokenizer":
+        (model / "tokenizer.json").write_text('{"version": ')
     elif case == "untied, no lm_head":
         _edit_config(model, tie_word_embeddings=False)
         _edit_tensors(model, lambda t: t.pop("lm_head.weight", None))
@@ -275,3 +287,18 @@ def test_a_model_that_disagrees_with_its_config_is_refused(case, phrase, tiny_di
     rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
     _one_line_error(rc, output, phrase)
     assert not (tmp_path / "out").exists()
+
+
+def test_quality_against_a_reference_of_another_vocabulary_is_refused(tiny_dir, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    _edit_config(other, vocab_size=100)
+    _edit_tensors(other, lambda t: t.update({k: v[:100].clone() for k, v in t.items() if v.shape[0] == 1024}))
+    rc, output = _run("eval", "quality", tiny_dir, "--reference", other, "--num-samples", "1", "--seq-len", "16")
+    _one_line_error(rc, output, "vocabulary of 1024 tokens")
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--max-tokens"])
+def test_spec_measure_counts_below_one_are_refused(flag, tiny_dir):
+    rc, output = _run("spec", "measure", tiny_dir, "ngram:2-3", "--gammas", "1", flag, "0")
+    _one_line_error(rc, output, f"{flag} 0 is out of range")
