@@ -107,3 +107,32 @@ def smol_kv8(tmp_path_factory):
         )
     )
     return out, manifest
+
+
+# The recipe CI run (tests/e2e/test_recipes_ci.py): small calibration, the mechanics not the quality.
+# SmolLM2's widths (576, 1536) take 64, not the recipes' 128 defaults: what its users pass.
+RECIPE_CI_ARGS = ["--num-samples", "8", "--seq-len", "128", "--eval-samples", "2"]
+RECIPE_CI_OPTIONS = {"fp8-block": ["--block-size", "64"], "w4a8-fp8": ["--group-size", "64"]}
+
+
+@pytest.fixture(scope="session")
+def recipe_export(tmp_path_factory):
+    """recipe_export(name) -> (output dir, CLI output, exit code): the built-in recipe run once per
+    session through the CLI on the demo model, as a user runs it (RECIPE_CI_ARGS). The recipe test checks
+    the run's mechanics; the engine tests serve the same export instead of quantizing it again. Do not
+    modify the output."""
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+
+    done: dict = {}
+
+    def run(name: str):
+        if name not in done:
+            out = tmp_path_factory.mktemp("recipe") / name
+            args = ["quantize", "smollm2-135m", "--recipe", name, "-o", str(out), *RECIPE_CI_ARGS]
+            r = CliRunner().invoke(app, args + RECIPE_CI_OPTIONS.get(name, []))
+            done[name] = (out, r.output, r.exit_code)
+        return done[name]
+
+    return run

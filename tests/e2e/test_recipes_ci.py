@@ -1,7 +1,8 @@
 """CI recipes: every built-in recipe runs end to end on the demo model through the CLI, as a user runs it:
 its gates are evaluated, printed and recorded, the exit code follows them, the report is written.
 
-Calibration is small here (8 x 128 tokens, 2 held-out samples): the mechanics, not the quality.
+Calibration is small here (8 x 128 tokens, 2 held-out samples; conftest.recipe_export, whose exports the
+engine tests in test_vllm_real.py serve too): the mechanics, not the quality.
 Each recipe's quality against its own gates, on the 8 x 256 calibration and 4 held-out samples the gates
 were set for (what this test asserted until issue 31), is `make bench` (benchmarks/recipes_bench.py;
 results in BENCHMARKS.md)."""
@@ -10,9 +11,7 @@ import math
 from html import escape
 
 import pytest
-from typer.testing import CliRunner
 
-from fp8ptq.cli import app
 from fp8ptq.cli.common import GATE_FAILED_EXIT
 from fp8ptq.manifest import Manifest
 from fp8ptq.recipe import builtin_names, load_recipe
@@ -20,28 +19,22 @@ from fp8ptq.recipe import builtin_names, load_recipe
 pytestmark = pytest.mark.slow
 
 
-# SmolLM2's widths (576, 1536) take 64, not the recipes' 128 defaults: what its users pass
-OPTIONS = {"fp8-block": ["--block-size", "64"], "w4a8-fp8": ["--group-size", "64"]}
-SMALL = ["--num-samples", "8", "--seq-len", "128", "--eval-samples", "2"]
 OPS = {"<=": lambda v, t: v <= t, ">=": lambda v, t: v >= t, "<": lambda v, t: v < t, ">": lambda v, t: v > t}
 
 
 @pytest.mark.parametrize("name", builtin_names())
-def test_recipe_runs_and_evaluates_its_gates_on_demo_model(name, tmp_path):
+def test_recipe_runs_and_evaluates_its_gates_on_demo_model(name, recipe_export):
     recipe = load_recipe(name)
     assert recipe.gates, f"recipe {name} carries no gates"
-    out = tmp_path / name
-    r = CliRunner().invoke(
-        app, ["quantize", "smollm2-135m", "--recipe", name, "-o", str(out), *SMALL, *OPTIONS.get(name, [])]
-    )
+    out, output, exit_code = recipe_export(name)  # conftest: the CLI run, shared with the engine tests
     m = Manifest.load(out)
     assert not m.gates_skipped and [g.gate for g in m.gates] == list(recipe.gates), (m.gates, recipe.gates)
     for g in m.gates:  # each gate scored on a real number, and its verdict is the comparison's
         assert g.value is not None and math.isfinite(g.value), g
         assert g.passed == OPS[g.op](g.value, g.threshold), g
-        assert f"{g.gate}: {'passed' if g.passed else 'FAILED'}" in r.output, r.output
+        assert f"{g.gate}: {'passed' if g.passed else 'FAILED'}" in output, output
     # the exit code follows the gates: 0 when all pass, GATE_FAILED_EXIT naming the failures otherwise
-    assert r.exit_code == (0 if all(g.passed for g in m.gates) else GATE_FAILED_EXIT), r.output
+    assert exit_code == (0 if all(g.passed for g in m.gates) else GATE_FAILED_EXIT), output
     print(name, {g.gate: (round(g.value, 5), g.passed) for g in m.gates})
     assert m.quality is not None and math.isfinite(m.quality.kl)
     assert m.calibration.tokens == 8 * 128 if recipe.needs_data else m.calibration is None

@@ -101,13 +101,16 @@ def _full_range_int8(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, smol_int8_target, smol_kv8):
+def engine(tmp_path_factory, smol_int8_target, smol_kv8, recipe_export):
     """The exports of this module and every vLLM run they need, in one vLLM process (run_vllm_jobs).
     The INT8 target is the session's (conftest smol_int8_target: the same engine recipe and calibration),
-    the static FP8 one smol_kv8. Returns ({name: path}, {key: VllmRun}, {key: EngineCheck})."""
+    the static FP8 one smol_kv8, the others the recipe test's runs (conftest recipe_export) where the
+    built-in recipe is what vLLM computes exactly here (INT8 weights need 7-bit codes without VNNI:
+    helpers.engine_recipe). Returns ({name: path}, {key: VllmRun}, {key: EngineCheck})."""
     outs = {"w8a8-int8": smol_int8_target, "fp8-kv8": smol_kv8[0]}
+    as_built = ("w4a16-kv8", "fp8-dynamic") + (("flatten-w8a8", "mixed-w4-w8") if int8_gemm_exact() else ())
     for name in ("flatten-w8a8", "w4a16-kv8", "mixed-w4-w8", "fp8-dynamic"):
-        outs[name] = _export(tmp_path_factory, name)[0]
+        outs[name] = recipe_export(name)[0] if name in as_built else _export(tmp_path_factory, name)[0]
     if not int8_gemm_exact():
         outs["full-range"] = _full_range_int8(tmp_path_factory)
     one, short = [list(_prompts(1)[0])], [list(_prompts(1, 16)[0])]
