@@ -168,3 +168,42 @@ def quantize(
     if manifest.gates_skipped:
         console.print(f"[yellow]recipe gates not checked (--eval-samples 0):[/] {', '.join(manifest.gates_skipped)}")
     finish_gates(gates)
+
+
+@app.command("model-free")
+def model_free_cmd(
+    model: Path = typer.Argument(
+        ..., help="a safetensors model directory (any architecture, even one transformers lacks)"
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
+    recipe: str = typer.Option("fp8-dynamic", "--recipe", "-r", help="a data-free recipe: fp8-dynamic, fp8-block"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="list what would be quantized and kept, and why; write nothing"
+    ),
+    overwrite: bool = typer.Option(False, help="replace OUTPUT if fp8ptq wrote it"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Quantize any safetensors checkpoint by tensor names and shapes, without building the model and
+    without data: 2-D floating `*.weight` tensors are Linears, except embeddings, the LM head, MoE routers
+    and vision/audio towers (kept, and listed in `ignore`); a tensor no rule places is refused by name.
+
+    \b
+    Examples:
+      fp8ptq model-free ./my-new-arch --dry-run
+      fp8ptq model-free ./my-new-arch -r fp8-dynamic -o out/my-new-arch-fp8
+    """
+    from fp8ptq.runs.model_free import ModelFreeConfig, model_free
+
+    cfg = ModelFreeConfig(model=model, output=output, recipe=recipe, overwrite=overwrite, dry_run=dry_run)
+    with user_errors(output), progress_bar(not json_out and not dry_run) as progress:
+        summary = model_free(cfg, progress)
+    if json_out:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    table = Table(
+        "decision", "tensors", "examples", title=f"fp8ptq model-free {'(dry run) ' if dry_run else ''}→ {output}"
+    )
+    for why, names in summary["by_reason"].items():
+        table.add_row(why, str(len(names)), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+    out.print(table)
+    console.print(f"ignore (kept Linears): {', '.join(summary['ignore']) or 'none'}", highlight=False)

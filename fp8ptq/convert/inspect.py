@@ -236,7 +236,7 @@ def _inspect_gguf(path: Path) -> dict:
 
 def inspect_checkpoint(path: Path) -> dict:
     """Format, schemes, size and lint findings of a checkpoint directory or .gguf file."""
-    from fp8ptq.models.loader import _weight_map
+    from fp8ptq.models.loader import read_weight_map
 
     path = Path(path)
     if not path.exists():
@@ -246,7 +246,7 @@ def inspect_checkpoint(path: Path) -> dict:
             raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a checkpoint directory or a .gguf file")
         report = _inspect_gguf(path)
     else:
-        report = _inspect_dir(path, _weight_map(path))
+        report = _inspect_dir(path, read_weight_map(path))
     findings = report.pop("findings")
     report["findings"] = [asdict(f) for f in findings]
     report["errors"] = sum(f.level == "error" for f in findings)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from fp8ptq.convert.gguf_ct import quantization_config
 from fp8ptq.errors import ModelError
 from fp8ptq.io import write_json_atomic
-from fp8ptq.models.loader import _weight_map, check_finite
+from fp8ptq.models.loader import check_finite, read_weight_map
 from fp8ptq.quantize.schemes import LinearScheme
 
 SIDE_FILES = ("config.json", "model.safetensors.index.json", "quantize_config.json", "hf_quant_config.json")
@@ -38,7 +38,7 @@ class Source:
     weight_map: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.weight_map = _weight_map(self.path)
+        self.weight_map = read_weight_map(self.path)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map

@@ -173,7 +173,7 @@ class ModelSource:
             ) from None
 
 
-def _weight_map(path: Path) -> dict[str, str]:
+def read_weight_map(path: Path) -> dict[str, str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -256,7 +256,7 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         raise ModelError(
             f"'{path}' has no config.json", fix="pass a Hugging Face model directory, a .gguf file or an alias"
         )
-    weight_map = _weight_map(path)
+    weight_map = read_weight_map(path)
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:

@@ -1,0 +1,100 @@
+"""The model-free path (issue 33, item 4): any safetensors checkpoint quantized by tensor names, without
+building the model. Its tensors and config are byte for byte what `fp8ptq quantize` writes for the same
+data-free recipe on the families both handle; a model_type transformers does not know still converts;
+what no rule can place is refused by name; --dry-run writes nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from fp8ptq.cli import app
+
+pytestmark = pytest.mark.tiny
+runner = CliRunner()
+
+
+def _run(*args) -> tuple[int, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, recipe", [("llama", "fp8-dynamic"), ("qwen3_moe", "fp8-dynamic"), ("phi3", "fp8-block")]
+)
+def test_model_free_writes_what_quantize_writes(family, recipe, tiny_model, tmp_path):
+    model = tiny_model(family)
+    extra = ["--block-size", "16"] if recipe == "fp8-block" else []
+    quick = ["--eval-samples", "0", "--no-recipe-gates"]
+    rc, output = _run("quantize", model, "-r", recipe, "-o", tmp_path / "q", *quick, *extra)
+    assert rc == 0, output
+    if recipe == "fp8-block":  # the model-free path takes the recipe as written: the same 16-blocks
+        import yaml
+
+        from fp8ptq.recipe import load_recipe
+
+        r = load_recipe(recipe).model_dump(mode="json")
+        r["scheme"]["weights"]["block_structure"] = [16, 16]
+        r["scheme"]["input_activations"]["group_size"] = 16
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
+        recipe = str(tmp_path / "r.yaml")
+    rc, output = _run("model-free", model, "-r", recipe, "-o", tmp_path / "mf")
+    assert rc == 0, output
+    q, mf = _tensors(tmp_path / "q"), _tensors(tmp_path / "mf")
+    assert set(q) == set(mf)
+    different = [k for k in q if q[k].dtype != mf[k].dtype or not torch.equal(q[k], mf[k])]
+    assert not different, different
+    qc = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("q", "mf")]
+    assert qc[0]["config_groups"] == qc[1]["config_groups"]
+    # every Linear quantize left in float (the LM head, routers) is in model-free's ignore, by exact name
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    kept = {k[:-7] for k, t in q.items() if k.endswith(".weight") and t.dim() == 2 and t.dtype in floats}
+    kept = {k for k in kept if "embed" not in k}
+    assert kept <= set(qc[1]["ignore"]), (kept, qc[1]["ignore"])
+    assert family != "qwen3_moe" or "model.layers.0.mlp.gate" in kept
+
+
+def test_a_model_type_transformers_does_not_know_converts(tiny_dir, tmp_path):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["model_type"] = "fp8ptq_renamed_llama"  # a known architecture under a type nobody registered
+    (model / "config.json").write_text(json.dumps(cfg))
+    rc, output = _run("quantize", model, "-o", tmp_path / "q", "--eval-samples", "0")
+    assert rc == 2, output  # the family path cannot build it ...
+    rc, output = _run("model-free", model, "-o", tmp_path / "mf", "--dry-run")
+    assert rc == 0 and not (tmp_path / "mf").exists(), output  # ... the dry run lists, and writes nothing
+    assert "quantize: a Linear weight" in output and "keep: embedding" in output
+    rc, output = _run("model-free", model, "-o", tmp_path / "mf")
+    assert rc == 0, output
+    written = json.loads((tmp_path / "mf" / "config.json").read_text())
+    assert written["model_type"] == "fp8ptq_renamed_llama" and written["architectures"] == cfg["architectures"]
+    qc = QuantizationConfig.model_validate(written["quantization_config"])  # parses under compressed-tensors
+    assert qc.format == "float-quantized"
+    t = _tensors(tmp_path / "mf")
+    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert t["model.embed_tokens.weight"].dtype == _tensors(model)["model.embed_tokens.weight"].dtype
+    assert (tmp_path / "mf" / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+
+
+def test_what_no_rule_places_is_refused_by_name(tiny_model, tiny_dir, tmp_path):
+    rc, output = _run("model-free", tiny_model("gpt_oss"), "-o", tmp_path / "o")  # fused 3-D experts
+    assert rc == 2 and "mlp.experts." in output and "3-D parameter" in output, output
+    rc, output = _run("model-free", tiny_dir, "-r", "fp8-kv8", "-o", tmp_path / "o")  # needs calibration data
+    assert rc == 2 and "needs calibration data" in output, output
+    assert not (tmp_path / "o").exists()
