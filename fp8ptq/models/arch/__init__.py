@@ -32,7 +32,8 @@ def arch_for(config) -> Arch:
         archs = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
         raise ModelError(
             f"unsupported architecture '{model_type}' ({archs})",
-            fix=f"fp8ptq supports decoder-only models of type {', '.join(registered())}",
+            fix=f"fp8ptq calibrates the types {', '.join(registered())}; for any other, `fp8ptq model-free MODEL "
+            "-r fp8-dynamic -o OUT` quantizes the checkpoint by tensor names, without data",
         )
     return arch
 
