@@ -61,11 +61,21 @@ def load_texts(source: str, split: Split = "calibration", text_field: str = "tex
         return _column(ds, text_field, source)
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        blocks = path.read_text(encoding="utf-8", errors="replace").split("\n\n")
-        return [b for b in blocks if b.strip()]
+        text = path.read_text(encoding="utf-8", errors="replace")
+        bad = text.count("\ufffd") + text.count("\x00")
+        if bad > max(16, len(text) // 100):  # a stray byte is tolerated; a binary file is not text
+            raise DataError(
+                f"'{path}' is not UTF-8 text ({bad} of {len(text)} characters undecodable)",
+                fix="pass a UTF-8 .txt file (documents separated by blank lines), .jsonl or .parquet",
+            )
+        return [b for b in text.split("\n\n") if b.strip()]
     if suffix == ".jsonl":
         texts = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as err:
+            raise DataError(f"'{path}' is not UTF-8 JSON lines ({err})", fix="write it as UTF-8") from None
+        for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -79,7 +89,11 @@ def load_texts(source: str, split: Split = "calibration", text_field: str = "tex
     if suffix == ".parquet":
         import datasets
 
-        return _column(datasets.Dataset.from_parquet(str(path)), text_field, source)
+        try:
+            ds = datasets.Dataset.from_parquet(str(path))
+        except Exception as err:  # noqa: BLE001 - pyarrow and datasets raise assorted types on a bad file
+            raise DataError(f"'{path}' is not a readable parquet file ({type(err).__name__}: {err})") from None
+        return _column(ds, text_field, source)
     raise DataError(f"unsupported data file '{path}'", fix="use .txt, .jsonl, .parquet or a datasets folder")
 
 

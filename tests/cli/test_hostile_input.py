@@ -302,3 +302,13 @@ def test_quality_against_a_reference_of_another_vocabulary_is_refused(tiny_dir, 
 def test_spec_measure_counts_below_one_are_refused(flag, tiny_dir):
     rc, output = _run("spec", "measure", tiny_dir, "ngram:2-3", "--gammas", "1", flag, "0")
     _one_line_error(rc, output, f"{flag} 0 is out of range")
+
+
+@pytest.mark.parametrize(
+    "suffix, phrase", [(".txt", "not UTF-8 text"), (".jsonl", "not UTF-8 JSON"), (".parquet", "parquet")]
+)
+def test_binary_data_files_are_refused(suffix, phrase, tiny_dir, tmp_path):
+    data = tmp_path / f"data{suffix}"
+    data.write_bytes(bytes(range(256)) * 20)
+    rc, output = _run("quantize", tiny_dir, "-o", tmp_path / "out", *QUICK, "--data", data)
+    _one_line_error(rc, output, phrase)
