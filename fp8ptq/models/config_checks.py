@@ -47,11 +47,12 @@ def check_sizes(config, weight_map: dict[str, str], path: Path) -> None:
     where = path / "config.json"
     for name in SIZE_FIELDS:
         value = getattr(config, name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        values = value if isinstance(value, (list, tuple)) else [value]  # per-layer sizes (e.g. OpenELM)
+        if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
             raise ModelError(f"'{where}': {name} is {value!r}, not a positive integer", fix=f"repair {name}")
     layers = config.num_hidden_layers
     held = {int(m.group(1)) for n in weight_map if (m := re.search(r"\.layers\.(\d+)\.", n))}
-    if held and layers > len(held):
+    if held and isinstance(layers, int) and layers > len(held):
         raise ModelError(
             f"'{where}' says num_hidden_layers {layers} but the weights hold {len(held)} decoder layers",
             fix="use the config.json that belongs to these weights",
