@@ -40,12 +40,11 @@ RULES: tuple[tuple[str, re.Pattern, str], ...] = (
     ),
     ("LM head", re.compile(r"(^|\.)(lm_head|embed_out|output)$"), KEEP),
     ("MoE router (engines never quantize it)", re.compile(r"(^|\.)(gate|router|gating|wg|router\.layer)$"), KEEP),
-    (
-        "vision / audio tower or projector (kept in float)",
-        re.compile(r"(^|\.)(vision\w*|visual|image\w*|audio\w*|multi_modal_projector|mm_projector|vit)(\.|$)"),
-        KEEP,
-    ),
 )
+# A multimodal checkpoint's towers and projectors: every tensor under them keeps its dtype, whatever its
+# shape, and the engine is told to leave them alone by one `ignore` pattern per tower.
+TOWER = re.compile(r"(^|\.)(vision\w*|visual|image\w*|audio\w*|multi_modal_projector|mm_projector|vit)(\.|$)")
+TOWER_REASON = "vision / audio tower or projector (kept in float)"
 
 
 @dataclass(frozen=True)
@@ -74,10 +73,11 @@ class Plan:
         return [d for d in self.decisions if d.action == action]
 
     def ignore(self) -> list[str]:
-        """Modules kept in float that an engine builds as Linears: exact names for `ignore`."""
-        return sorted(
-            {d.name[: -len(".weight")] for d in self.of(KEEP) if len(d.shape) == 2 and "embed" not in d.reason}
-        )
+        """What the engine must not quantize: one `re:` pattern per tower, then the exact names of the other
+        modules kept in float that an engine builds as Linears (LM head, routers)."""
+        towers = {m.group(2) for d in self.decisions if d.reason == TOWER_REASON and (m := TOWER.search(d.name))}
+        kept = [d for d in self.of(KEEP) if len(d.shape) == 2 and d.reason not in ("embedding", TOWER_REASON)]
+        return [f"re:.*{re.escape(t)}\\..*" for t in sorted(towers)] + sorted({d.name[:-7] for d in kept})
 
     def as_dict(self) -> dict:
         by_reason: dict[str, list[str]] = {}
@@ -105,6 +105,8 @@ def _block(recipe: Recipe) -> tuple[int, int] | None:
 def decide(name: str, shape: tuple[int, ...], dtype: str, recipe: Recipe) -> Decision:
     """The rule that places one tensor (RULES; a ModelError for one no rule can place)."""
     torch_dtype = ST_DTYPES.get(dtype)
+    if TOWER.search(name):
+        return Decision(name, shape, dtype, KEEP, TOWER_REASON)
     if len(shape) >= 2 and not name.endswith(".weight") and torch_dtype in FLOAT_DTYPES:
         raise ModelError(
             f"tensor '{name}' {list(shape)} is a {len(shape)}-D parameter that is not a module's weight (fused "

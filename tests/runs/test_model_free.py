@@ -98,3 +98,36 @@ def test_what_no_rule_places_is_refused_by_name(tiny_model, tiny_dir, tmp_path):
     rc, output = _run("model-free", tiny_dir, "-r", "fp8-kv8", "-o", tmp_path / "o")  # needs calibration data
     assert rc == 2 and "needs calibration data" in output, output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_multimodal_checkpoint_keeps_its_towers(tmp_path, tokenizer_dir):
+    """Gemma 3 >= 4B is Gemma3ForConditionalGeneration: the language model is quantized, the vision tower
+    and projector (one of them a bare 2-D parameter) keep their bytes and are ignored by pattern, and
+    transformers loads the result as the same multimodal model."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    text |= dict(num_key_value_heads=2, head_dim=16, vocab_size=1024, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    cfg = Gemma3Config(
+        text_config=text, vision_config=vision | dict(image_size=28, patch_size=14), mm_tokens_per_image=4
+    )
+    torch.manual_seed(0)
+    model = tmp_path / "gemma3"
+    Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(model)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, model / f.name)
+    rc, output = _run("model-free", model, "-o", tmp_path / "mf")
+    assert rc == 0, output
+    src, out = _tensors(model), _tensors(tmp_path / "mf")
+    towers = [k for k in src if "vision_tower" in k or "multi_modal_projector" in k]
+    assert towers and all(torch.equal(src[k], out[k]) and src[k].dtype == out[k].dtype for k in towers)
+    assert any(k.endswith("mm_input_projection_weight") for k in towers)  # a 2-D parameter, not a .weight
+    ignore = json.loads((tmp_path / "mf" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert r"re:.*vision_tower\..*" in ignore and r"re:.*multi_modal_projector\..*" in ignore
+    lm = [k for k in out if k.endswith("q_proj.weight") and "language_model" in k]
+    assert lm and all(out[k].dtype == torch.float8_e4m3fn for k in lm)
+    loaded = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "mf"), dtype=torch.float32)
+    assert type(loaded).__name__ == "Gemma3ForConditionalGeneration"
+    logits = loaded(input_ids=torch.tensor([[2, 10, 20, 30]])).logits
+    assert torch.isfinite(logits).all()
