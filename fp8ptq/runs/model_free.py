@@ -35,10 +35,10 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RULES: tuple[tuple[str, re.Pattern, str], ...] = (
     (
         "embedding",
-        re.compile(r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|embed_in|tok_embeddings)$"),
+        re.compile(r"(^|\.)(embed\w*|\w*embeddings?|wte|wpe)$"),  # embed_tokens, embed_positions, word_embeddings
         KEEP,
     ),
-    ("LM head", re.compile(r"(^|\.)(lm_head|embed_out|output)$"), KEEP),
+    ("LM head", re.compile(r"(^|\.)(lm_head|embed_out)$|^output$"), KEEP),  # `output`: llama.cpp-style names
     ("MoE router (engines never quantize it)", re.compile(r"(^|\.)(gate|router|gating|wg|router\.layer)$"), KEEP),
 )
 # A multimodal checkpoint's towers and projectors: every tensor under them keeps its dtype, whatever its
