@@ -101,8 +101,12 @@ def test_ctrl_c_during_the_final_rename_loses_neither_result(tmp_path, monkeypat
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(os, "replace", replace_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        replace_dir(new, out, approved)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            replace_dir(new, out, approved)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert (out / "new.txt").read_text() == "new"  # the signal waited until the new result was in place
 
 

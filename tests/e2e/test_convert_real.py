@@ -62,19 +62,12 @@ def test_real_q4_1_gguf_is_requantized_with_a_recipe(tmp_path):
     assert torch.isfinite(torch.tensor(q["kl"]))
 
 
-def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path):
-    """quantize -r w4a16-gguf, convert --to gguf: transformers reads the GGUF back and its KL to the float
-    model equals the checkpoint's simulated KL within 2% (the codes are the same; only the scales are
-    rounded to fp16 and the GGUF goes through transformers' bf16 dequantization)."""
-    from fp8ptq.api import QuantizeConfig, quantize
-
-    ct, gguf = tmp_path / "w4g32", tmp_path / "smol.Q4_0.gguf"
-    quantize(
-        QuantizeConfig(
-            model="smollm2-135m", recipe="w4a16-gguf", output=ct, num_samples=8, seq_len=256, eval_samples=0,
-            recipe_gates=False,
-        )
-    )  # fmt: skip
+def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path, recipe_export):
+    """quantize -r w4a16-gguf (the recipe test's run, conftest.recipe_export), convert --to gguf:
+    transformers reads the GGUF back and its KL to the float model equals the checkpoint's simulated KL
+    within 2% (the codes are the same; only the scales are rounded to fp16 and the GGUF goes through
+    transformers' bf16 dequantization)."""
+    ct, gguf = recipe_export("w4a16-gguf")[0], tmp_path / "smol.Q4_0.gguf"
     report = convert(ConvertConfig(source=ct, output=gguf, to="gguf"))
     s = report["summary"]
     assert (s["exact"], s["exact_q4_0"], s["dequantized"]) == (210, 210, 0), s
