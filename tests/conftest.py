@@ -68,22 +68,20 @@ def smol_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_int8_target(tmp_path_factory, smol_dir, recipe_export) -> Path:
+def smol_int8_target(tmp_path_factory, smol_dir) -> Path:
     """The speculative-decoding tests' target: smollm2-135m quantized with w8a8-int8 (7-bit weight codes on
     CPUs whose INT8 GEMM is not exact, so vLLM computes what fp8ptq simulates; see tests/e2e/test_vllm_real.py),
     the bf16 model itself when the recipe does not exist. Shared by the draft, EAGLE-3 and vLLM tests: quantized
-    once, and where the built-in recipe already is that engine recipe (VNNI), it is the recipe test's run.
-    Do not modify it."""
+    once. (The recipe test's 8 x 128 w8a8-int8 run does not serve here: vLLM's layer-1 output then differed
+    from the float32 simulation by a median 4.4e-3, against < 1e-5 for this 8 x 256 export; not yet
+    explained.) Do not modify it."""
     from fp8ptq.api import QuantizeConfig, quantize
-    from fp8ptq.engine.vllm import int8_gemm_exact
     from fp8ptq.recipe import builtin_names
 
     from helpers import engine_recipe
 
     if "w8a8-int8" not in builtin_names():
         return smol_dir
-    if int8_gemm_exact():  # the built-in recipe is the engine recipe here: the recipe test's run serves
-        return recipe_export("w8a8-int8")[0]
     d = tmp_path_factory.mktemp("spec_target")
     recipe = engine_recipe(d, "w8a8-int8")
     out = d / "smol-w8a8-int8"
