@@ -128,3 +128,25 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str], default: str = "F
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+QUICK = ["--num-samples", "2", "--seq-len", "32", "--eval-samples", "0", "--no-recipe-gates", "--weights", "rtn"]
+
+
+def run_cli(*args) -> tuple[int, str]:
+    """`fp8ptq ARGS...` in process (typer's CliRunner): (exit code, output)."""
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def assert_one_line_error(rc: int, output: str, *phrases: str) -> str:
+    """Exit 2, exactly one `error:` line holding every phrase, no traceback. Returns the line."""
+    assert rc == 2, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and all(p in errors[0] for p in phrases), output
+    assert "Traceback" not in output, output
+    return errors[0]

@@ -90,7 +90,9 @@ def _resume_hint(output) -> str:
         return ""
     from pathlib import Path
 
-    partial = Path(output).parent / f".{Path(output).name}.partial"
+    from fp8ptq.export.rundir import partial_path
+
+    partial = partial_path(Path(output))
     return f"; the finished layers are kept in '{partial}': repeat with --resume to go on" if partial.is_dir() else ""
 
 

@@ -14,27 +14,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from fp8ptq.cli import app
 from fp8ptq.io import OUTPUT_MARKER, environment_error, replace_dir
 
+from helpers import QUICK, assert_one_line_error, run_cli
+
 pytestmark = pytest.mark.tiny
-runner = CliRunner()
-QUICK = ["--num-samples", "2", "--seq-len", "32", "--eval-samples", "0", "--no-recipe-gates", "--weights", "rtn"]
-
-
-def _run(*args) -> tuple[int, str]:
-    r = runner.invoke(app, [str(a) for a in args])
-    return r.exit_code, r.output
-
-
-def _one_line_error(rc: int, output: str, *phrases: str) -> str:
-    assert rc == 2, output
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and all(p in errors[0] for p in phrases), output
-    assert "Traceback" not in output, output
-    return errors[0]
 
 
 @contextmanager
@@ -66,8 +51,8 @@ def test_a_write_the_machine_refuses_is_one_line(cmd, tiny_dir, tiny_gguf_file, 
         "convert": ["convert", tiny_gguf_file, "-o", out, "--to", "hf"],
     }[cmd]
     with file_size_limit(16 << 10):  # the tiny model's weights are ~300 KiB; every JSON file fits
-        rc, output = _run(*args)
-    line = _one_line_error(rc, output, "file too large", str(out), "fix:")
+        rc, output = run_cli(*args)
+    line = assert_one_line_error(rc, output, "file too large", str(out), "fix:")
     assert not out.exists()  # nothing complete-looking
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]
     if cmd == "quantize" and leftovers:  # kept only with finished layers, and the line says how to go on
@@ -80,8 +65,8 @@ def test_save_naming_a_folder_or_a_device_is_refused_before_any_work(tiny_dir, t
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     for save, phrase in ((tmp_path, "is a directory"), (fifo, "not a regular file")):
-        rc, output = _run("spec", "measure", tiny_dir, "ngram:2-3", "--gammas", "1", "--save", save)
-        _one_line_error(rc, output, phrase)
+        rc, output = run_cli("spec", "measure", tiny_dir, "ngram:2-3", "--gammas", "1", "--save", save)
+        assert_one_line_error(rc, output, phrase)
         assert "acceptance" not in output.lower()  # refused before measuring
     assert fifo.exists() and not fifo.is_file()
 
@@ -124,9 +109,9 @@ def test_gguf_that_declares_more_blocks_than_it_holds_is_refused(tiny_dir, tmp_p
     monkeypatch.setattr(meta, "add_metadata", five_blocks)
     gguf = write_gguf(tiny_dir, tmp_path / "five.gguf", {}, "F16")
     monkeypatch.undo()
-    rc, output = _run("quantize", gguf, "-o", tmp_path / "out", *QUICK)
-    _one_line_error(rc, output, "declares 5 blocks", "block 2")
-    rc, output = _run("inspect", gguf)
+    rc, output = run_cli("quantize", gguf, "-o", tmp_path / "out", *QUICK)
+    assert_one_line_error(rc, output, "declares 5 blocks", "block 2")
+    rc, output = run_cli("inspect", gguf)
     assert rc == 1 and "gguf-incomplete" in output, output
 
 

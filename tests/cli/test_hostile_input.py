@@ -17,21 +17,10 @@ from fp8ptq.cli import app
 from fp8ptq.errors import OutputError
 from fp8ptq.io import OUTPUT_MARKER, atomic_output_dir
 
+from helpers import QUICK, assert_one_line_error, run_cli
+
 pytestmark = pytest.mark.tiny
 runner = CliRunner()
-QUICK = ["--num-samples", "2", "--seq-len", "32", "--eval-samples", "0", "--no-recipe-gates", "--weights", "rtn"]
-
-
-def _run(*args) -> tuple[int, str]:
-    r = runner.invoke(app, [str(a) for a in args])
-    return r.exit_code, r.output
-
-
-def _one_line_error(rc: int, output: str, phrase: str) -> None:
-    assert rc == 2, output
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and phrase in errors[0], output
-    assert "Traceback" not in output, output
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -57,8 +46,8 @@ def _sharded_with_outside_shard(tiny_dir: Path, root: Path) -> tuple[Path, Path]
 def test_index_naming_a_file_outside_the_model_is_refused(tiny_dir, tmp_path):
     model, _ = _sharded_with_outside_shard(tiny_dir, tmp_path)
     for cmd in (["quantize", model, "-o", tmp_path / "out", *QUICK], ["analyze", model, "-o", tmp_path / "a"]):
-        rc, output = _run(*cmd)
-        _one_line_error(rc, output, "'../victim/secret.safetensors', which lies outside the model folder")
+        rc, output = run_cli(*cmd)
+        assert_one_line_error(rc, output, "'../victim/secret.safetensors', which lies outside the model folder")
     assert not (tmp_path / "out").exists() and not (tmp_path / "a").exists()
 
 
@@ -66,8 +55,8 @@ def test_shard_symlinked_outside_the_model_is_refused(tiny_dir, tmp_path):
     model, victim = _sharded_with_outside_shard(tiny_dir, tmp_path)
     (model / "model.safetensors.index.json").unlink()
     (model / "extra.safetensors").symlink_to(victim / "secret.safetensors")
-    rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
-    _one_line_error(rc, output, "'extra.safetensors', which lies outside the model folder")
+    rc, output = run_cli("quantize", model, "-o", tmp_path / "out", *QUICK)
+    assert_one_line_error(rc, output, "'extra.safetensors', which lies outside the model folder")
 
 
 def test_index_placing_a_tensor_in_a_shard_that_lacks_it(tiny_dir, tmp_path):
@@ -77,8 +66,8 @@ def test_index_placing_a_tensor_in_a_shard_that_lacks_it(tiny_dir, tmp_path):
     weight_map = {k: "model.safetensors" for k in names} | {"model.layers.0.mlp.up_proj.weight": "other.safetensors"}
     save_file({"x": torch.zeros(1)}, str(model / "other.safetensors"))
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
-    _one_line_error(rc, output, "places tensor 'model.layers.0.mlp.up_proj.weight' in 'other.safetensors'")
+    rc, output = run_cli("quantize", model, "-o", tmp_path / "out", *QUICK)
+    assert_one_line_error(rc, output, "places tensor 'model.layers.0.mlp.up_proj.weight' in 'other.safetensors'")
 
 
 def test_tokenizer_remote_code_never_runs(tiny_dir, tmp_path):
@@ -119,8 +108,8 @@ def workspace(tiny_dir, tmp_path) -> Path:
 )
 def test_output_that_is_holds_or_sits_in_the_input_is_refused(workspace, out, phrase):
     before = _snapshot(workspace)
-    rc, output = _run("quantize", workspace / "model-a", "-o", workspace / out, "--overwrite", *QUICK)
-    _one_line_error(rc, output, phrase)
+    rc, output = run_cli("quantize", workspace / "model-a", "-o", workspace / out, "--overwrite", *QUICK)
+    assert_one_line_error(rc, output, phrase)
     assert _snapshot(workspace) == before
 
 
@@ -128,28 +117,30 @@ def test_overwrite_replaces_only_what_fp8ptq_wrote(workspace, tmp_path):
     stranger = tmp_path / "stranger"
     stranger.mkdir()
     (stranger / "thesis.tex").write_text("years of work")
-    rc, output = _run("quantize", workspace / "model-a", "-o", stranger, "--overwrite", *QUICK)
-    _one_line_error(rc, output, "was not written by fp8ptq")
+    rc, output = run_cli("quantize", workspace / "model-a", "-o", stranger, "--overwrite", *QUICK)
+    assert_one_line_error(rc, output, "was not written by fp8ptq")
     assert (stranger / "thesis.tex").read_text() == "years of work"
     # fp8ptq's own outputs are replaced: a quantized checkpoint (its manifest) and an analysis (the marker)
     out = tmp_path / "q"
     for _ in range(2):
-        rc, output = _run("quantize", workspace / "model-a", "-o", out, "--overwrite", *QUICK)
+        rc, output = run_cli("quantize", workspace / "model-a", "-o", out, "--overwrite", *QUICK)
         assert rc == 0, output
-    rc, output = _run("analyze", workspace / "model-a", "-o", tmp_path / "a", "--num-samples", "2", "--seq-len", "32")
+    rc, output = run_cli(
+        "analyze", workspace / "model-a", "-o", tmp_path / "a", "--num-samples", "2", "--seq-len", "32"
+    )
     assert rc == 0 and (tmp_path / "a" / OUTPUT_MARKER).is_file(), output
-    rc, output = _run("quantize", workspace / "model-a", "-o", tmp_path / "a", *QUICK)
-    _one_line_error(rc, output, "already exists")  # no --overwrite: analyze's report stays
+    rc, output = run_cli("quantize", workspace / "model-a", "-o", tmp_path / "a", *QUICK)
+    assert_one_line_error(rc, output, "already exists")  # no --overwrite: analyze's report stays
     assert (tmp_path / "a" / OUTPUT_MARKER).is_file()
 
 
 def test_draft_trim_onto_its_own_draft_is_refused(workspace):
     draft = workspace / "model-b"
     before = _snapshot(workspace)
-    rc, output = _run(
+    rc, output = run_cli(
         "draft-trim", draft, "--target", workspace / "model-a", "--keep", "100", "-o", draft, "--overwrite"
     )
-    _one_line_error(rc, output, "is the input")
+    assert_one_line_error(rc, output, "is the input")
     assert _snapshot(workspace) == before
 
 
@@ -185,8 +176,8 @@ def test_recipe_numbers_out_of_range_are_refused_before_any_work(edit, phrase, t
     edit(r)
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(r))
-    rc, output = _run("quantize", tiny_dir, "-r", f, "-o", tmp_path / "out", *QUICK)
-    _one_line_error(rc, output, phrase)
+    rc, output = run_cli("quantize", tiny_dir, "-r", f, "-o", tmp_path / "out", *QUICK)
+    assert_one_line_error(rc, output, phrase)
     assert not (tmp_path / "out").exists()
 
 
@@ -208,23 +199,23 @@ def test_resume_refuses_changed_weights_and_a_corrupt_state(tiny_dir, tmp_path, 
     t = load_file(str(model / "model.safetensors"))
     t["model.layers.1.mlp.up_proj.weight"] = t["model.layers.1.mlp.up_proj.weight"] * 2
     save_file(t, str(model / "model.safetensors"), metadata={"format": "pt"})
-    rc, output = _run("quantize", model, "-o", out, *QUICK, "--resume")
-    _one_line_error(rc, output, "model weights (same sizes, other content)")
+    rc, output = run_cli("quantize", model, "-o", out, *QUICK, "--resume")
+    assert_one_line_error(rc, output, "model weights (same sizes, other content)")
     (tmp_path / ".out.partial" / "state.json").write_text("{not json")
-    rc, output = _run("quantize", model, "-o", out, *QUICK, "--resume")
-    _one_line_error(rc, output, "is unreadable")
-    rc, output = _run("quantize", model, "-o", out, *QUICK, "--overwrite")  # starting over still works
+    rc, output = run_cli("quantize", model, "-o", out, *QUICK, "--resume")
+    assert_one_line_error(rc, output, "is unreadable")
+    rc, output = run_cli("quantize", model, "-o", out, *QUICK, "--overwrite")  # starting over still works
     assert rc == 0 and (out / "fp8ptq_manifest.json").is_file(), output
 
 
 def test_unbounded_or_nan_options_are_refused_before_any_work(tiny_dir, tmp_path):
-    rc, output = _run("spec", "measure", tiny_dir, tiny_dir, "--gammas", "1-1000000000")
-    _one_line_error(rc, output, "spans 1000000000 values")
-    rc, output = _run("spec", "measure", tiny_dir, tiny_dir, "--temperatures", "nan")
-    _one_line_error(rc, output, "holds nan")
+    rc, output = run_cli("spec", "measure", tiny_dir, tiny_dir, "--gammas", "1-1000000000")
+    assert_one_line_error(rc, output, "spans 1000000000 values")
+    rc, output = run_cli("spec", "measure", tiny_dir, tiny_dir, "--temperatures", "nan")
+    assert_one_line_error(rc, output, "holds nan")
     for flag in ("--lr", "--time-budget"):
-        rc, output = _run("draft-train", tiny_dir, "-o", tmp_path / "d", flag, "nan")
-        _one_line_error(rc, output, f"{flag} nan is out of range")
+        rc, output = run_cli("draft-train", tiny_dir, "-o", tmp_path / "d", flag, "nan")
+        assert_one_line_error(rc, output, f"{flag} nan is out of range")
     assert not (tmp_path / "d").exists()
 
 
@@ -284,8 +275,8 @@ def test_a_model_that_disagrees_with_its_config_is_refused(case, phrase, tiny_di
                 t["lm_head.weight"] = t["lm_head.weight"][:100].clone()
 
         _edit_tensors(model, shrink)
-    rc, output = _run("quantize", model, "-o", tmp_path / "out", *QUICK)
-    _one_line_error(rc, output, phrase)
+    rc, output = run_cli("quantize", model, "-o", tmp_path / "out", *QUICK)
+    assert_one_line_error(rc, output, phrase)
     assert not (tmp_path / "out").exists()
 
 
@@ -294,14 +285,14 @@ def test_quality_against_a_reference_of_another_vocabulary_is_refused(tiny_dir, 
     shutil.copytree(tiny_dir, other)
     _edit_config(other, vocab_size=100)
     _edit_tensors(other, lambda t: t.update({k: v[:100].clone() for k, v in t.items() if v.shape[0] == 1024}))
-    rc, output = _run("eval", "quality", tiny_dir, "--reference", other, "--num-samples", "1", "--seq-len", "16")
-    _one_line_error(rc, output, "vocabulary of 1024 tokens")
+    rc, output = run_cli("eval", "quality", tiny_dir, "--reference", other, "--num-samples", "1", "--seq-len", "16")
+    assert_one_line_error(rc, output, "vocabulary of 1024 tokens")
 
 
 @pytest.mark.parametrize("flag", ["--num-prompts", "--max-tokens"])
 def test_spec_measure_counts_below_one_are_refused(flag, tiny_dir):
-    rc, output = _run("spec", "measure", tiny_dir, "ngram:2-3", "--gammas", "1", flag, "0")
-    _one_line_error(rc, output, f"{flag} 0 is out of range")
+    rc, output = run_cli("spec", "measure", tiny_dir, "ngram:2-3", "--gammas", "1", flag, "0")
+    assert_one_line_error(rc, output, f"{flag} 0 is out of range")
 
 
 @pytest.mark.parametrize(
@@ -310,5 +301,5 @@ def test_spec_measure_counts_below_one_are_refused(flag, tiny_dir):
 def test_binary_data_files_are_refused(suffix, phrase, tiny_dir, tmp_path):
     data = tmp_path / f"data{suffix}"
     data.write_bytes(bytes(range(256)) * 20)
-    rc, output = _run("quantize", tiny_dir, "-o", tmp_path / "out", *QUICK, "--data", data)
-    _one_line_error(rc, output, phrase)
+    rc, output = run_cli("quantize", tiny_dir, "-o", tmp_path / "out", *QUICK, "--data", data)
+    assert_one_line_error(rc, output, phrase)

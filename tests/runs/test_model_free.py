@@ -12,17 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from fp8ptq.cli import app
+from helpers import run_cli
 
 pytestmark = pytest.mark.tiny
-runner = CliRunner()
-
-
-def _run(*args) -> tuple[int, str]:
-    r = runner.invoke(app, [str(a) for a in args])
-    return r.exit_code, r.output
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -39,7 +32,7 @@ def test_model_free_writes_what_quantize_writes(family, recipe, tiny_model, tmp_
     model = tiny_model(family)
     extra = ["--block-size", "16"] if recipe == "fp8-block" else []
     quick = ["--eval-samples", "0", "--no-recipe-gates"]
-    rc, output = _run("quantize", model, "-r", recipe, "-o", tmp_path / "q", *quick, *extra)
+    rc, output = run_cli("quantize", model, "-r", recipe, "-o", tmp_path / "q", *quick, *extra)
     assert rc == 0, output
     if recipe == "fp8-block":  # the model-free path takes the recipe as written: the same 16-blocks
         import yaml
@@ -51,7 +44,7 @@ def test_model_free_writes_what_quantize_writes(family, recipe, tiny_model, tmp_
         r["scheme"]["input_activations"]["group_size"] = 16
         (tmp_path / "r.yaml").write_text(yaml.safe_dump(r))
         recipe = str(tmp_path / "r.yaml")
-    rc, output = _run("model-free", model, "-r", recipe, "-o", tmp_path / "mf")
+    rc, output = run_cli("model-free", model, "-r", recipe, "-o", tmp_path / "mf")
     assert rc == 0, output
     q, mf = _tensors(tmp_path / "q"), _tensors(tmp_path / "mf")
     assert set(q) == set(mf)
@@ -75,12 +68,12 @@ def test_a_model_type_transformers_does_not_know_converts(tiny_dir, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     cfg["model_type"] = "fp8ptq_renamed_llama"  # a known architecture under a type nobody registered
     (model / "config.json").write_text(json.dumps(cfg))
-    rc, output = _run("quantize", model, "-o", tmp_path / "q", "--eval-samples", "0")
+    rc, output = run_cli("quantize", model, "-o", tmp_path / "q", "--eval-samples", "0")
     assert rc == 2, output  # the family path cannot build it ...
-    rc, output = _run("model-free", model, "-o", tmp_path / "mf", "--dry-run")
+    rc, output = run_cli("model-free", model, "-o", tmp_path / "mf", "--dry-run")
     assert rc == 0 and not (tmp_path / "mf").exists(), output  # ... the dry run lists, and writes nothing
     assert "quantize: a Linear weight" in output and "keep: embedding" in output
-    rc, output = _run("model-free", model, "-o", tmp_path / "mf")
+    rc, output = run_cli("model-free", model, "-o", tmp_path / "mf")
     assert rc == 0, output
     written = json.loads((tmp_path / "mf" / "config.json").read_text())
     assert written["model_type"] == "fp8ptq_renamed_llama" and written["architectures"] == cfg["architectures"]
@@ -93,9 +86,9 @@ def test_a_model_type_transformers_does_not_know_converts(tiny_dir, tmp_path):
 
 
 def test_what_no_rule_places_is_refused_by_name(tiny_model, tiny_dir, tmp_path):
-    rc, output = _run("model-free", tiny_model("gpt_oss"), "-o", tmp_path / "o")  # fused 3-D experts
+    rc, output = run_cli("model-free", tiny_model("gpt_oss"), "-o", tmp_path / "o")  # fused 3-D experts
     assert rc == 2 and "mlp.experts." in output and "3-D parameter" in output, output
-    rc, output = _run("model-free", tiny_dir, "-r", "fp8-kv8", "-o", tmp_path / "o")  # needs calibration data
+    rc, output = run_cli("model-free", tiny_dir, "-r", "fp8-kv8", "-o", tmp_path / "o")  # needs calibration data
     assert rc == 2 and "needs calibration data" in output, output
     assert not (tmp_path / "o").exists()
 
@@ -117,7 +110,7 @@ def test_a_multimodal_checkpoint_keeps_its_towers(tmp_path, tokenizer_dir):
     Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(model)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, model / f.name)
-    rc, output = _run("model-free", model, "-o", tmp_path / "mf")
+    rc, output = run_cli("model-free", model, "-o", tmp_path / "mf")
     assert rc == 0, output
     src, out = _tensors(model), _tensors(tmp_path / "mf")
     towers = [k for k in src if "vision_tower" in k or "multi_modal_projector" in k]
