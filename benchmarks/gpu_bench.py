@@ -9,8 +9,12 @@ once under --work; both tools get the same calibration tokens (the built-in cali
 also saved to calib.safetensors for llm-compressor). Runs, each in its own process:
 
   fp8ptq fp8-kv8 --weights rtn   vs  llm-compressor fp8-kv8 (QuantizationModifier "FP8" + FP8 KV oneshot)
-  fp8ptq fp8-kv8 (GPTQ, default)
+  fp8ptq fp8-kv8 (GPTQ, default) vs  llm-compressor fp8-kv8-gptq (GPTQModifier "FP8" + FP8 KV)
   fp8ptq w4a16 --group-size 64   vs  llm-compressor w4a16-g64-gptq (GPTQModifier)
+  fp8ptq fp8-kv8 GPTQ with FP8PTQ_GPTQ_KERNEL=eager (on CUDA only: the column loop the fused kernel replaced)
+
+in that order, pairs side by side; each row is scored and written to --json as it finishes. CUDA is
+initialised before both tools' timers; the process wall includes it for both.
 
 Per run: the tool's own calibrate+quantize wall time, the process wall time, peak GPU memory
 (torch.cuda.max_memory_allocated in the tool's process; on --device cpu the process's peak RSS) and
@@ -41,7 +45,8 @@ import torch
 from fp8ptq.api import QuantizeConfig, quantize
 a = json.loads(sys.argv[1])
 cuda = a["device"].startswith("cuda")
-if cuda:
+if cuda:  # CUDA initialised before the tool's timer, as for llm-compressor
+    torch.empty(1, device=a["device"])
     torch.cuda.reset_peak_memory_stats()
 m = quantize(QuantizeConfig(**{**a, "output": __import__("pathlib").Path(a["output"])}))
 peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -54,6 +59,8 @@ import json, resource, runpy, sys
 import torch
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 cuda = torch.cuda.is_available()
+if cuda:  # CUDA initialised before the tool's timer, as for fp8ptq
+    torch.empty(1, device="cuda")
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 except SystemExit as e:
@@ -63,12 +70,14 @@ peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage
 print(json.dumps({"peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
 """
 
-FP8PTQ_RUNS = [  # (label, recipe, weights override, group size override)
-    ("fp8-kv8 RTN", "fp8-kv8", "rtn", None),
-    ("fp8-kv8 GPTQ (default)", "fp8-kv8", None, None),
-    ("w4a16 g64 GPTQ", "w4a16", None, 64),
+FP8PTQ_RUNS = [  # (label, recipe, weights override, group size override, extra environment)
+    ("fp8-kv8 RTN", "fp8-kv8", "rtn", None, {}),
+    ("fp8-kv8 GPTQ (default)", "fp8-kv8", None, None, {}),
+    ("fp8-kv8 GPTQ, eager column loop", "fp8-kv8", None, None, {"FP8PTQ_GPTQ_KERNEL": "eager"}),
+    ("w4a16 g64 GPTQ", "w4a16", None, 64, {}),
 ]
-LLMC_RUNS = [("fp8-kv8 oneshot", "fp8-kv8"), ("w4a16 g64 GPTQ", "w4a16-g64-gptq")]
+LLMC_RUNS = [("fp8-kv8 oneshot", "fp8-kv8"), ("fp8-kv8 GPTQ", "fp8-kv8-gptq"), ("w4a16 g64 GPTQ", "w4a16-g64-gptq")]
+PLAN = [("fp8ptq", 0), ("llmc", 0), ("fp8ptq", 1), ("llmc", 1), ("fp8ptq", 3), ("llmc", 2), ("fp8ptq", 2)]
 
 
 def build(a) -> tuple[Path, Path]:
@@ -102,46 +111,38 @@ def kl_of(out: Path, src: Path, a) -> float:
     return float(evaluate_quality(cfg)["kl"])
 
 
-def run_fp8ptq(a, src: Path, env: dict) -> list[dict]:
-    rows = []
-    for label, recipe, weights, group in FP8PTQ_RUNS:
-        out = a.work / ("fp8ptq-" + label.split()[0] + ("-" + weights if weights else "") + f"-{a.device}")
-        cfg = dict(
-            model=str(src), recipe=recipe, output=str(out), overwrite=True, num_samples=a.num_samples,
-            seq_len=a.seq_len, eval_samples=0, device=a.device, weights=weights, group_size=group,
-        )  # fmt: skip
-        meta, lines, err = child([sys.executable, "-c", FP8PTQ_RUN, json.dumps(cfg)], env)
-        if meta["rc"] != 0:
-            raise SystemExit(f"fp8ptq {label} failed:\n{err[-3000:]}")
-        r = json.loads(lines[-1])
-        rows.append(
-            dict(tool="fp8ptq", run=label, quantize_s=r["quantize_s"], process_s=meta["wall"], **_mem(r), out=out)
-        )
-    return rows
+def run_fp8ptq(a, src: Path, env: dict, i: int) -> dict:
+    label, recipe, weights, group, extra = FP8PTQ_RUNS[i]
+    out = a.work / f"fp8ptq-{i}-{recipe}-{a.device}"
+    cfg = dict(
+        model=str(src), recipe=recipe, output=str(out), overwrite=True, num_samples=a.num_samples,
+        seq_len=a.seq_len, eval_samples=0, device=a.device, weights=weights, group_size=group,
+    )  # fmt: skip
+    meta, lines, err = child([sys.executable, "-c", FP8PTQ_RUN, json.dumps(cfg)], {**env, **extra})
+    if meta["rc"] != 0:
+        raise SystemExit(f"fp8ptq {label} failed:\n{err[-3000:]}")
+    r = json.loads(lines[-1])
+    return dict(tool="fp8ptq", run=label, quantize_s=r["quantize_s"], process_s=meta["wall"], **_mem(r), out=out)
 
 
-def run_llmc(a, src: Path, calib: Path, env: dict) -> list[dict]:
-    rows = []
-    for label, scheme in LLMC_RUNS:
-        out = a.work / f"llmc-{scheme}"
-        script = str(ROOT / "benchmarks" / "llmc_quantize.py")
-        cmd = [str(a.llmc_python), "-c", LLMC_RUN, script, "--model", str(src), "--calib", str(calib)]
-        meta, lines, err = child(cmd + ["--scheme", scheme, "--out", str(out)], env)
-        if meta["rc"] != 0:
-            raise SystemExit(f"llm-compressor {label} failed:\n{err[-3000:]}")
-        run = next(json.loads(x) for x in reversed(lines) if x.startswith("{") and "quantize_wall_s" in x)
-        r = json.loads(lines[-1])
-        rows.append(
-            dict(
-                tool="llm-compressor",
-                run=label,
-                quantize_s=run["quantize_wall_s"],
-                process_s=meta["wall"],
-                **_mem(r),
-                out=out,
-            )
-        )
-    return rows
+def run_llmc(a, src: Path, calib: Path, env: dict, i: int) -> dict:
+    label, scheme = LLMC_RUNS[i]
+    out = a.work / f"llmc-{scheme}"
+    script = str(ROOT / "benchmarks" / "llmc_quantize.py")
+    cmd = [str(a.llmc_python), "-c", LLMC_RUN, script, "--model", str(src), "--calib", str(calib)]
+    meta, lines, err = child(cmd + ["--scheme", scheme, "--out", str(out)], env)
+    if meta["rc"] != 0:
+        raise SystemExit(f"llm-compressor {label} failed:\n{err[-3000:]}")
+    run = next(json.loads(x) for x in reversed(lines) if x.startswith("{") and "quantize_wall_s" in x)
+    r = json.loads(lines[-1])
+    return dict(
+        tool="llm-compressor",
+        run=label,
+        quantize_s=run["quantize_wall_s"],
+        process_s=meta["wall"],
+        **_mem(r),
+        out=out,
+    )
 
 
 def _mem(r: dict) -> dict:
@@ -169,15 +170,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a.work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     src, calib = build(a)
-    rows = run_fp8ptq(a, src, env)
+    rows: list[dict] = []
     llmc = "not run (--no-llmc)" if a.no_llmc else None
     if llmc is None and not a.llmc_python.is_file():
         llmc = f"not run: no llm-compressor at {a.llmc_python} (bash benchmarks/setup_llmc_venv.sh)"
-    if llmc is None:
-        rows += run_llmc(a, src, calib, env)
-    for r in rows:
+
+    def done(r: dict) -> None:  # each row scored and saved as it finishes: a run cut short keeps what it has
         r["kl"] = kl_of(r["out"], src, a)
         r["out"] = str(r["out"])
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if a.json:
+            a.json.write_text(json.dumps({"rows": rows, "llmc": llmc or "run"}, indent=2))
+
+    for tool, i in PLAN:  # pairs side by side, so a run cut short still has both tools' rows
+        if tool == "fp8ptq" and FP8PTQ_RUNS[i][4] and not a.device.startswith("cuda"):
+            continue  # the eager-loop row: off the GPU there is no kernel to compare it with
+        if tool == "fp8ptq":
+            done(run_fp8ptq(a, src, env, i))
+        elif llmc is None:
+            done(run_llmc(a, src, calib, env, i))
     print(
         f"model: {src.name}; calibration {a.num_samples} x {a.seq_len}; device {a.device}; KL over {a.eval_samples} x {a.seq_len}"
     )
@@ -188,8 +200,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['tool']} | {r['run']} | {r['quantize_s']:.1f} | {r['process_s']:.1f} | {mib} | {r['kl']:.5f} |")
     if llmc:
         print(f"\nllm-compressor: {llmc}")
-    if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "llmc": llmc or "run"}, indent=2))
     return rows
 
 

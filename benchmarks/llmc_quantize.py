@@ -12,6 +12,7 @@ Schemes:
   fp8-kv8        QuantizationModifier, preset "FP8" (static per-tensor FP8
                  weights + static per-tensor FP8 input activations) plus a static
                  per-tensor FP8 KV cache; lm_head ignored.
+  fp8-kv8-gptq   the same with GPTQModifier (GPTQ weights, as fp8ptq's default).
   fp8-dynamic    QuantizationModifier, preset "FP8_DYNAMIC" (per-channel FP8
                  weights, dynamic per-token FP8 activations); data-free.
   w4a16-g64-gptq GPTQModifier, int4 symmetric weights, group size 64; lm_head ignored.
@@ -52,6 +53,7 @@ import sys
 
 SCHEMES = (
     "fp8-kv8",
+    "fp8-kv8-gptq",
     "fp8-dynamic",
     "w4a16-g64-gptq",
     "w8a8-int8",
@@ -92,6 +94,9 @@ def build_recipe(scheme):
     if scheme == "fp8-kv8":
         kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
         return QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"], kv_cache_scheme=kv)
+    if scheme == "fp8-kv8-gptq":  # fp8-kv8 with GPTQ weights: fp8ptq's default fp8-kv8 algorithm
+        kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+        return GPTQModifier(targets="Linear", scheme="FP8", ignore=["lm_head"], kv_cache_scheme=kv)
     if scheme == "fp8-dynamic":
         return QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
     if scheme == "w4a16-g64-gptq":

@@ -107,6 +107,11 @@ def _is_command(fn: ast.AST) -> bool:
     )
 
 
+def _is_kernel(fn: ast.AST) -> bool:
+    """A Triton kernel (`@triton.jit`): its parameters are the launch ABI, positional by nature."""
+    return any(isinstance(d, ast.Attribute) and d.attr == "jit" for d in fn.decorator_list)
+
+
 def _positional(fn: ast.FunctionDef) -> int:
     names = [a.arg for a in fn.args.posonlyargs + fn.args.args]
     return len([n for n in names if n not in ("self", "cls")])
@@ -120,6 +125,7 @@ def test_few_positional_parameters(path):
         for n in ast.walk(tree)
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
         and not _is_command(n)
+        and not _is_kernel(n)
         and _positional(n) > MAX_POSITIONAL
     ]
     assert wide == [], f"{path}: more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only)"

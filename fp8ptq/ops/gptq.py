@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from fp8ptq.ops import gptq_kernel
 from fp8ptq.ops.fp4 import (
     MX_GROUP,
     NVFP4_GROUP,
@@ -27,7 +28,7 @@ from fp8ptq.ops.fp4 import (
 )
 from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, finite_values
-from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, mse_int_qparams
+from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, int_range, mse_int_qparams
 
 # (scale, zero_point | None) at a grid's granularity; x ~= (q - zero_point) * scale.
 Params = tuple[torch.Tensor, torch.Tensor | None]
@@ -104,6 +105,9 @@ class WeightGrid:
     # choose_weighted(W rows [R, n], d [R, n]) -> Params: like choose, but each column's error weighted
     # by d (GPTQ passes the Hessian diagonal: the output error a column's rounding causes on its own)
     choose_weighted: Callable[[torch.Tensor, torch.Tensor], Params] | None = None
+    # what the fused block kernel (ops.gptq_kernel) applies for this fake_quant: ("fp8",) or ("int", qmin,
+    # qmax); None: the eager loop only (FP4 grids)
+    fused: tuple | None = None
 
 
 def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
@@ -115,7 +119,7 @@ def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> Weig
     else:
         fixed = scale.float().reshape(-1, 1) if g == CHANNEL else scale.float().reshape(1)
         choose = lambda w: (fixed, None)  # noqa: E731
-    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g))
+    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g), fused=("fp8",))
 
 
 def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
@@ -128,7 +132,7 @@ def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
         choose = lambda w: (mse_block_row_scale(w, rows, DEFAULT_SHRINK_GRID), None)  # noqa: E731
     else:
         choose = lambda w: (block_row_scale(w, rows), None)  # noqa: E731
-    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols, row_separable=False)
+    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols, row_separable=False, fused=("fp8",))
 
 
 def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = False) -> WeightGrid:
@@ -200,6 +204,7 @@ def int_grid(
         g.group_size,
         refine,
         choose_weighted=weighted,
+        fused=("int", *int_range(bits)),
     )
 
 
@@ -272,11 +277,12 @@ def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return W, H, dead
 
 
-def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_group=None):
+def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_group=None, fused=None):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
 
     start_group(slab [out, group_size]) is called when the solve reaches the first column of each
     group, with that group's current (error-updated) weights; blocks must then be group-aligned.
+    fused: the grid as `gptq_kernel.FusedGrid`: each block is one kernel launch where that runs (CUDA).
     Returns (Q [out, in] in original column order, damping used).
     """
     n = W.shape[1]
@@ -293,7 +299,9 @@ def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_g
         W1 = Wt[i1:i2]  # a view: updated in place
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
+        if fused is not None:
+            gptq_kernel.solve_block(W1, Qt[i1:i2], Err1, Hinv1, fused, i1)
+        for i in range(0 if fused is not None else i2 - i1):
             if start_group is not None and (i1 + i) % group_size == 0:
                 start_group(W1[i : i + group_size].T)
             w = W1[i]
@@ -305,6 +313,13 @@ def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_g
                 W1[i + 1 :].sub_(torch.mul(Hinv1[i, i + 1 :].unsqueeze(1), err, out=buf[:rest]))
         Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
     return Qt.T[:, torch.argsort(order)].contiguous(), used
+
+
+def _fused(grid: WeightGrid, scale, zero_point, order, n_g):
+    """The kernel's view of params fixed before the solve: every column's params column, in solve order."""
+    gidx = (order // n_g if n_g else torch.zeros_like(order)).to(torch.int32)
+    z = None if zero_point is None else zero_point.float()
+    return gptq_kernel.FusedGrid(grid.fused[0], scale.float(), z, gidx, *grid.fused[1:])
 
 
 def _column_order(H: torch.Tensor, act_order: bool) -> torch.Tensor:
@@ -340,11 +355,13 @@ def gptq(
         raise ValueError(f"group_size {n_g} does not divide in_features {n}")
     W, H, dead = _prepare(W, H)
     order = _column_order(H, act_order)
+    kernel = grid.fused is not None and gptq_kernel.available(W.device)
+    fuse = lambda s, z, g: _fused(grid, s, z, order, g) if kernel else None  # noqa: E731
     with _one_thread(W.device):
         if n_g is None:
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
-            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
+            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp, fused=fuse(*params, None))
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
             if grid.row_separable:
@@ -366,7 +383,8 @@ def gptq(
                 (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1]) for k in range(n // n_g)
             ]
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), cols[j // n_g])[:, 0]  # noqa: E731
-            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp)
+            fused = fuse(scale, zero_point, n_g)
+            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp, fused=fused)
         else:
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
