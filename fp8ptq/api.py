@@ -55,7 +55,7 @@ class AnalyzeConfig:
     seed: int = 0
     chat_template: bool = False
     overwrite: bool = False
-    device: str = "cpu"
+    device: str = "auto"
     chunk_tokens: int = 8192
 
 
@@ -90,6 +90,13 @@ def resolve_device(device: str) -> str:
     from fp8ptq.runs.context import resolve_device as resolve
 
     return resolve(device)
+
+
+def describe_device(device: str) -> str:
+    """'device: cuda (NVIDIA H100 ...)' / 'device: cpu, no CUDA device (--device auto)'."""
+    from fp8ptq.runs.context import describe_device as describe
+
+    return describe(device)
 
 
 def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest | None:

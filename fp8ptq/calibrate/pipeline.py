@@ -309,6 +309,9 @@ def calibrate(
     arch = state.arch
     layers = arch.decoder_layers(model)
     default = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    stage = f"calibrate ({state.device})"  # where it runs, on the bar from the start (--device auto)
+    if progress:
+        progress(stage, setup.start_layer, len(layers))
     try:
         for i in range(setup.start_layer, len(layers)):
             layer, prefix = layers[i], arch.layer_prefix(i)
@@ -330,6 +333,6 @@ def calibrate(
             release(layer)
             result = cal = None  # a finished layer's fp32 results must not outlive it into the next load
             if progress:
-                progress("calibrate", i + 1, len(layers))
+                progress(stage, i + 1, len(layers))
     finally:
         state.store.close()

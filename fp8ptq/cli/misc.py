@@ -42,7 +42,7 @@ def analyze(
     seq_len: int = typer.Option(512),
     seed: int = typer.Option(0),
     chat_template: bool = typer.Option(False),
-    device: str = typer.Option("cpu", help="auto, cpu, cuda or cuda:N"),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda or cuda:N"),
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json", help="print report.json on stdout"),
 ):

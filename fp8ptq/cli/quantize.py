@@ -45,7 +45,9 @@ def quantize(
     no_recipe_gates: bool = typer.Option(False, "--no-recipe-gates", help="ignore the gates the recipe carries"),
     overwrite: bool = typer.Option(False, help="replace an existing output directory (or discard an interrupted run)"),
     resume: bool = typer.Option(False, help="continue an interrupted run of the same command from its last checkpoint"),
-    device: str = typer.Option("cpu", help="auto, cpu, cuda or cuda:N (one layer at a time is moved there)"),
+    device: str = typer.Option(
+        "auto", help="auto (CUDA when present), cpu, cuda or cuda:N (one layer at a time is moved there)"
+    ),
     chunk_tokens: int = typer.Option(
         8192, help="calibration tokens per step: bounds activation memory, not the result"
     ),
@@ -96,7 +98,7 @@ def quantize(
     """
     offline()
     return_freed_memory()
-    from fp8ptq.api import QuantizeConfig
+    from fp8ptq.api import QuantizeConfig, describe_device
     from fp8ptq.api import quantize as run
 
     cfg = QuantizeConfig(
@@ -144,6 +146,7 @@ def quantize(
     table.add_row("recipe", manifest.recipe["name"])
     if manifest.recipe.get("transforms"):
         table.add_row("transforms", ", ".join(manifest.recipe["transforms"]))
+    table.add_row("device", describe_device(device).removeprefix("device: "))
     table.add_row("decoder layers", str(s.layers))
     table.add_row("linears quantized", str(s.linears_quantized))
     table.add_row("linears skipped", ", ".join(f"{n} ({why})" for n, why in s.linears_skipped.items()) or "none")

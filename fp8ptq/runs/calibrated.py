@@ -23,6 +23,10 @@ RESUME_DIR = "resume"
 # one took (at most ~2% of the run goes to checkpoints), and never more than checkpoint_every_s apart.
 # Writing the store after every layer cost 6% of a SmolLM2 fp8-kv8 run (30 x 75 MB, fsynced).
 CHECKPOINT_COST_RATIO = 50
+# Before the first checkpoint its cost is estimated from the store's size at this write rate (a plain
+# disk with fsync), so the first one is not due after layer 0 (an 8B-width store of 64 x 512 tokens is
+# 512 MiB: ~0.5 s, first checkpoint after ~25 s of calibration).
+CHECKPOINT_BYTES_PER_S = 1 << 30
 
 
 def chunks_per_rank(ctx: RunContext, world: int) -> list[int]:
@@ -49,16 +53,17 @@ def calibrate_into(ctx: RunContext) -> None:
         start_layer=start,
         restore=resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None,
     )
-    last = {"t": time.monotonic(), "cost": 0.0}
+    last = {"t": time.monotonic(), "cost": None}
 
     def on_layer(res: LayerResult, st: RunState) -> None:
         if ctx.writer is not None:
             ctx.writer.layer(res)
         i = res.index
+        if last["cost"] is None:
+            last["cost"] = st.store.nbytes / CHECKPOINT_BYTES_PER_S
         since = time.monotonic() - last["t"]
-        due = since >= min(ctx.cfg.checkpoint_every_s, CHECKPOINT_COST_RATIO * last["cost"]) or (
-            i + 1 == src.config.num_hidden_layers
-        )
+        final = i + 1 == src.config.num_hidden_layers  # nothing left to resume: no activations to save
+        due = not final and since >= min(ctx.cfg.checkpoint_every_s, CHECKPOINT_COST_RATIO * last["cost"])
         due = bool(comm.max_(torch.tensor([float(due)])))  # clocks differ: all ranks save, or none
         if due:  # every rank saves its own activations, then rank 0 records the checkpoint
             resume_dir.mkdir(exist_ok=True)
@@ -67,7 +72,7 @@ def calibrate_into(ctx: RunContext) -> None:
             last["t"], last["cost"] = time.monotonic(), time.monotonic() - t0
         comm.barrier()
         if ctx.run is not None:
-            ctx.run.save_state(layers_done=i + 1, **({"checkpoint": i + 1} if due else {}))
+            ctx.run.save_state(layers_done=i + 1, **({"checkpoint": i + 1} if due or final else {}))
 
     calibrate(
         src,

@@ -28,7 +28,7 @@ class QuantizeConfig:
     eval_seq_len: int = 512
     gates: tuple[str, ...] = ()  # added to the recipe's own gates
     recipe_gates: bool = True  # False: ignore the recipe's gates
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
     chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
     offload_activations: bool = False  # keep calibration activations on disk instead of RAM
     resume: bool = False  # continue an interrupted run of the same command

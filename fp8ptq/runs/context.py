@@ -89,6 +89,16 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def describe_device(requested: str) -> str:
+    """The one line a command prints about where it runs: `--device auto` must say what it picked."""
+    device = resolve_device(requested)
+    if device.startswith("cuda"):
+        where = f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    else:
+        where = "cpu" + ("" if torch.cuda.is_available() else ", no CUDA device")
+    return f"device: {where}" + (" (--device auto)" if requested == "auto" else "")
+
+
 def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunContext:
     """Validate the command (recipe + overrides, gates, output, device) before any model is read, then
     join the process group (torchrun) or run alone."""

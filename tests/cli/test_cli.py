@@ -159,3 +159,17 @@ def test_progress_in_a_log_is_plain_lines(capsys, monkeypatch):
         update("generate", 4, 4)  # ends: a line
     lines = capsys.readouterr().err.splitlines()  # progress goes to stderr, like every message
     assert lines == ["generate: 2/4 (40 s)", "generate: 4/4 (42 s)"], lines
+
+
+def test_device_auto_is_the_default_and_says_what_it_picked(tiny_dir, tmp_path):
+    import torch
+
+    r = _quantize(tiny_dir, tmp_path / "out", "--recipe", "fp8-dynamic", "--no-recipe-gates")
+    assert r.exit_code == 0, r.output
+    row = next(x for x in r.output.splitlines() if " device " in x)  # the summary table's row
+    if torch.cuda.is_available():
+        assert "cuda (" in row and "(--device auto)" in row, row
+    else:  # this suite's machines: the CPU, and the row says why
+        assert "cpu, no CUDA device (--device auto)" in row, row
+    m = json.loads((tmp_path / "out" / "fp8ptq_manifest.json").read_text())
+    assert m["run"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
