@@ -26,6 +26,7 @@ import torch
 from fp8ptq.ops import gptq as G
 from fp8ptq.ops import gptq_kernel
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, group
+from fp8ptq.ops.hessian import hessian_partial
 
 # [out, in] of Llama-3-8B's Linears (q/k/v fused, gate/up fused, o, down)
 SHAPES = "6144x4096,28672x4096,4096x4096,4096x14336"
@@ -105,7 +106,7 @@ def main(argv=None) -> list[dict]:
         W = (torch.randn(out, n, device=device) * 0.02).bfloat16().float()
         X = torch.randn(a.tokens, n, device=device)
         X[:, :: max(1, n // 8)] *= 20  # a few outlier input channels, as real activations have
-        H = G.hessian_partial(X)
+        H = hessian_partial(X)
         del X
         for name in a.grids.split(","):
             grid, kw = _grid(name)

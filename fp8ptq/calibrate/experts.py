@@ -32,7 +32,7 @@ from fp8ptq.calibrate.observers import OBSERVERS
 from fp8ptq.calibrate.state import Stop, describe, finite_stats
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.moe import token_counts
-from fp8ptq.ops.gptq import hessian_partial
+from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.outliers.stats import ActStats, StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.results import QuantizedLinear

@@ -33,7 +33,7 @@ from fp8ptq.dist import TreeSum
 from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import materialize, release
-from fp8ptq.ops.gptq import hessian_partial
+from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.outliers.stats import ActStats, StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.plan import LayerPlan, plan_layer

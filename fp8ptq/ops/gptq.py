@@ -34,49 +34,6 @@ from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_
 Params = tuple[torch.Tensor, torch.Tensor | None]
 
 
-# --- Hessian -------------------------------------------------------------------------------------
-
-
-def hessian_partial(x: torch.Tensor) -> torch.Tensor:
-    """2 X^T X (fp32, [in, in]) over the rows of x [..., in]: one chunk's unnormalised contribution, to be
-    summed in a fixed order (`gptq` needs no division by the row count). fp32 matmuls are bit-reproducible
-    only for a fixed BLAS thread count: compute partials with one thread count wherever bits must match."""
-    rows = x.detach().reshape(-1, x.shape[-1]).float()
-    return _gram(rows).mul_(2.0)
-
-
-def _gram(rows: torch.Tensor, blocks: int = 4) -> torch.Tensor:
-    """rows^T rows, exactly symmetric: from 512 wide the upper row blocks only (5/8 of the work), mirrored."""
-    n = rows.shape[1]
-    if n < 512:
-        return rows.T @ rows
-    b, H = -(-n // blocks), torch.empty(n, n, dtype=rows.dtype, device=rows.device)
-    for i in range(0, n, b):
-        torch.mm(rows[:, i : i + b].T, rows[:, i:], out=H[i : i + b, i:])
-        H[i + b :, i : i + b] = H[i : i + b, i + b :].T
-    return H
-
-
-def accumulate_hessian(
-    H: torch.Tensor | None, x: torch.Tensor, count: int, mean: bool = True
-) -> tuple[torch.Tensor, int]:
-    """Add rows of x [..., in] to H; returns (H [in, in] fp32, rows seen). H is updated in place.
-
-    mean=True keeps the running mean of 2 x^T x; mean=False keeps the plain sum (= the sum of
-    `hessian_partial`), which GPTQ accepts unchanged because its damping is relative to mean(diag H).
-    """
-    rows = x.reshape(-1, x.shape[-1]).float()
-    n = rows.shape[0]
-    if H is None:
-        H = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float32, device=rows.device)
-    total = count + n
-    if mean:
-        H.mul_(count / total).add_(_gram(rows), alpha=2.0 / total)
-    else:
-        H.add_(_gram(rows), alpha=2.0)
-    return H, total
-
-
 # --- Grids ---------------------------------------------------------------------------------------
 
 
@@ -220,8 +177,12 @@ class GPTQResult:
     weight: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
-    dead_columns: int
+    dead: torch.Tensor  # [in] bool
     damp: float
+
+    @property
+    def dead_columns(self) -> int:  # read on demand: a host sync on a GPU
+        return int(self.dead.sum())
 
 
 @contextmanager
@@ -277,7 +238,7 @@ def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return W, H, dead
 
 
-def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_group=None, fused=None):
+def _solve(W, H, order, quant_col, *, block_size, damp, natural, group_size=None, start_group=None, fused=None):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
 
     start_group(slab [out, group_size]) is called when the solve reaches the first column of each
@@ -288,7 +249,6 @@ def _solve(W, H, order, quant_col, *, block_size, damp, group_size=None, start_g
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
-    natural = bool((order == torch.arange(n, device=order.device)).all())
     Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
     js = order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
@@ -361,7 +321,9 @@ def gptq(
         if n_g is None:
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
-            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp, fused=fuse(*params, None))
+            Q, used = _solve(
+                W, H, order, quant, block_size=block_size, damp=damp, natural=not act_order, fused=fuse(*params, None)
+            )
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
             if grid.row_separable:
@@ -384,13 +346,23 @@ def gptq(
             ]
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), cols[j // n_g])[:, 0]  # noqa: E731
             fused = fuse(scale, zero_point, n_g)
-            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp, fused=fused)
+            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp, natural=not act_order, fused=fused)
         else:
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
             aligned = max(1, block_size // n_g) * n_g
             start = lambda slab: groups.append(grid.choose(slab))
-            Q, used = _solve(W, H, order, quant, block_size=aligned, damp=damp, group_size=n_g, start_group=start)
+            Q, used = _solve(
+                W,
+                H,
+                order,
+                quant,
+                block_size=aligned,
+                damp=damp,
+                natural=not act_order,
+                group_size=n_g,
+                start_group=start,
+            )
             scale = torch.cat([p[0] for p in groups], dim=1)
             zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)
-    return GPTQResult(Q, scale, zero_point, int(dead.sum()), used)
+    return GPTQResult(Q, scale, zero_point, dead, used)

@@ -44,6 +44,7 @@ class ActStats:
     rows: torch.Tensor | None = None  # after reduce(): the global subsample [r, channels]
     moments: torch.Tensor | None = None  # after reduce(): [count, sum, sum2, sum3, sum4] float64
     sample_tops: list = field(default_factory=list)
+    _amax: float | None = field(default=None, repr=False)  # amax, read once (a host sync on a GPU)
 
     @property
     def stride(self) -> int:
@@ -53,6 +54,7 @@ class ActStats:
     def update(self, chunk: int, first_sample: int, x: torch.Tensor) -> None:
         """x [n, seq, channels] for samples first_sample.. of global chunk `chunk`."""
         flat = x.detach().reshape(-1, x.shape[-1])
+        self._amax = None
         cmax = flat.abs().amax(dim=0).float() if flat.shape[0] else torch.zeros(x.shape[-1], device=x.device)
         self.channel_amax = cmax if self.channel_amax is None else torch.maximum(self.channel_amax, cmax)
         if self.spec.rows:
@@ -87,6 +89,7 @@ class ActStats:
                 cmax = torch.zeros(self.channels)
             cmax = comm.max_(cmax.clone())
         self.channel_amax = cmax
+        self._amax = None
         if self.spec.rows:
             parts = [p for rank_parts in comm.gather_objects(self._rows) for p in rank_parts]
             parts.sort(key=lambda p: p[0])
@@ -100,7 +103,9 @@ class ActStats:
 
     @property
     def amax(self) -> float:
-        return float(self.channel_amax.max())
+        if self._amax is None:
+            self._amax = float(self.channel_amax.max())
+        return self._amax
 
     def summary(self, top: int = 8, outlier_factor: float = 8.0) -> dict:
         """Numbers for reports. Channel outliers: abs-max above `outlier_factor` x the median channel's."""

@@ -107,18 +107,23 @@ def quantize_group(
     gs = handler(args).global_scale(args, w)
     if gs is not None:  # two-level: stored group scales are eff * global (exact: eff = s / global)
         params["weight_scale"] = (params["weight_scale"] * gs).to(torch.float8_e4m3fn).float()
-    out = {}
+    out, numbers = {}, []
     for name, q_i, w_i, lo in zip(names, q.split(rows), w.split(rows), [sum(rows[:i]) for i in range(len(rows))]):
         p_i = {k: (v if g == TENSOR else v[lo : lo + w_i.shape[0]]).clone() for k, v in params.items()}
         if g.kind == "block":  # the grid's per-row scales, one per row of each block -> one per block
             p_i = {k: v[:: g.block[0]].contiguous() for k, v in p_i.items()}
         if gs is not None:
             p_i["weight_global_scale"] = gs.clone()  # one for every shard of a fused group (vLLM takes the max)
-        report = {"weight_rel_err": float((q_i - w_i).norm() / w_i.norm().clamp_min(1e-12))}
+        report = {"weight_rel_err": (q_i - w_i).norm() / w_i.norm().clamp_min(1e-12)}
         if H is not None:
             d = q_i - w_i  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)
-            report["output_rel_err"] = float(
-                ((d @ H) * d).sum().clamp_min(0).sqrt() / ((w_i @ H) * w_i).sum().clamp_min(1e-12).sqrt()
-            )
+            report["output_rel_err"] = ((d @ H) * d).sum().clamp_min(0).sqrt() / ((w_i @ H) * w_i).sum().clamp_min(
+                1e-12
+            ).sqrt()
+        numbers.append(report)
         out[name] = QuantizedWeight(q_i.contiguous(), p_i, report)
+    # the group's report numbers to floats in one transfer (one host sync per group, not two per Linear)
+    values = iter(torch.stack([v for r in numbers for v in r.values()]).tolist())
+    for r in numbers:
+        r.update((k, next(values)) for k in r)
     return out

@@ -4,8 +4,9 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8
-from fp8ptq.ops.gptq import GPTQResult, accumulate_hessian, fp8_grid, gptq, hessian_partial, int_grid
+from fp8ptq.ops.gptq import GPTQResult, fp8_grid, gptq, int_grid
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, group
+from fp8ptq.ops.hessian import accumulate_hessian, hessian_partial
 from fp8ptq.ops.intq import choose_int_qparams, fake_quant_int, quantize_int
 
 

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = r"""
 import json, os, torch
 from fp8ptq.ops import gptq as G, gptq_kernel as K
+from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.granularity import TENSOR, CHANNEL, group
 assert K.INTERPRET and K.available(torch.device("cpu"))
 torch.manual_seed(0)
@@ -33,7 +34,7 @@ W[5, 0] = -0.0  # a negative zero in the first column (no error reaches it) must
 W[:, 11] = 1.0  # a dead input (zero Hessian diagonal, below): zeroed before the solve
 X = torch.randn(600, n)
 X[:, 11] = 0.0
-H = G.hessian_partial(X)
+H = hessian_partial(X)
 grids = {
     "fp8 tensor": (G.fp8_grid(TENSOR), {}),
     "fp8 channel": (G.fp8_grid(CHANNEL), {}),
