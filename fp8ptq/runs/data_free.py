@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from fp8ptq.models.loader import check_finite
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.quantize.plan import plan_layer
@@ -52,11 +54,15 @@ def _layers(ctx: RunContext, layers):
         plan = plan_layer(layers[i], prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
         res = LayerResult(index=i, prefix=prefix, report={"skipped": {prefix + n: why for n, why in plan.skipped}})
         for group in plan.groups:
-            weights = {n: check_finite(f"{prefix}{n}.weight", src.tensor(f"{prefix}{n}.weight")) for n in group}
-            if direct:
-                for n, packed in h.pack(weights, w).items():
-                    res.packed[prefix + n] = packed
+            if direct:  # the finiteness check rides on the packing pass: NaN / inf weights give non-finite scales
+                weights = {n: src.tensor(f"{prefix}{n}.weight") for n in group}
+                packed = h.pack(weights, w)
+                if not all(bool(torch.isfinite(t["weight_scale"]).all()) for t, _ in packed.values()):
+                    for n, t in weights.items():  # raises, naming the first broken tensor of the group
+                        check_finite(f"{prefix}{n}.weight", t)
+                res.packed.update((prefix + n, p) for n, p in packed.items())
                 continue
+            weights = {n: check_finite(f"{prefix}{n}.weight", src.tensor(f"{prefix}{n}.weight")) for n in group}
             for n, qw in quantize_group(weights, w, recipe.calibration, None).items():
                 res.linears[prefix + n] = QuantizedLinear(qw.fake, qw.params, scheme, qw.report)
         yield res
