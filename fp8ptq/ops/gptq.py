@@ -250,7 +250,7 @@ def _solve(W, H, order, quant_col, *, block_size, damp, natural, group_size=None
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
     Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
-    js = order.tolist()
+    js = None if natural else order.tolist()  # column indices (a host copy; natural order needs none)
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
     # rounding of the original implementation bit for bit, without a temporary per column
     buf = torch.empty(min(block_size, n), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)
@@ -265,7 +265,7 @@ def _solve(W, H, order, quant_col, *, block_size, damp, natural, group_size=None
             if start_group is not None and (i1 + i) % group_size == 0:
                 start_group(W1[i : i + group_size].T)
             w = W1[i]
-            q = quant_col(w, js[i1 + i])
+            q = quant_col(w, i1 + i if js is None else js[i1 + i])
             Qt[i1 + i] = q
             err = torch.div(w - q, Hinv1[i, i], out=Err1[i])
             rest = i2 - i1 - i - 1
