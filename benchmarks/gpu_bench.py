@@ -50,7 +50,7 @@ if cuda:  # CUDA initialised before the tool's timer, as for llm-compressor
     torch.cuda.reset_peak_memory_stats()
 m = quantize(QuantizeConfig(**{**a, "output": __import__("pathlib").Path(a["output"])}))
 peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"quantize_s": m.timings["quantize_s"], "peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
+print(json.dumps({"quantize_s": m.timings["quantize_s"], "timings": m.timings, "peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
 """
 
 # llm-compressor's benchmarks/llmc_quantize.py with the peak GPU memory of its process appended.
@@ -122,7 +122,8 @@ def run_fp8ptq(a, src: Path, env: dict, i: int) -> dict:
     if meta["rc"] != 0:
         raise SystemExit(f"fp8ptq {label} failed:\n{err[-3000:]}")
     r = json.loads(lines[-1])
-    return dict(tool="fp8ptq", run=label, quantize_s=r["quantize_s"], process_s=meta["wall"], **_mem(r), out=out)
+    row = dict(tool="fp8ptq", run=label, quantize_s=r["quantize_s"], process_s=meta["wall"], **_mem(r), out=out)
+    return {**row, "timings": r["timings"]}
 
 
 def run_llmc(a, src: Path, calib: Path, env: dict, i: int) -> dict:
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-llmc", action="store_true")
     ap.add_argument("--llmc-python", type=Path, default=LLMC_PY)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--plan", default="", help="comma-separated indices into PLAN: run only those (default: all)")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     a.work.mkdir(parents=True, exist_ok=True)
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if a.json:
             a.json.write_text(json.dumps({"rows": rows, "llmc": llmc or "run"}, indent=2))
 
-    for tool, i in PLAN:  # pairs side by side, so a run cut short still has both tools' rows
+    plan = [PLAN[int(k)] for k in a.plan.split(",")] if a.plan else PLAN
+    for tool, i in plan:  # pairs side by side, so a run cut short still has both tools' rows
         if tool == "fp8ptq" and FP8PTQ_RUNS[i][4] and not a.device.startswith("cuda"):
             continue  # the eager-loop row: off the GPU there is no kernel to compare it with
         if tool == "fp8ptq":

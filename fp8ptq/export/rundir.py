@@ -20,7 +20,7 @@ from fp8ptq.io import check_output, path_identity, replace_dir, write_json_atomi
 
 STATE = "state.json"
 # fingerprint keys (runs/context.py) as a refusal names them
-WHAT = {"model_content": "model weights (same sizes, other content)", "model_bytes": "model size"}
+WHAT = {"model_content": "model weights (same sizes, files rewritten)", "model_bytes": "model size"}
 
 
 def partial_path(out: Path) -> Path:

@@ -200,7 +200,7 @@ def test_resume_refuses_changed_weights_and_a_corrupt_state(tiny_dir, tmp_path, 
     t["model.layers.1.mlp.up_proj.weight"] = t["model.layers.1.mlp.up_proj.weight"] * 2
     save_file(t, str(model / "model.safetensors"), metadata={"format": "pt"})
     rc, output = run_cli("quantize", model, "-o", out, *QUICK, "--resume")
-    assert_one_line_error(rc, output, "model weights (same sizes, other content)")
+    assert_one_line_error(rc, output, "model weights (same sizes, files rewritten)")
     (tmp_path / ".out.partial" / "state.json").write_text("{not json")
     rc, output = run_cli("quantize", model, "-o", out, *QUICK, "--resume")
     assert_one_line_error(rc, output, "is unreadable")
