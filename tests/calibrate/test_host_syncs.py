@@ -1,8 +1,9 @@
 """Host syncs in the layer loop (issue 35): each `.item()` / `float(t)` / `bool(t)` of a device tensor, and
 each copy between devices, stalls a GPU until its queue drains. Counted on the CPU, where the same
 calls happen, with a TorchDispatchMode: `aten._local_scalar_dense` is what every one of those scalar
-reads dispatches to; `Tensor.tolist` (a copy to the host outside the dispatcher) is counted too. One calibrated FP8 layer (fp8-kv8: static inputs, GPTQ weights, KV scales) stays
-under a small fixed number, whatever the width and the number of calibration tokens."""
+reads dispatches to; `Tensor.tolist` (a copy to the host outside the dispatcher) is counted too. One
+calibrated FP8 layer (fp8-kv8: static inputs, GPTQ weights, KV scales) stays under a small fixed
+number, whatever the width and the number of calibration tokens."""
 
 from __future__ import annotations
 
