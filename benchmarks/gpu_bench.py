@@ -38,7 +38,7 @@ from probe import child
 ROOT = Path(__file__).resolve().parents[1]
 LLMC_PY = ROOT / "benchmarks" / ".venv-llmc" / "bin" / "python"
 
-# One fp8ptq quantize in a fresh process; prints {"quantize_s", "peak_mib", "memory"} as its last line.
+# One fp8ptq quantize in a fresh process; prints {"timings", "peak_mib", "memory"} as its last line.
 FP8PTQ_RUN = """
 import json, resource, sys
 import torch
@@ -50,7 +50,7 @@ if cuda:  # CUDA initialised before the tool's timer, as for llm-compressor
     torch.cuda.reset_peak_memory_stats()
 m = quantize(QuantizeConfig(**{**a, "output": __import__("pathlib").Path(a["output"])}))
 peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"quantize_s": m.timings["quantize_s"], "timings": m.timings, "peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
+print(json.dumps({"timings": m.timings, "peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
 """
 
 # llm-compressor's benchmarks/llmc_quantize.py with the peak GPU memory of its process appended.
@@ -122,8 +122,10 @@ def run_fp8ptq(a, src: Path, env: dict, i: int) -> dict:
     if meta["rc"] != 0:
         raise SystemExit(f"fp8ptq {label} failed:\n{err[-3000:]}")
     r = json.loads(lines[-1])
-    row = dict(tool="fp8ptq", run=label, quantize_s=r["quantize_s"], process_s=meta["wall"], **_mem(r), out=out)
-    return {**row, "timings": r["timings"]}
+    quantize_s, process_s = r["timings"]["quantize_s"], meta["wall"]
+    return dict(
+        tool="fp8ptq", run=label, quantize_s=quantize_s, process_s=process_s, **_mem(r), out=out, timings=r["timings"]
+    )
 
 
 def run_llmc(a, src: Path, calib: Path, env: dict, i: int) -> dict:

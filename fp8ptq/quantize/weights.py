@@ -117,9 +117,8 @@ def quantize_group(
         report = {"weight_rel_err": (q_i - w_i).norm() / w_i.norm().clamp_min(1e-12)}
         if H is not None:
             d = q_i - w_i  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)
-            report["output_rel_err"] = ((d @ H) * d).sum().clamp_min(0).sqrt() / ((w_i @ H) * w_i).sum().clamp_min(
-                1e-12
-            ).sqrt()
+            err, ref = ((d @ H) * d).sum().clamp_min(0), ((w_i @ H) * w_i).sum().clamp_min(1e-12)
+            report["output_rel_err"] = err.sqrt() / ref.sqrt()
         numbers.append(report)
         out[name] = QuantizedWeight(q_i.contiguous(), p_i, report)
     # the group's report numbers to floats in one transfer (one host sync per group, not two per Linear)
