@@ -1,9 +1,11 @@
-"""fp8-kv8 ablation: observer (minmax | mse) x weight method (rtn | gptq), same data and evaluator.
+"""fp8-kv8 ablation: observer (minmax | mse) x weight method (rtn | gptq | gptq-act: GPTQ with static
+act-order), same data and evaluator.
 
-    .venv/bin/python benchmarks/ablation.py [--num-samples 16 --seq-len 512 --eval-samples 32]
+    .venv/bin/python benchmarks/ablation.py [--num-samples 16 --seq-len 512 --eval-samples 32] \
+        [--observers minmax,mse] [--methods rtn,gptq,gptq-act]
 
 Prints a markdown table for BENCHMARKS.md. Variants are built from the built-in fp8-kv8 recipe by
-changing only `calibration.observer` and `calibration.weight_method`.
+changing only `calibration.observer`, `calibration.weight_method` and `calibration.gptq_act_order`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ def main():
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-samples", type=int, default=32)
+    ap.add_argument("--observers", default="minmax,mse")
+    ap.add_argument("--methods", default="rtn,gptq", help="of rtn, gptq, gptq-act (GPTQ with act-order)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from fp8ptq.api import QuantizeConfig, quantize
@@ -36,13 +40,11 @@ def main():
     base = load_recipe("fp8-kv8").model_dump(mode="json")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for observer in ("minmax", "mse"):
-            for method in ("rtn", "gptq"):
-                r = {
-                    **base,
-                    "name": f"fp8-kv8-{observer}-{method}",
-                    "calibration": {**base["calibration"], "observer": observer, "weight_method": method},
-                }
+        for observer in args.observers.split(","):
+            for method in args.methods.split(","):
+                cal = {"observer": observer, "weight_method": method.removesuffix("-act")}
+                cal["gptq_act_order"] = method.endswith("-act")
+                r = {**base, "name": f"fp8-kv8-{observer}-{method}", "calibration": {**base["calibration"], **cal}}
                 f = Path(tmp) / f"{r['name']}.yaml"
                 f.write_text(yaml.safe_dump(r))
                 t = time.perf_counter()

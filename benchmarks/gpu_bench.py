@@ -12,8 +12,12 @@ also saved to calib.safetensors for llm-compressor). Runs, each in its own proce
   fp8ptq fp8-kv8 (GPTQ, default) vs  llm-compressor fp8-kv8-gptq (GPTQModifier "FP8" + FP8 KV)
   fp8ptq w4a16 --group-size 64   vs  llm-compressor w4a16-g64-gptq (GPTQModifier)
   fp8ptq fp8-kv8 GPTQ with FP8PTQ_GPTQ_KERNEL=eager (on CUDA only: the column loop the fused kernel replaced)
+  fp8ptq w4a16 with llm-compressor's algorithm (benchmarks/recipes/w4a16-sym-minmax-gptq.yaml: symmetric,
+      min-max groups, no act-order): the matched pair of llm-compressor's w4a16-g64-gptq
 
-in that order, pairs side by side; each row is scored and written to --json as it finishes. CUDA is
+in that order (PLAN; --plan picks entries), pairs side by side; each row is scored and written to --json
+as it finishes. --repeats N runs the plan N times, tools alternating, and reports medians (every sample
+kept in the JSON); KL is computed once per row (the export is the same each repeat). CUDA is
 initialised before both tools' timers; the process wall includes it for both.
 
 Per run: the tool's own calibrate+quantize wall time, the process wall time, peak GPU memory
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,9 +80,11 @@ FP8PTQ_RUNS = [  # (label, recipe, weights override, group size override, extra 
     ("fp8-kv8 GPTQ (default)", "fp8-kv8", None, None, {}),
     ("fp8-kv8 GPTQ, eager column loop", "fp8-kv8", None, None, {"FP8PTQ_GPTQ_KERNEL": "eager"}),
     ("w4a16 g64 GPTQ", "w4a16", None, 64, {}),
+    # llm-compressor's W4A16 algorithm (symmetric, min-max groups, no act-order): the matched pair
+    ("w4a16 g64 GPTQ, llm-compressor's algorithm", str(ROOT / "benchmarks/recipes/w4a16-sym-minmax-gptq.yaml"), None, 64, {}),
 ]
 LLMC_RUNS = [("fp8-kv8 oneshot", "fp8-kv8"), ("fp8-kv8 GPTQ", "fp8-kv8-gptq"), ("w4a16 g64 GPTQ", "w4a16-g64-gptq")]
-PLAN = [("fp8ptq", 0), ("llmc", 0), ("fp8ptq", 1), ("llmc", 1), ("fp8ptq", 3), ("llmc", 2), ("fp8ptq", 2)]
+PLAN = [("fp8ptq", 0), ("llmc", 0), ("fp8ptq", 1), ("llmc", 1), ("fp8ptq", 3), ("llmc", 2), ("fp8ptq", 2), ("fp8ptq", 4)]
 
 
 def build(a) -> tuple[Path, Path]:
@@ -113,7 +120,7 @@ def kl_of(out: Path, src: Path, a) -> float:
 
 def run_fp8ptq(a, src: Path, env: dict, i: int) -> dict:
     label, recipe, weights, group, extra = FP8PTQ_RUNS[i]
-    out = a.work / f"fp8ptq-{i}-{recipe}-{a.device}"
+    out = a.work / f"fp8ptq-{i}-{Path(recipe).stem}-{a.device}"
     cfg = dict(
         model=str(src), recipe=recipe, output=str(out), overwrite=True, num_samples=a.num_samples,
         seq_len=a.seq_len, eval_samples=0, device=a.device, weights=weights, group_size=group,
@@ -148,6 +155,24 @@ def run_llmc(a, src: Path, calib: Path, env: dict, i: int) -> dict:
     )
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (tool, run): median calibrate+quantize and process seconds over its repeats, every sample kept."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["tool"], r["run"]), []).append(r)
+    out = []
+    for (tool, run), rs in groups.items():
+        q, p = [r["quantize_s"] for r in rs], [r["process_s"] for r in rs]
+        out.append(
+            dict(
+                tool=tool, run=run, quantize_s=statistics.median(q), process_s=statistics.median(p), repeats=len(rs),
+                quantize_samples=q, process_samples=p, peak_mib=max(r["peak_mib"] for r in rs),
+                memory=rs[0]["memory"], kl=rs[0]["kl"],
+            )
+        )  # fmt: skip
+    return out
+
+
 def _mem(r: dict) -> dict:
     return {"peak_mib": r["peak_mib"], "memory": r["memory"]}
 
@@ -169,6 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--llmc-python", type=Path, default=LLMC_PY)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--plan", default="", help="comma-separated indices into PLAN: run only those (default: all)")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="run the plan this many times, alternating tools; medians are reported"
+    )
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     a.work.mkdir(parents=True, exist_ok=True)
@@ -179,30 +207,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if llmc is None and not a.llmc_python.is_file():
         llmc = f"not run: no llm-compressor at {a.llmc_python} (bash benchmarks/setup_llmc_venv.sh)"
 
-    def done(r: dict) -> None:  # each row scored and saved as it finishes: a run cut short keeps what it has
-        r["kl"] = kl_of(r["out"], src, a)
-        r["out"] = str(r["out"])
+    kl: dict = {}  # (tool, run) -> KL: the exports of one row are the same from repeat to repeat
+
+    def done(r: dict, repeat: int) -> None:  # each row scored and saved as it finishes: a run cut short keeps what it has
+        key = (r["tool"], r["run"])
+        if key not in kl:
+            kl[key] = kl_of(r["out"], src, a)
+        r.update(kl=kl[key], out=str(r["out"]), repeat=repeat)
         rows.append(r)
         print(json.dumps(r), flush=True)
         if a.json:
-            a.json.write_text(json.dumps({"rows": rows, "llmc": llmc or "run"}, indent=2))
+            a.json.write_text(json.dumps({"rows": rows, "medians": medians(rows), "llmc": llmc or "run"}, indent=2))
 
     plan = [PLAN[int(k)] for k in a.plan.split(",")] if a.plan else PLAN
-    for tool, i in plan:  # pairs side by side, so a run cut short still has both tools' rows
-        if tool == "fp8ptq" and FP8PTQ_RUNS[i][4] and not a.device.startswith("cuda"):
-            continue  # the eager-loop row: off the GPU there is no kernel to compare it with
-        if tool == "fp8ptq":
-            done(run_fp8ptq(a, src, env, i))
-        elif llmc is None:
-            done(run_llmc(a, src, calib, env, i))
+    for repeat in range(a.repeats):
+        for tool, i in plan:  # pairs side by side, so a run cut short still has both tools' rows
+            if tool == "fp8ptq" and FP8PTQ_RUNS[i][4] and not a.device.startswith("cuda"):
+                continue  # the eager-loop row: off the GPU there is no kernel to compare it with
+            if tool == "fp8ptq":
+                done(run_fp8ptq(a, src, env, i), repeat)
+            elif llmc is None:
+                done(run_llmc(a, src, calib, env, i), repeat)
     print(
         f"model: {src.name}; calibration {a.num_samples} x {a.seq_len}; device {a.device}; KL over {a.eval_samples} x {a.seq_len}"
     )
-    print("| tool | run | calibrate+quantize s | process s | peak MiB | KL |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        mib = f"{r['peak_mib']:.0f} ({r['memory']})"
-        print(f"| {r['tool']} | {r['run']} | {r['quantize_s']:.1f} | {r['process_s']:.1f} | {mib} | {r['kl']:.5f} |")
+    print("| tool | run | calibrate+quantize s (median) | process s (median) | repeats | peak MiB | KL |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for m in medians(rows):
+        mib = f"{m['peak_mib']:.0f} ({m['memory']})"
+        print(
+            f"| {m['tool']} | {m['run']} | {m['quantize_s']:.1f} | {m['process_s']:.1f} | {m['repeats']} | {mib} | {m['kl']:.5f} |"
+        )
     if llmc:
         print(f"\nllm-compressor: {llmc}")
     return rows

@@ -32,6 +32,7 @@ from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, Stop, d
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
+from fp8ptq.models.prefetch import LayerPrefetch
 from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.outliers.stats import ActStats, StatsSpec
@@ -312,11 +313,18 @@ def calibrate(
     stage = f"calibrate ({state.device})"  # where it runs, on the bar from the start (--device auto)
     if progress:
         progress(stage, setup.start_layer, len(layers))
+    prefetch = setup.prefetch if setup.prefetch is not None else state.device.type == "cuda"
+    reader = LayerPrefetch(src, layers, pin=state.device.type == "cuda") if prefetch else None
     try:
         for i in range(setup.start_layer, len(layers)):
             layer, prefix = layers[i], arch.layer_prefix(i)
             arch.check_layer(layer, i)
-            materialize(layer, prefix, src, torch.float32, state.device)
+            if reader is not None:
+                reader.start(i)
+                reader.load(i, state.device, torch.float32)
+                reader.start(i + 1)  # read while this layer calibrates
+            else:
+                materialize(layer, prefix, src, torch.float32, state.device)
             src.close()  # drop mmaps: file pages touched would otherwise stay in RSS, growing with depth
             result = LayerResult(index=i, prefix=prefix)
             if transforms is not None:
@@ -335,4 +343,6 @@ def calibrate(
             if progress:
                 progress(stage, i + 1, len(layers))
     finally:
+        if reader is not None:
+            reader.close()
         state.store.close()

@@ -80,6 +80,7 @@ class CalibrationSetup:
     start_layer: int = 0  # resume: layers before this are done (their output state is restored)
     cache_bytes: int = 1 << 30  # see RunState.cache_bytes; 0 with offloaded activations (RAM stays flat)
     restore: object = None  # Path of the activation checkpoint to restore (resume)
+    prefetch: bool | None = None  # read layer i+1 in a thread while i calibrates; None: on a CUDA device
 
 
 def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, comm=None):

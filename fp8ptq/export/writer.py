@@ -3,7 +3,8 @@
 Each finished layer becomes its own safetensors file (and a small JSON report) in the run directory,
 written to a temp name, fsynced and renamed, so a layer on disk is complete and a resumed run can
 trust it. `finish()` writes the remaining (non-layer) tensors, renames everything into HF shard names
-(`model-0000k-of-0000n.safetensors`) and writes `model.safetensors.index.json`. Memory: one layer.
+(`model-0000k-of-0000n.safetensors`) and writes `model.safetensors.index.json`. Memory: one layer, two
+while a writer thread (runs/calibrated.py, runs/data_free.py) writes layer i as layer i+1 is quantized.
 Tensors the recipe does not quantize are copied from the source in its dtype; tensors changed by exact
 transforms (smoothed norms, flattened MLP weights left unquantized) are written in the source's dtype.
 """
@@ -62,13 +63,10 @@ class CheckpointWriter:
                 check_finite(name, t)
         return out
 
-    def layer(self, res: LayerResult) -> None:
-        """Write one finished layer (atomically) and its report."""
-        self.write_layer(*self.layer_payload(res))
-
     def layer_payload(self, res: LayerResult) -> tuple[Path, dict[str, torch.Tensor], dict]:
-        """Everything `write_layer` needs, read from the source now (so the write can run in another thread)."""
-        tensors = self.layer_tensors(res)
+        """Everything `write_layer` needs, read from the source and copied to host memory now, so the write
+        can run in another thread while the device goes on with the next layer."""
+        tensors = {k: t.detach().cpu() for k, t in self.layer_tensors(res).items()}
         self.src.close()
         quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
         return (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -54,11 +55,23 @@ def calibrate_into(ctx: RunContext) -> None:
         restore=resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None,
     )
     last = {"t": time.monotonic(), "cost": None}
+    # Layer i is compressed here, then serialised and fsynced by a writer thread while layer i+1 calibrates
+    # (as on the data-free path); the run state records a layer as done only once it is on disk.
+    pending: dict = {}  # the layer being written: {"index", "write"}
+
+    def settle() -> None:
+        """Wait for the layer in the writer thread (its error is raised here) and record it as done."""
+        if pending:
+            i, write = pending.pop("index"), pending.pop("write")
+            write.result()
+            if ctx.run is not None:
+                ctx.run.save_state(layers_done=i + 1)
 
     def on_layer(res: LayerResult, st: RunState) -> None:
-        if ctx.writer is not None:
-            ctx.writer.layer(res)
         i = res.index
+        write = None if ctx.writer is None else pool.submit(ctx.writer.write_layer, *ctx.writer.layer_payload(res))
+        settle()
+        pending.update(index=i, write=write if write is not None else _done())
         if last["cost"] is None:
             last["cost"] = st.store.nbytes / CHECKPOINT_BYTES_PER_S
         since = time.monotonic() - last["t"]
@@ -71,23 +84,34 @@ def calibrate_into(ctx: RunContext) -> None:
             st.store.save(resume_dir / f"hidden.rank{comm.rank}.bin")
             last["t"], last["cost"] = time.monotonic(), time.monotonic() - t0
         comm.barrier()
-        if ctx.run is not None:
-            ctx.run.save_state(layers_done=i + 1, **({"checkpoint": i + 1} if due or final else {}))
+        if due or final:  # a checkpoint names this layer as done: it must be on disk first
+            settle()
+            if ctx.run is not None:
+                ctx.run.save_state(checkpoint=i + 1)
 
-    calibrate(
-        src,
-        ctx.recipe,
-        ctx.ids,
-        on_layer,
-        progress=ctx.progress,
-        setup=setup,
-        comm=comm,
-        transforms=make_transforms(ctx.recipe, src),
-        layer_schemes=_mixed_schemes(ctx, setup),
-    )
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8ptq-writer") as pool:
+        calibrate(
+            src,
+            ctx.recipe,
+            ctx.ids,
+            on_layer,
+            progress=ctx.progress,
+            setup=setup,
+            comm=comm,
+            transforms=make_transforms(ctx.recipe, src),
+            layer_schemes=_mixed_schemes(ctx, setup),
+        )
+        settle()
     comm.barrier()
     if ctx.run is not None:
         shutil.rmtree(resume_dir, ignore_errors=True)
+
+
+def _done() -> Future:
+    """A finished future: the layer of a rank that writes nothing."""
+    f: Future = Future()
+    f.set_result(None)
+    return f
 
 
 def _mixed_schemes(ctx: RunContext, setup: CalibrationSetup):

@@ -43,3 +43,19 @@ def test_gpu_bench_runs_on_cpu(tmp_path, tokenizer_dir):
         assert {r["run"] for r in llmc} == {"fp8-kv8 oneshot", "fp8-kv8 GPTQ", "w4a16 g64 GPTQ"}
     else:  # not installed here: the output says so instead of pretending
         assert llmc == [] and saved["llmc"].startswith("not run: no llm-compressor")
+    assert saved["medians"] and all(m["repeats"] == 1 for m in saved["medians"])
+
+
+def test_gpu_bench_medians_keep_every_sample():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_bench
+    finally:
+        sys.path.remove(str(BENCH))
+    row = dict(tool="fp8ptq", run="GPTQ", peak_mib=10.0, memory="GPU", kl=0.02)
+    rows = [{**row, "quantize_s": q, "process_s": p} for q, p in ((9.0, 30.0), (7.0, 31.0), (8.0, 20.0))]
+    rows.append({**row, "tool": "llm-compressor", "quantize_s": 5.0, "process_s": 25.0})
+    m = {x["tool"]: x for x in gpu_bench.medians(rows)}
+    assert (m["fp8ptq"]["quantize_s"], m["fp8ptq"]["process_s"], m["fp8ptq"]["repeats"]) == (8.0, 30.0, 3)
+    assert m["fp8ptq"]["quantize_samples"] == [9.0, 7.0, 8.0]
+    assert m["llm-compressor"]["repeats"] == 1
