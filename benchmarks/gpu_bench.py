@@ -12,8 +12,8 @@ also saved to calib.safetensors for llm-compressor). Runs, each in its own proce
   fp8ptq fp8-kv8 (GPTQ, default) vs  llm-compressor fp8-kv8-gptq (GPTQModifier "FP8" + FP8 KV)
   fp8ptq w4a16 --group-size 64   vs  llm-compressor w4a16-g64-gptq (GPTQModifier)
   fp8ptq fp8-kv8 GPTQ with FP8PTQ_GPTQ_KERNEL=eager (on CUDA only: the column loop the fused kernel replaced)
-  fp8ptq w4a16 with llm-compressor's algorithm (benchmarks/recipes/w4a16-sym-minmax-gptq.yaml: symmetric,
-      min-max groups, no act-order): the matched pair of llm-compressor's w4a16-g64-gptq
+  fp8ptq w4a16 with llm-compressor's algorithm (benchmarks/recipes/w4a16-sym-minmax-gptq-act.yaml: symmetric,
+      min-max groups, static act-order): the matched pair of llm-compressor's w4a16-g64-gptq
 
 in that order (PLAN; --plan picks entries), pairs side by side; each row is scored and written to --json
 as it finishes. --repeats N runs the plan N times, tools alternating, and reports medians (every sample
@@ -23,7 +23,7 @@ initialised before both tools' timers; the process wall includes it for both.
 Per run: the tool's own calibrate+quantize wall time, the process wall time, peak GPU memory
 (torch.cuda.max_memory_allocated in the tool's process; on --device cpu the process's peak RSS) and
 the KL of the export against the unquantized model from fp8ptq's streaming evaluator (`eval quality`
-numerics, on the CPU) over --eval-samples held-out samples. llm-compressor runs from
+numerics, on --device) over --eval-samples held-out samples. llm-compressor runs from
 benchmarks/.venv-llmc (bash benchmarks/setup_llmc_venv.sh; --llmc-python to point elsewhere); without it
 the table has fp8ptq's rows only and says so. With `--device cpu` and tiny sizes (--hidden 64 ...) the
 whole command runs in a test (tests/benchmarks/test_gpu_bench.py).
@@ -42,6 +42,8 @@ from probe import child
 
 ROOT = Path(__file__).resolve().parents[1]
 LLMC_PY = ROOT / "benchmarks" / ".venv-llmc" / "bin" / "python"
+# llm-compressor 0.14's W4A16 GPTQ (symmetric, min-max groups, GPTQModifier's default static act-order)
+MATCHED_W4A16 = ROOT / "benchmarks" / "recipes" / "w4a16-sym-minmax-gptq-act.yaml"
 
 # One fp8ptq quantize in a fresh process; prints {"timings", "peak_mib", "memory"} as its last line.
 FP8PTQ_RUN = """
@@ -80,11 +82,11 @@ FP8PTQ_RUNS = [  # (label, recipe, weights override, group size override, extra 
     ("fp8-kv8 GPTQ (default)", "fp8-kv8", None, None, {}),
     ("fp8-kv8 GPTQ, eager column loop", "fp8-kv8", None, None, {"FP8PTQ_GPTQ_KERNEL": "eager"}),
     ("w4a16 g64 GPTQ", "w4a16", None, 64, {}),
-    # llm-compressor's W4A16 algorithm (symmetric, min-max groups, no act-order): the matched pair
-    ("w4a16 g64 GPTQ, llm-compressor's algorithm", str(ROOT / "benchmarks/recipes/w4a16-sym-minmax-gptq.yaml"), None, 64, {}),
+    ("w4a16 g64 GPTQ, llm-compressor's algorithm", str(MATCHED_W4A16), None, 64, {}),  # the matched pair
 ]
 LLMC_RUNS = [("fp8-kv8 oneshot", "fp8-kv8"), ("fp8-kv8 GPTQ", "fp8-kv8-gptq"), ("w4a16 g64 GPTQ", "w4a16-g64-gptq")]
-PLAN = [("fp8ptq", 0), ("llmc", 0), ("fp8ptq", 1), ("llmc", 1), ("fp8ptq", 3), ("llmc", 2), ("fp8ptq", 2), ("fp8ptq", 4)]
+PLAN = [("fp8ptq", 0), ("llmc", 0), ("fp8ptq", 1), ("llmc", 1), ("fp8ptq", 3), ("llmc", 2), ("fp8ptq", 2)]
+PLAN += [("fp8ptq", 4)]
 
 
 def build(a) -> tuple[Path, Path]:
@@ -111,11 +113,22 @@ def build(a) -> tuple[Path, Path]:
     return src, calib
 
 
-def kl_of(out: Path, src: Path, a) -> float:
-    from fp8ptq.api import EvalConfig, evaluate_quality
+def kl_of(out: Path, src: Path, a) -> tuple[float, str]:
+    """KL of the export against the unquantized model (fp8ptq's streaming evaluator, `eval quality` numerics)
+    on --device; on the CPU if the device run fails (the reason is printed). Returns (KL, where it ran)."""
+    from fp8ptq import data
+    from fp8ptq.eval.stream import compare_streaming
+    from fp8ptq.models.loader import resolve_model
 
-    cfg = EvalConfig(model=str(out), reference=str(src), num_samples=a.eval_samples, seq_len=a.seq_len)
-    return float(evaluate_quality(cfg)["kl"])
+    ref, cand = resolve_model(str(src)), resolve_model(str(out))
+    ids = data.load_samples(data.BUILTIN, ref.tokenizer(), a.eval_samples, a.seq_len, "evaluation", 0)
+    try:
+        return float(compare_streaming(ref, cand, ids, device=a.device)[0]["kl"]), a.device
+    except Exception as e:  # noqa: BLE001 -- a benchmark row is still worth its CPU score
+        if a.device == "cpu":
+            raise
+        print(f"KL on {a.device} failed ({type(e).__name__}: {e}); scoring on the CPU", flush=True)
+        return float(compare_streaming(ref, cand, ids, device="cpu")[0]["kl"]), "cpu"
 
 
 def run_fp8ptq(a, src: Path, env: dict, i: int) -> dict:
@@ -209,11 +222,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     kl: dict = {}  # (tool, run) -> KL: the exports of one row are the same from repeat to repeat
 
-    def done(r: dict, repeat: int) -> None:  # each row scored and saved as it finishes: a run cut short keeps what it has
+    def done(r: dict, repeat: int) -> None:  # each row scored and saved as it finishes: a cut-short run keeps it
         key = (r["tool"], r["run"])
         if key not in kl:
             kl[key] = kl_of(r["out"], src, a)
-        r.update(kl=kl[key], out=str(r["out"]), repeat=repeat)
+        r.update(kl=kl[key][0], kl_device=kl[key][1], out=str(r["out"]), repeat=repeat)
         rows.append(r)
         print(json.dumps(r), flush=True)
         if a.json:

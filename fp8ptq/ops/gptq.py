@@ -238,19 +238,23 @@ def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return W, H, dead
 
 
-def _solve(W, H, order, quant_col, *, block_size, damp, natural, group_size=None, start_group=None, fused=None):
+def _solve(
+    W, H, order, quant_col, *, block_size, damp, natural, group_size=None, start_group=None, fused=None, indexed=True
+):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
 
     start_group(slab [out, group_size]) is called when the solve reaches the first column of each
     group, with that group's current (error-updated) weights; blocks must then be group-aligned.
     fused: the grid as `gptq_kernel.FusedGrid`: each block is one kernel launch where that runs (CUDA).
+    indexed: quant_col reads its column's index (group grids); else it gets the solve position.
     Returns (Q [out, in] in original column order, damping used).
     """
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
     Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
-    js = None if natural else order.tolist()  # column indices (a host copy; natural order needs none)
+    # column indices for quant_col: a host copy, needed only by the per-column loop of a group grid
+    js = None if natural or fused is not None or not indexed else order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
     # rounding of the original implementation bit for bit, without a temporary per column
     buf = torch.empty(min(block_size, n), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)
@@ -321,8 +325,9 @@ def gptq(
         if n_g is None:
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
+            fused = fuse(*params, None)
             Q, used = _solve(
-                W, H, order, quant, block_size=block_size, damp=damp, natural=not act_order, fused=fuse(*params, None)
+                W, H, order, quant, block_size=block_size, damp=damp, natural=not act_order, fused=fused, indexed=False
             )
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:

@@ -37,6 +37,7 @@ X[:, 11] = 0.0
 H = hessian_partial(X)
 grids = {
     "fp8 tensor": (G.fp8_grid(TENSOR), {}),
+    "fp8 tensor, act-order": (G.fp8_grid(TENSOR), {"act_order": True}),  # fp8-kv8's default
     "fp8 channel": (G.fp8_grid(CHANNEL), {}),
     "fp8 channel, fixed scale": (G.fp8_grid(CHANNEL, torch.full((out,), 2e-4)), {}),
     "fp8 block 8x32, act-order": (G.fp8_block_grid(8, 32), {"act_order": True}),
@@ -71,7 +72,7 @@ def test_kernel_equals_eager_solver_bit_for_bit_for_every_grid():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(rows) == 10
+    assert len(rows) == 11
     for name, row in rows.items():
         assert row["weight"] and row["scale"], (name, row)
         assert row["changed"], name
