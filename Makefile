@@ -13,8 +13,11 @@ VLLM_PIP  := $(VLLM_VENV)/bin/python -m pip
 # refreshes both deliberately and shows the diff.
 LOCK      := constraints/main.txt
 VLLM_LOCK := constraints/vllm.txt
+# SGLang's own code (argument parser, config classes) beside .venv-vllm's torch: constraints/sglang.txt.
+SGLANG_SITE := .sglang-site
+SGLANG_LOCK := constraints/sglang.txt
 
-.PHONY: install demo test test-run test-fast lint clean browser vllm bench lock
+.PHONY: install demo test test-run test-fast lint clean browser vllm sglang bench lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +47,16 @@ $(VLLM_VENV)/.fp8ptq-vllm-ok: $(VLLM_LOCK)
 
 vllm: $(VLLM_VENV)/.fp8ptq-vllm-ok
 
+# SGLang 0.5.23 without its dependencies (its CUDA kernels are not needed to parse and resolve configs),
+# run by .venv-vllm's python with this folder first on the path (fp8ptq/engine/sglang_engine.py). ~20 s.
+$(SGLANG_SITE)/.ok: $(SGLANG_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok
+	rm -rf $(SGLANG_SITE)
+	$(VLLM_PIP) install -q --no-deps --target $(SGLANG_SITE) -r $(SGLANG_LOCK)
+	PYTHONPATH=$(SGLANG_SITE) $(VLLM_VENV)/bin/python -c "import sglang.srt.server_args, sglang.version as v; print('sglang', v.__version__)"
+	touch $@
+
+sglang: $(SGLANG_SITE)/.ok
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -67,7 +80,7 @@ test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-run; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s wall (budget 2700 s), exit $$rc"; exit $$rc
 
-test-run: lint $(CT017)/.ok browser vllm
+test-run: lint $(CT017)/.ok browser vllm sglang
 	$(PY) -m pytest -q
 
 # Unit and tiny-model tiers only (no real model, no vLLM): a few minutes on 2 cores.
@@ -85,4 +98,4 @@ lock:
 	$(MAKE) test
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_SITE) out .pytest_cache

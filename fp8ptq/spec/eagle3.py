@@ -38,6 +38,22 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+# SGLang 0.5.23 reads a head's eagle_config ids, and for these targets' model classes captures the input
+# of layer id + 1 (`layers_to_capture = [val + 1 ...]` in set_eagle3_layers_to_capture: models/llama.py,
+# whose LlamaForCausalLM Mistral and Phi-3 inherit, qwen2.py, qwen3.py, gemma3_causal.py); vLLM 0.32 reads
+# the top-level ids and captures the input of layer id. eagle_config carries the ids less one, so both
+# engines feed the head the layers it was trained on (tests/engine/test_sglang_args.py runs SGLang's rule).
+SGLANG_CAPTURES_NEXT = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text")
+
+
+def sglang_layer_ids(model_type: str | None, ids: list[int]) -> list[int]:
+    """The eagle_config ids that make SGLang capture what vLLM captures for `ids` (unchanged for other
+    families, and where an id is 0: the embeddings, which SGLang's rule cannot name)."""
+    if model_type in SGLANG_CAPTURES_NEXT and min(ids) >= 1:
+        return [i - 1 for i in ids]
+    return list(ids)
+
+
 def check_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     ids = sorted(set(int(i) for i in ids))
     if len(ids) < 1 or any(not 0 <= i <= num_layers for i in ids):
@@ -261,6 +277,7 @@ def export_config(target_config_json: dict, s: HeadShape) -> dict:
     """config.json vLLM 0.32 reads for method eagle3: the target's own config (its RoPE, eps, head_dim) made
     a one-layer LlamaForCausalLMEagle3 with draft_vocab_size, target_hidden_size and the aux layer ids."""
     cfg = {k: v for k, v in target_config_json.items() if k not in ("quantization_config", "auto_map", "_name_or_path")}
+    sglang_ids = sglang_layer_ids(target_config_json.get("model_type"), list(s.layer_ids))
     cfg.update(
         architectures=[ARCH],
         model_type="llama",
@@ -276,7 +293,7 @@ def export_config(target_config_json: dict, s: HeadShape) -> dict:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
         eagle_aux_hidden_state_layer_ids=list(s.layer_ids),
-        eagle_config={"eagle_aux_hidden_state_layer_ids": list(s.layer_ids), "use_aux_hidden_state": True},
+        eagle_config={"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},  # SGLang's
         fc_norm=s.fc_norm,
     )
     cfg.pop("layer_types", None)
@@ -317,7 +334,7 @@ def load_head(path: str | Path, target_model, device: str = "cpu") -> Eagle3Head
     cfg = json.loads((path / "config.json").read_text())
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
-    )
+    )  # vLLM's order of reading; fp8ptq's own heads carry the top-level ids (eagle_config's are SGLang's)
     tcfg = target_model.config
     if int(cfg["vocab_size"]) != int(tcfg.vocab_size) or int(cfg["hidden_size"]) != int(tcfg.hidden_size):
         raise SpecError(

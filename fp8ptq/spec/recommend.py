@@ -174,10 +174,13 @@ def vllm_config(draft: str, gamma: int, *, eagle3: bool | None = None) -> dict:
 
 
 def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3: bool = False) -> list[str]:
-    """SGLang server flags for a standalone (small LLM) draft or (eagle3) an EAGLE-3 head (algorithm EAGLE3;
-    its d2t is in the head), sequence drafting (topk 1). For `ngram`:
-    SGLang's NGRAM algorithm (CUDA only) with the same match window and one branch (BFS breadth 1) — its
-    matcher is a cache of earlier n-grams, not vLLM's suffix search, so the measured τ is vLLM's."""
+    """SGLang (0.5.23) server flags for a standalone (small LLM) draft or (eagle3) an EAGLE-3 head (algorithm
+    EAGLE3; its d2t is in the head), sequence drafting (topk 1). For `ngram`: SGLang's NGRAM algorithm (CUDA
+    only), one branch (BFS breadth 1), its trie deep enough for the longest match plus the γ drafted tokens.
+    Its matcher is a trie of earlier n-grams (the deepest matching suffix wins; there is no minimum match
+    length), not vLLM's prompt lookup, so the measured τ is vLLM's. SGLang 0.5.23 refuses the older
+    `--speculative-ngram-{min,max}-match-window-size`; tests/engine/test_sglang_args.py parses every set
+    with SGLang's own parser."""
     from fp8ptq.spec.models import parse_ngram
 
     ngram = parse_ngram(draft)
@@ -187,10 +190,10 @@ def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3
             "NGRAM",
             "--speculative-num-draft-tokens",
             str(gamma + 1),
-            "--speculative-ngram-min-match-window-size",
-            str(ngram.nmin),
-            "--speculative-ngram-max-match-window-size",
-            str(ngram.nmax),
+            "--speculative-ngram-max-trie-depth",
+            str(ngram.nmax + gamma),
+            "--speculative-ngram-match-type",
+            "BFS",
             "--speculative-ngram-min-bfs-breadth",
             "1",
             "--speculative-ngram-max-bfs-breadth",

