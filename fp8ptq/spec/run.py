@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fp8ptq.errors import check_option
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, vllm_config, write_outputs
+from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, sglang_flags, vllm_config, write_outputs
 
 MEASURE_FILE = "measure.json"
 
@@ -158,6 +158,19 @@ def check_engine_ready(draft: str, python: str | None = None) -> None:
         vllm_python(python)
     except EngineError as err:
         raise SpecError(f"--engine-check needs vLLM: {err.message}", fix=err.fix) from None
+
+
+def sglang_check(flags: list[str]) -> dict:
+    """{"version", "ok", "error"}: SGLang's own argument parser over `flags` (fp8ptq/engine/sglang_engine.py);
+    ok None, with the reason, where SGLang is not installed (`make sglang`)."""
+    from fp8ptq.engine.sglang_engine import run_checks
+    from fp8ptq.engine.vllm import EngineError
+
+    try:
+        r = run_checks({"flags": {"sglang_flags": flags}})
+    except EngineError as err:
+        return {"version": None, "ok": None, "error": str(err)}
+    return {"version": r["version"], **{k: r["flags"]["sglang_flags"][k] for k in ("ok", "error")}}
 
 
 def engine_check(
@@ -310,6 +323,10 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
             seed=int(measured["config"].get("seed", 0)),
             python=cfg.vllm_python,
         )
+    sglang = None
+    if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
+        flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=is_eagle3(measured["draft"]))
+        sglang = sglang_check(flags)
     plan = None
     if cfg.device_memory:
         from fp8ptq.spec.memory import model_shape, parse_size
@@ -331,6 +348,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
         "memory_plan": plan,
         "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
         "engine_check": engine,
+        "sglang_check": sglang,
         "note": None
         if rec.threshold is None
         else "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ",

@@ -98,6 +98,7 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     # The engine check ran the written config in vLLM (and plain decoding) on the measured prompts.
     e = rec["engine_check"]
     assert e == written and e["ok"], e
+    assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # SGLang's parser took the flags
     assert e["tokens"] == PROMPTS * MAX_TOKENS and e["plain_tokens_per_s"] > 0 and e["speculative_tokens_per_s"] > 0
     assert e["speedup"] == pytest.approx(e["speculative_tokens_per_s"] / e["plain_tokens_per_s"])
     # vLLM's own counters vs fp8ptq's accounting replayed on vLLM's greedy output. A comparison with
@@ -145,6 +146,7 @@ def test_vllm_ngram_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_fi
     }
     e = rec["engine_check"]
     assert e["ok"], e
+    assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # the n-gram flags SGLang refused
     v, replay = e["vllm"], e["fp8ptq_replay"]
     print(
         f"ngram γ={rec['gamma']}: vLLM {v}, replay {replay}; tokens/s plain {e['plain_tokens_per_s']:.1f}, "

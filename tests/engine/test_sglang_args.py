@@ -16,8 +16,6 @@ from fp8ptq.engine.sglang_engine import run_checks
 from fp8ptq.spec.eagle3 import SGLANG_CAPTURES_NEXT, default_layer_ids, sglang_layer_ids
 from fp8ptq.spec.recommend import sglang_flags
 
-pytestmark = pytest.mark.slow  # one subprocess: SGLang's import takes ~10 s
-
 SGLANG_CLASS = {  # model_type -> SGLang 0.5.23's model file and class
     "llama": ("llama.py", "LlamaForCausalLM"),
     "mistral": ("mistral.py", "MistralForCausalLM"),
@@ -28,6 +26,7 @@ SGLANG_CLASS = {  # model_type -> SGLang 0.5.23's model file and class
 }
 
 
+@pytest.mark.slow  # one subprocess: SGLang's import takes ~10 s
 def test_sglang_accepts_what_fp8ptq_writes():
     ours = {
         "ngram": sglang_flags("ngram:2-4", 5),
@@ -59,3 +58,11 @@ def test_sglang_accepts_what_fp8ptq_writes():
     for c in r["capture"]:  # SGLang's layers_to_capture index the layer whose input it takes, as vLLM's ids do
         assert c["layers_to_capture"] == vllm_ids, c
     assert sglang_layer_ids("llama", vllm_ids) == [1, 14, 26]  # what the head's eagle_config now says
+
+
+def test_recommend_says_when_sglang_is_not_installed(tmp_path, monkeypatch):
+    from fp8ptq.spec.run import sglang_check
+
+    monkeypatch.setenv("FP8PTQ_SGLANG_SITE", str(tmp_path / "none"))
+    r = sglang_check(sglang_flags("ngram:1-3", 2))
+    assert r["ok"] is None and "no SGLang at" in r["error"] and "make sglang" in r["error"], r
