@@ -184,7 +184,7 @@ def recommend_cmd(
     thresholds: Optional[str] = typer.Option(None, help="also try dynamic draft length at these thresholds"),
     draft_path: Optional[str] = typer.Option(None, help="draft path to write into the configs (default: DRAFT)"),
     token_map: Optional[str] = typer.Option(
-        None, help="SGLang --speculative-token-map file (draft-trim's token_map.pt)"
+        None, help="draft-trim's token_map.pt (recorded; not written to the SGLang flags: SGLang 0.5.23 mis-indexes it)"
     ),
     device_memory: Optional[str] = typer.Option(None, help="add a memory plan for a device of this size, e.g. 24GiB"),
     context: int = typer.Option(4096, help="memory plan: tokens per sequence"),

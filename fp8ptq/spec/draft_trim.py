@@ -11,7 +11,8 @@ Outputs (in OUT):
   model.safetensors; fp8ptq_trim.json. fp8ptq's harness loads it (spec.models.load_draft); no engine
   runs this as a `draft_model` (vLLM needs the full vocabulary; see docs/speculative.md).
 - token_map.pt: `torch.save` of the kept target ids (a list of ints), the file SGLang reads with
-  --speculative-token-map (torch.load(weights_only=True)); SGLang applies it to the FULL draft itself.
+  --speculative-token-map (torch.load(weights_only=True)); SGLang is meant to apply it to the FULL draft,
+  but 0.5.23's STANDALONE worker indexes it with full-vocabulary ids, so `spec recommend` does not pass it.
 - kept_token_ids.json: the same ids as JSON, for anything else.
 """
 

@@ -211,8 +211,10 @@ def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3
         "--speculative-num-draft-tokens",
         str(gamma + 1),
     ]
-    if token_map:
-        flags += ["--speculative-token-map", str(token_map)]
+    # No --speculative-token-map (token_map is accepted and left out): SGLang 0.5.23's STANDALONE worker loads
+    # it but keeps the draft's full LM head and indexes the map with full-vocabulary ids (out of range, or
+    # wrong tokens), and EAGLE3 reads the head's own d2t. The full draft serves correctly without it.
+    del token_map
     return flags
 
 

@@ -143,7 +143,7 @@ def test_engine_configs_and_files(tmp_path):
         vllm_config("d", 0)
     f = sglang_flags("d", 3, "t.pt")
     assert f[f.index("--speculative-num-steps") + 1] == "3" and f[f.index("--speculative-num-draft-tokens") + 1] == "4"
-    assert f[-2:] == ["--speculative-token-map", "t.pt"] and "STANDALONE" in f
+    assert "--speculative-token-map" not in f and "STANDALONE" in f  # SGLang 0.5.23 mis-indexes it (issue 38)
     costs = Costs(1.0, 0.1, {k: 1.0 for k in range(1, 10)}, "synthetic")
     rec = choose(_synthetic(0.7, range(1, 9)), costs)
     files = write_outputs(tmp_path, rec, draft="/x/draft")
