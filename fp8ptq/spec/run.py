@@ -349,6 +349,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
         "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
         "engine_check": engine,
         "sglang_check": sglang,
+        "token_map": cfg.token_map,  # a trimmed draft's map: recorded, not in the SGLang flags (sglang_flags)
         "note": None
         if rec.threshold is None
         else "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ",

@@ -216,7 +216,8 @@ def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
     )
     cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
     assert cfg == {"method": "draft_model", "model": str(drafted[0]), "num_speculative_tokens": rec["gamma"]}
-    assert "--speculative-token-map tm.pt" in (tmp_path / "rec" / "sglang_flags.txt").read_text()
+    assert "--speculative-token-map" not in (tmp_path / "rec" / "sglang_flags.txt").read_text()  # SGLang 0.5.23
+    assert rec["token_map"] == "tm.pt"  # recorded, not served
     assert (tmp_path / "rec" / "speculative.png").stat().st_size > 1000
     assert rec["memory_plan"]["fits_spec"] and rec["memory_plan"]["draft_weight_bytes"] > 0
     with pytest.raises(SpecError, match="temperature 0.5 was not measured"):
@@ -244,7 +245,9 @@ def test_build_draft_bundle(tmp_path, tiny_dir):
     assert (out / "draft" / "config.json").is_file() and (out / "draft-trimmed" / TOKEN_MAP).is_file()
     assert json.loads((out / "speculative_config.json").read_text()) == s["speculative_config"]
     assert s["speculative_config"]["model"] == "draft" and s["recommendation"]["gamma"] in (1, 2)
-    assert "--speculative-token-map" in (out / "sglang_flags.txt").read_text()
+    assert "--speculative-token-map" not in (out / "sglang_flags.txt").read_text()  # the full draft, no map
+    written = json.loads((out / "speculative" / "recommendation.json").read_text())
+    assert written["token_map"] == f"draft-trimmed/{TOKEN_MAP}"  # recorded beside the trimmed draft
     json.dumps(s)  # manifest-ready
 
 
