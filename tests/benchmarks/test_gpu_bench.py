@@ -26,7 +26,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path, tokenizer_dir):
     shutil.copytree(tokenizer_dir, work / "tokenizer")
     tiny = "--layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 1024".split()
     args = [*tiny, "--device", "cpu", "--num-samples", "4", "--seq-len", "64", "--eval-samples", "2"]
-    rows = gpu_bench.main([*args, "--work", str(work), "--json", str(tmp_path / "rows.json")])
+    plan = ["--plan", "0,1,2,3,4,5"]  # fp8ptq's three defaults beside llm-compressor's (not the matched W4A16 row)
+    rows = gpu_bench.main([*args, *plan, "--work", str(work), "--json", str(tmp_path / "rows.json")])
 
     fp8ptq = {r["run"]: r for r in rows if r["tool"] == "fp8ptq"}
     assert set(fp8ptq) == {"fp8-kv8 RTN", "fp8-kv8 GPTQ (default)", "w4a16 g64 GPTQ"}
