@@ -320,8 +320,7 @@ def calibrate(
             layer, prefix = layers[i], arch.layer_prefix(i)
             arch.check_layer(layer, i)
             if reader is not None:
-                reader.start(i)
-                reader.load(i, state.device, torch.float32)
+                reader.load(i, state.device, torch.float32)  # read in line when not prefetched (the first)
                 reader.start(i + 1)  # read while this layer calibrates
             else:
                 materialize(layer, prefix, src, torch.float32, state.device)

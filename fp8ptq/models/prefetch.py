@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from fp8ptq.models.loader import ModelSource, check_finite
-from fp8ptq.models.skeleton import source_name, stored_names
+from fp8ptq.models.skeleton import stored_sources
 
 # A layer larger than this is loaded the plain way: pinning a DeepSeek-V3 MoE layer (~11 GiB in bf16)
 # would take that much page-locked host memory for a gain that is small beside its calibration.
@@ -33,13 +33,7 @@ class LayerPrefetch:
         self.pending: dict[int, Future] = {}
 
     def names(self, i: int) -> dict[str, str]:
-        """Module-relative name -> stored name of layers[i]'s parameters and persistent buffers."""
-        prefix = self.src.arch.layer_prefix(i)
-        names = {n: source_name(self.src, prefix + n) for n in stored_names(self.layers[i])}
-        for full in names.values():
-            if not self.src.has(full):
-                raise KeyError(f"tensor '{full}' missing from {self.src.path}")
-        return names
+        return stored_sources(self.layers[i], self.src.arch.layer_prefix(i), self.src)
 
     def start(self, i: int) -> None:
         """Begin reading layers[i] unless it is too large to pin (then `load` reads it in the caller)."""

@@ -107,13 +107,20 @@ def stored_names(module: torch.nn.Module, recurse: bool = True) -> list[str]:
     return names
 
 
+def stored_sources(module: torch.nn.Module, prefix: str, src: ModelSource) -> dict[str, str]:
+    """Module-relative name -> the source's tensor name, for every tensor `materialize` loads (KeyError
+    naming the first the source lacks)."""
+    names = {n: source_name(src, prefix + n) for n in stored_names(module)}
+    for full in names.values():
+        if not src.has(full):
+            raise KeyError(f"tensor '{full}' missing from {src.path}")
+    return names
+
+
 def materialize(module: torch.nn.Module, prefix: str, src: ModelSource, dtype: torch.dtype, device="cpu") -> None:
     """Load module's parameters and persistent buffers (names under `prefix`) from the source shards."""
     state, mapped = {}, 0
-    for name in stored_names(module):
-        full = source_name(src, prefix + name)
-        if not src.has(full):
-            raise KeyError(f"tensor '{full}' missing from {src.path}")
+    for name, full in stored_sources(module, prefix, src).items():
         t = src.tensor(full)
         mapped += t.numel() * t.element_size()
         state[name] = check_finite(full, t).to(device=device, dtype=dtype)

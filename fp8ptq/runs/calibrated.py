@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -63,7 +63,8 @@ def calibrate_into(ctx: RunContext) -> None:
         """Wait for the layer in the writer thread (its error is raised here) and record it as done."""
         if pending:
             i, write = pending.pop("index"), pending.pop("write")
-            write.result()
+            if write is not None:  # None: a rank that writes nothing
+                write.result()
             if ctx.run is not None:
                 ctx.run.save_state(layers_done=i + 1)
 
@@ -71,7 +72,7 @@ def calibrate_into(ctx: RunContext) -> None:
         i = res.index
         write = None if ctx.writer is None else pool.submit(ctx.writer.write_layer, *ctx.writer.layer_payload(res))
         settle()
-        pending.update(index=i, write=write if write is not None else _done())
+        pending.update(index=i, write=write)
         if last["cost"] is None:
             last["cost"] = st.store.nbytes / CHECKPOINT_BYTES_PER_S
         since = time.monotonic() - last["t"]
@@ -105,13 +106,6 @@ def calibrate_into(ctx: RunContext) -> None:
     comm.barrier()
     if ctx.run is not None:
         shutil.rmtree(resume_dir, ignore_errors=True)
-
-
-def _done() -> Future:
-    """A finished future: the layer of a rank that writes nothing."""
-    f: Future = Future()
-    f.set_result(None)
-    return f
 
 
 def _mixed_schemes(ctx: RunContext, setup: CalibrationSetup):
