@@ -111,6 +111,22 @@ def smol_kv8(tmp_path_factory):
     return out, manifest
 
 
+@pytest.fixture(scope="session")
+def smol_q4_0(tmp_path_factory, smol_dir):
+    """A Q4_0 GGUF of the demo model (Q8_0 embedding; gguf-py's own quantizer, what llama.cpp's `quantize`
+    makes) and its conversion to compressed-tensors: (GGUF, converted dir, conversion report). Written and
+    converted once for tests/e2e/test_convert_real.py and test_convert_vllm.py (the conversion alone took
+    ~30 s a file). Do not modify them."""
+    from fp8ptq.api import ConvertConfig, convert
+
+    from helpers import write_gguf
+
+    tmp = tmp_path_factory.mktemp("smol-q4_0")
+    gguf = write_gguf(smol_dir, tmp / "smol.Q4_0.gguf", {"embed": "Q8_0"}, "Q4_0")
+    out = tmp / "smol-w4a16-g32"
+    return gguf, out, convert(ConvertConfig(source=gguf, output=out, to="compressed-tensors"))
+
+
 # The recipe CI run (tests/e2e/test_recipes_ci.py): small calibration, the mechanics not the quality.
 # SmolLM2's widths (576, 1536) take 64, not the recipes' 128 defaults: what its users pass.
 RECIPE_CI_ARGS = ["--num-samples", "8", "--seq-len", "128", "--eval-samples", "2"]

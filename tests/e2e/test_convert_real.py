@@ -13,31 +13,25 @@ import torch
 from fp8ptq.api import ConvertConfig, EvalConfig, convert, evaluate_quality
 from fp8ptq.models.loader import alias_gguf
 
-from helpers import read_config, write_gguf
+from helpers import read_config
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smol_q4_0(smol_dir, tmp_path_factory):
-    return write_gguf(smol_dir, tmp_path_factory.mktemp("smol-gguf") / "smol.Q4_0.gguf", {"embed": "Q8_0"}, "Q4_0")
 
 
 def test_real_q4_0_gguf_to_ct_and_back_is_exact(smol_q4_0, tmp_path):
     from gguf import GGUFReader
 
-    ct = tmp_path / "smol-w4a16"
-    report = convert(ConvertConfig(source=smol_q4_0, output=ct, to="compressed-tensors"))
+    gguf, ct, report = smol_q4_0  # conftest: the GGUF and its conversion, shared with test_convert_vllm.py
     s = report["summary"]
     assert (s["exact"], s["exact_int4"], s["dequantized"]) == (210, 210, 1), s  # the Q8_0 embedding: bf16
     assert read_config(ct)["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
     # the same numbers as transformers' dequantization of the GGUF (in bf16, as `convert --to hf` writes it)
-    q = evaluate_quality(EvalConfig(model=str(ct), reference=str(smol_q4_0), num_samples=2, seq_len=128))
+    q = evaluate_quality(EvalConfig(model=str(ct), reference=str(gguf), num_samples=2, seq_len=128))
     assert q["kl"] < 1e-3 and q["top1"] > 0.98, q
     back = tmp_path / "back.gguf"
     report = convert(ConvertConfig(source=ct, output=back, to="gguf"))
     assert report["summary"]["exact_q4_0"] == 210 and report["summary"]["worst_scale_fp16_rel_err"] == 0.0
-    a = {t.name: t for t in GGUFReader(str(smol_q4_0)).tensors}
+    a = {t.name: t for t in GGUFReader(str(gguf)).tensors}
     same = sum(
         np.array_equal(np.asarray(t.data), np.asarray(a[t.name].data))
         for t in GGUFReader(str(back)).tensors
@@ -72,6 +66,8 @@ def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path, recipe_export):
     s = report["summary"]
     assert (s["exact"], s["exact_q4_0"], s["dequantized"]) == (210, 210, 0), s
     assert s["worst_scale_fp16_rel_err"] <= 2**-11, s  # 0 measured: fp8ptq stores bf16-valued scales
-    q_ct = evaluate_quality(EvalConfig(model=str(ct), reference="smollm2-135m", num_samples=4, seq_len=256))
-    q_gguf = evaluate_quality(EvalConfig(model=str(gguf), reference="smollm2-135m", num_samples=4, seq_len=256))
+    # 2 x 128 tokens, as the other conversions here: measured relative differences 0.31% (2 x 128), 0.08%
+    # (4 x 256) against the 2% allowed; the time is mostly transformers reading the GGUF, not the tokens
+    q_ct = evaluate_quality(EvalConfig(model=str(ct), reference="smollm2-135m", num_samples=2, seq_len=128))
+    q_gguf = evaluate_quality(EvalConfig(model=str(gguf), reference="smollm2-135m", num_samples=2, seq_len=128))
     assert abs(q_gguf["kl"] - q_ct["kl"]) <= 0.02 * q_ct["kl"], (q_ct["kl"], q_gguf["kl"])

@@ -19,7 +19,7 @@ from fp8ptq.engine.vllm import run_vllm_jobs, vllm_cpu_limits, vllm_request
 from fp8ptq.eval.engine_check import EngineCheck, check_engine, engine_job
 from fp8ptq.models.loader import resolve_model
 
-from helpers import assert_no_w4a16_kernel, read_tensors, write_gguf
+from helpers import assert_no_w4a16_kernel, read_tensors
 from source_formats import write_gptq
 
 pytestmark = pytest.mark.slow
@@ -31,13 +31,13 @@ def _prompts(n: int = 3, length: int = 96):
 
 
 @pytest.fixture(scope="module")
-def converted(smol_dir, tmp_path_factory) -> dict:
+def converted(smol_dir, smol_q4_0, tmp_path_factory) -> dict:
     """Both conversions, and their vLLM runs in one vLLM process (run_vllm_jobs):
-    {kind: (output dir, conversion report, VllmRun, EngineCheck or None)}."""
+    {kind: (output dir, conversion report, VllmRun, EngineCheck or None)}. The GGUF's conversion is
+    conftest's `smol_q4_0`, shared with test_convert_real.py."""
     tmp = tmp_path_factory.mktemp("convert-vllm")
-    gguf = write_gguf(smol_dir, tmp / "smol.Q4_0.gguf", {"embed": "Q8_0"}, "Q4_0")
-    outs = {"gguf": tmp / "smol-w4a16-g32", "gptq": tmp / "smol-w4a16-g64"}
-    reports = {"gguf": convert(ConvertConfig(source=gguf, output=outs["gguf"], to="compressed-tensors"))}
+    outs = {"gguf": smol_q4_0[1], "gptq": tmp / "smol-w4a16-g64"}
+    reports = {"gguf": smol_q4_0[2]}
     write_gptq(smol_dir, tmp / "gptq", bits=4, group_size=64, sym=True)
     reports["gptq"] = convert(
         ConvertConfig(source=tmp / "gptq", output=outs["gptq"], to="compressed-tensors", source_format="gptq")
