@@ -62,7 +62,7 @@ class LayerCalibrator:
         self.arch = state.arch
         self.inputs = state.inputs(index)
         self.modules = dict(layer.named_modules())
-        self.attn_name = self.arch.attention
+        self.attn_name = self.arch.attention_of(layer)  # None: no KV cache in this layer (hybrid stacks)
         self.handles: list = []
         self._last: tuple | None = None  # (input, quantized input): fused shards see the same tensor
         self._caching, self._cached = None, {}
@@ -83,7 +83,7 @@ class LayerCalibrator:
             self.modules[n].register_forward_pre_hook(lambda _m, _a, g=g: order[current["block"]].append(g))
             for n, g in first_of.items()
         ]
-        attn = self.modules[self.attn_name]
+        attn = self.modules[self.attn_name] if self.attn_name is not None else torch.nn.Module()
         attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
         x = self.state.store.read(0, 1)[:, :4].to(self.state.device)  # every rank owns samples (checked)
         head = self.inputs.head(4)
@@ -269,7 +269,7 @@ class LayerCalibrator:
             return  # MoE blocks: passes over expert batches; not replayed
         final = self.replay.tokens * self.modules[block.final].in_features * 4 if cacheable else 0
         self.replay.budget = max(0, self.state.cache_bytes - final)
-        if len(stages) + (not cacheable) >= 2:
+        if block.norm and len(stages) + (not cacheable) >= 2:
             self.replay.want([block.norm], lambda _n: self.state.store.shape[-1])
 
     def _cache_fits(self, width: int) -> bool:
@@ -286,7 +286,8 @@ class LayerCalibrator:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-        self.modules[self.attn_name].__dict__.pop("fp8ptq_kv_hook", None)
+        if self.attn_name is not None:
+            self.modules[self.attn_name].__dict__.pop("fp8ptq_kv_hook", None)
         self._last = None
 
 

@@ -91,7 +91,7 @@ def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, 
     model = build_skeleton(src.config, attn_implementation=register_attention())
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
     local = chunks.local_samples()
-    shape = (len(local), input_ids.shape[1], src.config.hidden_size)
+    shape = (len(local), input_ids.shape[1], src.text_config.hidden_size)
     store = ActivationStore(*shape, setup.offload_dir, device=_store_device(device, math.prod(shape) * 4))
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
@@ -154,8 +154,9 @@ def observe_layer(
     prefix = state.arch.layer_prefix(index)
     for group in plan_layer(layer, prefix, ("Linear",), (), state.arch).groups:
         handles.append(modules[group[0]].register_forward_pre_hook(hook(group[0])))
-    attn = modules[state.arch.attention]
-    if kv:
+    attn_name = state.arch.attention_of(layer)
+    attn = modules[attn_name] if attn_name is not None else torch.nn.Module()
+    if kv and attn_name is not None:
         head = attn.head_dim
 
         def kv_hook(_m, k, v):

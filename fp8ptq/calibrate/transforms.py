@@ -71,7 +71,7 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
     if recipe.calibration.weight_observer != "minmax":
         minmax = recipe.calibration.model_copy(update={"weight_observer": "minmax"})
         screen = lambda w: fake_quant_weight(w, recipe.scheme.weights, minmax)  # noqa: E731
-    groups = {g.key: g for g in arch.smooth}
+    groups = {g.key: g for g in arch.smooth_groups(layer, prefix)}
     out = {}
     for key in recipe.smooth.groups:
         if key not in groups:
@@ -95,7 +95,8 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
         s = smooth_scales(st.channel_amax.to(w_amax.device), w_amax, alpha)
         norm = modules[norm_name]
         full_norm = f"{prefix}{norm_name}.weight"
-        new_norm, new_weights, s_eff = fold(norm.weight.data, weights, s, src.tensor_dtype(full_norm), arch.norm_offset)
+        offset = arch.norm_offset if groups[key].offset is None else groups[key].offset
+        new_norm, new_weights, s_eff = fold(norm.weight.data, weights, s, src.tensor_dtype(full_norm), offset)
         norm.weight.data = new_norm.to(norm.weight.dtype)
         result.float_tensors[full_norm] = new_norm
         for n, w in zip(names, new_weights):

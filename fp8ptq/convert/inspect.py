@@ -66,12 +66,14 @@ def _format(path: Path, config: dict) -> str:
     return {"hf-fp8": "hf-fp8-block", "unknown (fp8)": "hf-fp8"}.get(fmt, fmt)
 
 
-def _modules(config: dict, out: list[Finding]) -> dict[str, torch.nn.Module]:
+def _modules(config: dict, out: list[Finding], names: list[str] = ()) -> dict[str, torch.nn.Module]:
     """Name -> module of the model on the meta device: fp8ptq's skeleton (module names = checkpoint names)
     for a registered family, else transformers' own class; {} (and a warning) when neither builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fp8ptq.models.arch import registered
+    from fp8ptq.errors import ModelError
+    from fp8ptq.models.arch import arch_for, registered
+    from fp8ptq.models.loader import ModelSource
     from fp8ptq.models.skeleton import build_skeleton
 
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -79,8 +81,15 @@ def _modules(config: dict, out: list[Finding]) -> dict[str, torch.nn.Module]:
         cfg = AutoConfig.for_model(**plain)
         if cfg.model_type in registered():
             return dict(build_skeleton(cfg).named_modules())
-        with torch.device("meta"):
-            return dict(AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).named_modules())
+        try:
+            arch = arch_for(cfg)  # the generic adapter: module names as the checkpoint stores them
+        except ModelError:
+            with torch.device("meta"):
+                return dict(AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).named_modules())
+        stored = ModelSource(path=Path("."), label="", weight_map={}, config=cfg, renames=arch.renames(names))
+        # a module is named as the checkpoint stores its weight (a renamed router: `mlp.router.weight`
+        # stored as `block_sparse_moe.gate.weight`)
+        return {stored.stored_name(f"{n}.weight")[:-7]: m for n, m in build_skeleton(cfg).named_modules() if n}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         out.append(Finding("warning", "no-module-tree", "config.json", f"cannot build the model ({err}); lint partial"))
         return {}
@@ -192,7 +201,7 @@ def _lint_draft(src, config: dict, out: list[Finding]) -> None:
 def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]) -> None:
     """What every engine needs before the first token: decoder layers, and the LM head an untied config
     builds (tied heads read the embedding)."""
-    layers = config.get("num_hidden_layers")
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
     if not isinstance(layers, int) or layers < 1:
         out.append(Finding("error", "no-layers", "config.json", f"num_hidden_layers is {layers!r}"))
     tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False))
@@ -267,7 +276,7 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
     fmt = _format(path, config)
     findings: list[Finding] = []
     schemes: dict = {}
-    modules = _modules(config, findings)
+    modules = _modules(config, findings, list(weight_map))
     if fmt == "compressed-tensors":
         schemes = _lint_ct(src, config, modules, findings)
     _lint_draft(src, config, findings)

@@ -158,9 +158,9 @@ class SimLoader:
         qcfg = self.qcfg
         if not (self.simulate and self.kv and qcfg is not None and qcfg.kv_cache_scheme is not None):
             return False
-        attn = self.src.arch.attention
-        name = self.src.arch.layer_prefix(index) + attn
-        if not self.src.has(f"{name}.k_scale"):
+        attn = self.src.arch.attention_of(layer)
+        name = self.src.arch.layer_prefix(index) + (attn or "")
+        if attn is None or not self.src.has(f"{name}.k_scale"):
             return False
         install_kv_quant(
             layer.get_submodule(attn),

@@ -56,7 +56,7 @@ def _open(src: ModelSource, ids: torch.Tensor, device, simulate: bool, engine: d
     model = build_skeleton(src.config, attn_implementation=register_attention())
     arch = src.arch
     inputs = arch.layer_inputs(model, ids.shape[1], device)
-    store = ActivationStore(ids.shape[0], ids.shape[1], src.config.hidden_size)
+    store = ActivationStore(ids.shape[0], ids.shape[1], src.text_config.hidden_size)
     # Rows looked up in the stored dtype and widened (the values load_simulated's fp32 table gives).
     table = src.tensor(f"{arch.embed}.weight")
     scale = arch.embed_scale(model.config) if arch.embed_scale else None
@@ -85,14 +85,16 @@ def _run_layer(side: _Side, index: int, device, step: int) -> None:
     finally:
         for h in handles:
             h.remove()
-        layer.get_submodule(arch.attention).__dict__.pop("fp8ptq_kv_hook", None)
+        attn = arch.attention_of(layer)
+        if attn is not None:
+            layer.get_submodule(attn).__dict__.pop("fp8ptq_kv_hook", None)
         release(layer)
 
 
 def _head(side: _Side, device) -> Callable[[torch.Tensor], torch.Tensor]:
     """hidden states -> log-probabilities: the model's final norm, LM head (and Gemma's logit soft-cap)."""
     model = side.model
-    norm_name = side.src.arch.layers.rpartition(".")[0] + ".norm"
+    norm_name = side.src.arch.final_norm
     norm = model.get_submodule(norm_name)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
@@ -144,7 +146,7 @@ def compare_streaming(
             if progress:
                 progress("evaluate", i + 1, layers[0])
         heads = [_head(s, device) for s in sides]
-        vocab = max(s.model.config.vocab_size for s in sides)
+        vocab = max(s.model.config.get_text_config().vocab_size for s in sides)
         window = max(1, HEAD_BYTES // (4 * vocab))
         nll_ref = nll_cand = kl = agree = 0.0
         for s in range(n):

@@ -15,20 +15,24 @@ def check_architectures(config, path: Path) -> None:
     """vLLM picks the model class from config.json's `architectures`: it must be a causal-LM class of the
     family fp8ptq calibrates by `model_type` (GPT2LMHeadModel with model_type llama would load the wrong
     model, or none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     names = getattr(config, "architectures", None)
     if not names:
         return
     allowed = sorted(
         {
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]
+            mapping[t]
             for t in arch_for(config).model_types
-            if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+            if t in mapping
         }
     )
     wrong = [n for n in names if n not in allowed]
-    if wrong:
+    if wrong and allowed:
         expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, allowed[0])
         raise ModelError(
             f"'{path / 'config.json'}' says architectures {names} but model_type '{config.model_type}' "
@@ -45,8 +49,12 @@ def check_sizes(config, weight_map: dict[str, str], path: Path) -> None:
     """Sizes in config.json are positive integers, and it declares no more decoder layers than the weights
     hold: a skeleton is built from these numbers before any tensor is read (10**9 layers would fill memory)."""
     where = path / "config.json"
+    config = config.get_text_config()  # a multimodal checkpoint's language model
     for name in SIZE_FIELDS:
-        value = getattr(config, name, None)
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - per-layer sizes (Gemma 4's head_dim) refuse a global read
+            continue
         values = value if isinstance(value, (list, tuple)) else [value]  # per-layer sizes (e.g. OpenELM)
         if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
             raise ModelError(f"'{where}': {name} is {value!r}, not a positive integer", fix=f"repair {name}")

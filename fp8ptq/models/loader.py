@@ -23,6 +23,8 @@ from fp8ptq.errors import ModelError, NonFiniteError, OutputError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for
 from fp8ptq.models.arch.base import SourceView
+from fp8ptq.models.arch.capture import stored_name
+from fp8ptq.models.arch.generic import GenericArch
 from fp8ptq.models.config_checks import check_architectures, check_sizes
 from fp8ptq.models.folder import inside_model
 
@@ -95,11 +97,19 @@ class ModelSource:
     # names the skeleton uses that the files store inside fused tensors (Arch.source_views); the
     # weight_map lists these names instead of the fused ones
     views: dict[str, SourceView] = field(default_factory=dict)
+    # module name -> the name the files store it under, by transformers' own checkpoint renamings (the
+    # generic adapter: `model.language_model.layers...` stored as `language_model.model.layers...`)
+    renames: dict[str, str] = field(default_factory=dict)
     _handles: dict = field(default_factory=dict, repr=False)
 
     @property
     def arch(self) -> Arch:
         return arch_for(self.config)
+
+    @property
+    def text_config(self):
+        """The language model's config (the config itself, or a multimodal checkpoint's text_config)."""
+        return self.config.get_text_config()
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -111,15 +121,20 @@ class ModelSource:
             handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return handle
 
+    def stored_name(self, name: str) -> str:
+        """The name the files give the tensor the skeleton calls `name` (what an export writes): renamed
+        tensors by their prefix, so a quantized Linear's scales and an attention's KV scales follow."""
+        return stored_name(name, self.renames) if self.renames else name
+
     def _slice(self, name: str):
         view = self.views.get(name)
-        return self._handle(name).get_slice(name if view is None else view.stored)
+        return self._handle(name).get_slice(self.stored_name(name) if view is None else view.stored)
 
     def tensor(self, name: str) -> torch.Tensor:
         view = self.views.get(name)
         if view is not None:
             return view.read(self._slice(name))
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self.stored_name(name))
 
     def tensor_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
@@ -288,7 +303,13 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         weight_map = {n: s for n, s in weight_map.items() if n not in fused} | {
             n: weight_map[v.stored] for n, v in views.items()
         }
-    return ModelSource(path=path, label=label or str(path), weight_map=weight_map, config=config, views=views)
+    renames = arch.renames(list(weight_map)) if isinstance(arch, GenericArch) else {}
+    if renames:
+        back = {stored: name for name, stored in renames.items() if not name.endswith(".")}  # not the prefixes
+        weight_map = {back.get(n, n): s for n, s in weight_map.items()}
+    return ModelSource(
+        path=path, label=label or str(path), weight_map=weight_map, config=config, views=views, renames=renames
+    )
 
 
 def alias_gguf(alias: str) -> Path:

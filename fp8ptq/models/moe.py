@@ -18,27 +18,35 @@ depend on other experts' weights).
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
 
+from fp8ptq.errors import ModelError
+
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # Qwen-MoE / DeepSeek naming
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral naming: w1 gate, w3 up, w2 down
+UP_DOWN = (None, "up_proj", "down_proj")  # experts without a gate (Nemotron-H): down(act(up(x)))
 
 
 class ExpertMLP(torch.nn.Module):
-    """One expert: down(act(gate(x)) * up(x)), with the checkpoint's leaf names."""
+    """One expert: down(act(gate(x)) * up(x)) (down(act(up(x))) without a gate), with the checkpoint's
+    leaf names."""
 
-    def __init__(self, hidden: int, inter: int, act: Callable, names: tuple[str, str, str] = GATE_UP_DOWN):
+    def __init__(self, hidden: int, inter: int, act: Callable, names: tuple[str | None, str, str] = GATE_UP_DOWN):
         super().__init__()
         self.names, self.act = names, act
         gate, up, down = names
-        self.add_module(gate, torch.nn.Linear(hidden, inter, bias=False))
+        if gate is not None:
+            self.add_module(gate, torch.nn.Linear(hidden, inter, bias=False))
         self.add_module(up, torch.nn.Linear(hidden, inter, bias=False))
         self.add_module(down, torch.nn.Linear(inter, hidden, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (self._modules[n] for n in self.names)
+        gate, up, down = (self._modules.get(n) if n else None for n in self.names)
+        if gate is None:
+            return down(self.act(up(x)))
         return down(self.act(gate(x)) * up(x))
 
 
@@ -79,3 +87,85 @@ def token_counts(top_k_index: torch.Tensor, count: int) -> torch.Tensor:
     """Routed (token, expert) pairs per expert."""
     flat = top_k_index.flatten()
     return torch.bincount(flat[(flat >= 0) & (flat < count)], minlength=count).cpu()
+
+
+# transformers' fused 3-D experts, found and unfused for any family (the generic adapter)
+_MODEL_FREE = "quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`"
+
+
+def is_fused_experts(m: torch.nn.Module) -> bool:
+    """transformers' experts: 3-D `gate_up_proj` (or `up_proj`, experts without a gate) and `down_proj`."""
+    p = m._parameters
+    up = p.get("gate_up_proj", p.get("up_proj"))
+    return up is not None and up.dim() == 3 and p.get("down_proj") is not None
+
+
+def fused_experts(layers: torch.nn.ModuleList) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Layer-relative paths of fused experts modules, and of the routers (a sibling with a weight of one
+    row per expert) and shared-expert gates (one row), which are never quantized."""
+    at, keep = set(), set()
+    for layer in layers:
+        for n, m in layer.named_modules():
+            if not is_fused_experts(m):
+                continue
+            at.add(n)
+            parent_name = n.rpartition(".")[0]
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            count = m.down_proj.shape[0]
+            for c, child in parent.named_children():
+                w = getattr(child, "weight", None)
+                if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] in (count, 1):
+                    keep.add(f"{parent_name}.{c}" if parent_name else c)
+    return tuple(sorted(at)), tuple(sorted(keep))
+
+
+def stored_expert_leaves(model: torch.nn.Module) -> tuple[str | None, str, str] | None:
+    """The leaf names a checkpoint gives one expert's weights ((gate, up, down), gate None for experts
+    without one), read off transformers' own checkpoint converters of `model` (the per-expert tensors
+    its loader merges into 3-D experts: `experts.*.w1.weight` + `experts.*.w3.weight` -> gate_up_proj);
+    None when transformers converts none (the checkpoint stores the experts as the model holds them)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    found: dict[str, list[str]] = {}
+    for t in get_model_conversion_mapping(model):
+        if not isinstance(t, WeightConverter) or len(t.target_patterns) != 1:
+            continue
+        leaves = [re.search(r"experts\.\*\.(\w+)\.weight$", p) for p in t.source_patterns]
+        target = re.search(r"experts\.(gate_up_proj|up_proj|down_proj)$", t.target_patterns[0])
+        if target and leaves and all(leaves):
+            found[target.group(1)] = [m.group(1) for m in leaves]
+    if "down_proj" not in found:
+        return None
+    if len(found.get("gate_up_proj", ())) == 2:
+        return (*found["gate_up_proj"], found["down_proj"][0])
+    if len(found.get("up_proj", ())) == 1:
+        return (None, found["up_proj"][0], found["down_proj"][0])
+    return None
+
+
+def unfuse_experts(layer: torch.nn.Module, config, leaves: tuple | None = None) -> None:
+    """transformers' fused 3-D experts -> one Linear per expert weight, named as checkpoints store them
+    (`leaves`: stored_expert_leaves; default gate_proj/up_proj/down_proj)."""
+    for n, m in list(layer.named_modules()):
+        if not is_fused_experts(m):
+            continue
+        gated = m._parameters.get("gate_up_proj") is not None
+        count, rows, hidden = (m.gate_up_proj if gated else m.up_proj).shape
+        inter = rows // 2 if gated else rows
+        if tuple(m.down_proj.shape) != (count, hidden, inter) or any(
+            k.endswith("bias") and v is not None for k, v in m._parameters.items()
+        ):
+            raise ModelError(
+                f"experts '{n}' ({type(m).__name__}) are not laid out as [E, 2I, H] (or [E, I, H]) / [E, H, I] "
+                "without biases",
+                fix=_MODEL_FREE,
+            )
+        parent_name, _, leaf = n.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        names = leaves or (GATE_UP_DOWN if gated else UP_DOWN)
+        if (names[0] is not None) != gated:
+            raise ModelError(f"experts '{n}': the checkpoint's expert names {names} do not match {type(m).__name__}")
+        replace_experts(parent, count, hidden, inter, m.act_fn, names)
+        if leaf != "experts":
+            parent._modules[leaf] = parent._modules.pop("experts")

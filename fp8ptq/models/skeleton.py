@@ -8,6 +8,7 @@ import torch
 
 from fp8ptq.io import trim_heap
 from fp8ptq.models.arch import arch_for
+from fp8ptq.models.arch.generic import GenericArch, build_model
 from fp8ptq.models.loader import ModelSource, check_finite
 
 
@@ -28,15 +29,18 @@ def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module
     arch = arch_for(config)
     if arch.eager_attention:  # "sdpa" -> "eager", "fp8ptq_sdpa" -> "fp8ptq_eager" (quantize/numerics.py)
         attn_implementation = attn_implementation.replace("sdpa", "eager")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, trust_remote_code=False
-        )
-    rotary = model.get_submodule(arch.rotary)
-    model.set_submodule(arch.rotary, type(rotary)(config=model.config))  # real inv_freq buffer on the CPU
-    embed = model.get_submodule(arch.embed)
-    if arch.embed_scale is not None and "embed_scale" in embed._buffers:  # Gemma's scaled embedding
-        embed.embed_scale = torch.tensor(arch.embed_scale(model.config))
+    if isinstance(arch, GenericArch):  # parameters on meta, buffers (rotary, embedding scale) computed
+        model = build_model(config, attn_implementation=attn_implementation)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, trust_remote_code=False
+            )
+        rotary = model.get_submodule(arch.rotary)
+        model.set_submodule(arch.rotary, type(rotary)(config=model.config))  # real inv_freq buffer on the CPU
+        embed = model.get_submodule(arch.embed)
+        if arch.embed_scale is not None and "embed_scale" in embed._buffers:  # Gemma's scaled embedding
+            embed.embed_scale = torch.tensor(arch.embed_scale(model.config))
     if arch.prepare_layer is not None:
         with torch.device("meta"):  # new modules (one Linear per expert) hold no memory until materialized
             for layer in arch.decoder_layers(model):
@@ -55,7 +59,7 @@ def check_agrees(src: ModelSource, tokenizer=None) -> None:
 
     config = src.config
     where = f"'{src.path}'"
-    layers = getattr(config, "num_hidden_layers", None)
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
     if not isinstance(layers, int) or layers < 1:
         raise ModelError(f"{where}: config.json says num_hidden_layers {layers!r}", fix="repair config.json")
     if getattr(config, "quantization_config", None) is not None:

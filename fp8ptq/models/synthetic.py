@@ -144,26 +144,38 @@ def write_random(
     """A random model of a registered family, from transformers' own config class with the adapter's
     `tiny` sizes (overridden by **config), bf16, saved with save_pretrained (so on disk as the family's
     checkpoints are: per-expert tensors for MoE models), with the tokenizer. One residual channel gets
-    a large pre-attention norm weight (an activation outlier, as real LLMs have)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    a large pre-attention norm weight (an activation outlier, as real LLMs have). Any other model_type
+    transformers knows: its config class with **config applied to the (text) config, multimodal
+    checkpoints through their image-text-to-text class."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from fp8ptq.models.arch import ARCHS
 
-    arch = ARCHS[model_type]
+    arch = ARCHS.get(model_type)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     ids = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
-    cfg = AutoConfig.for_model(
-        model_type, **{**arch.tiny, **ids, "num_hidden_layers": layers, "vocab_size": len(tok), **config}
-    )
-    torch.manual_seed(seed)
-    if init_bf16:  # large benchmark models: never a full fp32 copy
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}  # hashable in test fixtures
+    sizes = {**ids, "num_hidden_layers": layers, "vocab_size": len(tok), **config}
+    if arch is not None:
+        cfg = AutoConfig.for_model(model_type, **{**arch.tiny, **sizes})
     else:
-        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for layer in arch.decoder_layers(model):
-            norm = layer.get_submodule(arch.blocks[0].norm).weight
-            norm[3] = outlier - arch.norm_offset
+        default = AutoConfig.for_model(model_type)
+        if default.get_text_config() is default:
+            cfg = AutoConfig.for_model(model_type, **sizes)
+        else:  # multimodal: the sizes are the language model's
+            cfg = AutoConfig.for_model(model_type, text_config=sizes, **ids)
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if init_bf16 else None  # large benchmark models: never a full fp32 copy
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except ValueError:  # an image-text-to-text model type only
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=dtype)
+    model = model.to(torch.bfloat16)
+    if arch is not None:
+        with torch.no_grad():
+            for layer in arch.decoder_layers(model):
+                norm = layer.get_submodule(arch.blocks[0].norm).weight
+                norm[3] = outlier - arch.norm_offset
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(str(out), max_shard_size=max(total // shards + 1, 1 << 16) if shards > 1 else "10GB")
     tok.save_pretrained(str(out))

@@ -46,6 +46,12 @@ def plan_layer(layer: torch.nn.Module, prefix: str, targets, ignore, arch: Arch)
     skipped = tuple((n, _why_skipped(prefix + n, m, targets, arch)) for n, m in linears.items() if n not in chosen)
     groups: list[tuple[str, ...]] = []
     taken: set[str] = set()
+    traced = arch.shared_inputs(layer, prefix)
+    for shared in traced or ():  # discovered: the chosen Linears that read one input share its scales
+        names = [n for n in shared if n in chosen]
+        if names:
+            groups.append(tuple(names))
+            taken.update(names)
     for shards in arch.fused.values():
         by_parent: dict[str, list[str]] = {}
         for n in chosen:

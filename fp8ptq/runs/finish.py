@@ -44,7 +44,7 @@ def finish(ctx: RunContext) -> Manifest:
     shards = ctx.state.get("shards")  # a resumed run that had already assembled its shards
     if not shards:
         t = time.perf_counter()
-        shards = writer.finish(src.config.num_hidden_layers)
+        shards = writer.finish(src.text_config.num_hidden_layers)
         run.save_state(shards=shards)
         ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
     write_metadata(ctx, _config_updates(layers), _export_groups(recipe, layers, run.state))
@@ -84,13 +84,17 @@ def finish(ctx: RunContext) -> Manifest:
     return manifest
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
 def write_metadata(ctx: RunContext, config_updates: dict, groups) -> None:
     src, out = ctx.src, ctx.path
     config = json.loads((src.path / "config.json").read_text())
     config.update(config_updates)
     config["quantization_config"] = quantization_config(ctx.recipe, groups, ctx.src.arch.keep_float)
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    for extra in ("generation_config.json",):
+    # the checkpoint's own generation and processor files: a multimodal export serves as the same model
+    for extra in ("generation_config.json", *PROCESSOR_FILES):
         if (src.path / extra).is_file():
             shutil.copy2(src.path / extra, out / extra)
     ctx.tokenizer.save_pretrained(str(out))

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.tiny
 def test_registry_and_unknown_model_type():
     assert {"llama", "mistral", "qwen2", "qwen3"} <= set(registered())
     with pytest.raises(ModelError) as e:
-        arch_for({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
-    assert "unsupported architecture 'gpt2'" in str(e.value) and "llama" in str(e.value)
+        arch_for({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})  # Conv1D, not nn.Linear
+    assert "'gpt2': its decoder layers hold no nn.Linear (" in str(e.value) and "Conv1D" in str(e.value)
 
 
 @pytest.mark.parametrize("model_type", registered())

@@ -58,7 +58,7 @@ class Block:
     the block's output from that Linear's cached input, without re-running the block. None: none (MoE).
     """
 
-    kind: Literal["attention", "mlp"]
+    kind: Literal["attention", "mlp", "layer"]  # layer: the whole decoder layer (the generic adapter)
     norm: str
     module: str
     final: str | None = None
@@ -73,6 +73,7 @@ class SmoothGroup:
     key: str
     norm: str
     linears: tuple[str, ...]
+    offset: float | None = None  # the norm computes (offset + w); None: the adapter's norm_offset
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,20 @@ class Arch:
 
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.get_submodule(self.layers)
+
+    def attention_of(self, layer: torch.nn.Module) -> str | None:
+        """The layer-relative name of the module whose attention sees post-RoPE keys/values (None: a layer
+        without a KV cache)."""
+        return self.attention
+
+    def shared_inputs(self, layer: torch.nn.Module, prefix: str) -> list[tuple[str, ...]] | None:
+        """The layer's Linears grouped by the input they read, when discovered by tracing (the generic
+        adapter); None: the `fused` names say which shards vLLM fuses."""
+        return None
+
+    def smooth_groups(self, layer: torch.nn.Module, prefix: str) -> tuple[SmoothGroup, ...]:
+        """SmoothQuant's norm -> Linears maps of one layer (the adapter's; the generic adapter traces them)."""
+        return self.smooth
 
     def is_layer_tensor(self, name: str) -> bool:
         return name.startswith(self.layers + ".")

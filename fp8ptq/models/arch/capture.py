@@ -1,0 +1,202 @@
+"""How the generic adapter (models/arch/generic.py) reads a model: building it with its parameters on the
+meta device, capturing what its decoder stack passes each layer, and probing a norm (w or 1 + w) and
+whether a smoothing fold is exact for a layer as it runs."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from fp8ptq.errors import ModelError
+
+MODEL_FREE = "quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`"
+_SKIP_KWARGS = ("past_key_values", "past_key_value", "cache_params", "use_cache", "output_attentions")
+
+
+def uses_attention_interface(cls: type) -> bool:
+    """Whether a module class's forward goes through transformers' attention interface (its KV cache)."""
+    if not issubclass(cls, torch.nn.Module) or cls.forward is torch.nn.Module.forward:
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+class _Stop(Exception):
+    pass
+
+
+def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tuple[tuple, dict]]:
+    """(args, kwargs) besides the hidden states that the decoder stack passes each layer for positions
+    0..seq_len-1 (batch 1), recorded by stubs in place of the layers while the stack runs on zeros."""
+    stack_name, _, attr = arch.layers.rpartition(".")
+    stack = model.get_submodule(stack_name)
+    layers = getattr(stack, attr)
+    seen: dict[int, tuple[tuple, dict]] = {}
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, index: int, like: torch.nn.Module):
+            super().__init__()
+            self.index = index
+            for k, v in vars(like).items():  # attributes stacks read off a layer (attention_type, ...)
+                if not k.startswith("_") and not isinstance(v, torch.nn.Module) and k not in ("training",):
+                    self.__dict__.setdefault(k, v)
+
+        def forward(self, hidden_states, *args, **kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k not in _SKIP_KWARGS}
+            seen[self.index] = (args, kwargs)
+            if self.index + 1 == len(layers):
+                raise _Stop
+            return (hidden_states,) if _returns_tuple(layers[self.index]) else hidden_states
+
+    if arch.rotary:
+        model.get_submodule(arch.rotary).to(device)
+    setattr(stack, attr, torch.nn.ModuleList(Recorder(i, layer) for i, layer in enumerate(layers)))
+    hidden = model.config.get_text_config().hidden_size
+    try:
+        with torch.inference_mode():
+            stack(inputs_embeds=torch.zeros(1, seq_len, hidden, device=device), use_cache=False)
+    except _Stop:
+        pass
+    except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
+        raise ModelError(
+            f"the generic path could not run the decoder stack of '{arch.name}' to capture its layers' "
+            f"inputs: {type(err).__name__}: {err}",
+            fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
+        ) from None
+    finally:
+        setattr(stack, attr, layers)
+    if len(seen) != len(layers):
+        raise ModelError(
+            f"the decoder stack of '{arch.name}' called {len(seen)} of its {len(layers)} layers",
+            fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
+        )
+    return seen
+
+
+def _returns_tuple(layer: torch.nn.Module) -> bool:
+    ann = inspect.signature(type(layer).forward).return_annotation
+    return "tuple" in str(ann).lower()
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Build modules with parameters on the meta device and buffers real (rotary frequencies, embedding
+    scales: computed by the constructors from the config)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # a tied weight is registered again as itself
+            p = module._parameters[name]
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_model(config, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The model's module tree (parameters on meta), as the causal-LM or image-text-to-text class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    errors = []
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            with meta_parameters():
+                return auto.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)
+        except ValueError as err:  # not a model type of this auto class, or no SDPA attention
+            if "sdpa" in attn_implementation and "scaled_dot_product_attention" in str(err):
+                raise NoSdpa from None
+            errors.append(str(err).splitlines()[0])
+    raise ModelError(
+        f"transformers cannot build a model of type '{config.model_type}' ({'; '.join(errors)})",
+        fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
+    )
+
+
+class NoSdpa(Exception):
+    """transformers refuses SDPA for this family (Gemma 2's soft-capping, e.g.): eager attention."""
+
+
+def is_norm(m: torch.nn.Module) -> bool:
+    w = m._parameters.get("weight")
+    return "norm" in type(m).__name__.lower() and w is not None and w.dim() == 1 and m._parameters.get("bias") is None
+
+
+def norm_offset(norm: torch.nn.Module) -> float | None:
+    """0 when the norm computes normalized(x) * w, 1 for normalized(x) * (1 + w) (Gemma), None otherwise:
+    probed on a random input with w = 0 and w = -1."""
+    w = norm.weight.data.clone()
+    x = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    try:
+        with torch.no_grad():
+            for offset in (0.0, 1.0):
+                norm.weight.data.fill_(-offset)
+                if not bool(norm(x).any()):
+                    return offset
+    finally:
+        norm.weight.data.copy_(w)
+    return None
+
+
+def fold_is_exact(run, base: torch.Tensor, norm: torch.nn.Module, linears: list[torch.nn.Module]) -> bool:
+    """Whether scaling the norm's output by 1/s and the Linears' inputs by s leaves the layer's output
+    unchanged, for a random positive s: exactly what folding s into the norm and the weights does."""
+    s = torch.exp(torch.randn(norm.weight.numel(), generator=torch.Generator().manual_seed(1)) * 0.5)
+    s = s.to(norm.weight.device, base.dtype)
+    hooks = [norm.register_forward_hook(lambda _m, _a, out: out / s)]
+    hooks += [m.register_forward_pre_hook(lambda _m, a: (a[0] * s, *a[1:])) for m in linears]
+    try:
+        out = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return bool(torch.allclose(out, base, rtol=1e-4, atol=1e-5 * float(base.abs().max())))
+
+
+# -- checkpoint names: transformers' own renaming rules --------------------------------------------------
+def stored_path(model: torch.nn.Module, layers: str, relative: str) -> str:
+    """The checkpoint's layer-relative path of a module transformers renames on load (phimoe's router
+    `mlp.router` is stored as `block_sparse_moe.gate`), by transformers' own rules run in reverse."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    rules = [t.reverse_transform() for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    for i in range(len(model.get_submodule(layers))):
+        name = f"{layers}.{i}.{relative}.weight"
+        if name in model.state_dict():
+            stored = rename_source_key(name, rules, [], model.base_model_prefix, None, reverse=True)[0]
+            return stored.rpartition(f".{i}.")[2].removesuffix(".weight")
+    return relative
+
+
+def stored_name(name: str, renames: dict[str, str]) -> str:
+    """The stored name of a module-named tensor under `renames` (GenericArch.renames): its own, else by the
+    longest renamed prefix it lies under."""
+    if name in renames:
+        return renames[name]
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i]) + "."
+        if prefix in renames:
+            return renames[prefix] + name[len(prefix) :]
+    return name
+
+
+def prefix_pairs(renames: dict[str, str]) -> set[tuple[str, str]]:
+    """(new prefix, stored prefix) candidates: each renamed pair with its common dotted suffix removed."""
+    pairs = set()
+    for new, old in renames.items():
+        a, b = new.split("."), old.split(".")
+        while a and b and a[-1] == b[-1]:
+            a, b = a[:-1], b[:-1]
+        if a and b:
+            pairs.add((".".join(a) + ".", ".".join(b) + "."))
+    return pairs

@@ -1,0 +1,368 @@
+"""The generic adapter: the layout of any decoder model transformers can build, discovered from the model.
+
+For a `model_type` no adapter registers, `discover(config)` builds the model's module tree on the meta
+device (`AutoModelForCausalLM`, else `AutoModelForImageTextToText` for multimodal checkpoints) and reads:
+
+- the decoder stack (`get_decoder()`) and its layer list (the ModuleList of num_hidden_layers blocks);
+  each layer runs whole, with every argument the model's own forward passes it (captured by recording
+  stubs, as `Arch.layer_inputs` does for the adapters), so hybrid stacks (linear attention, Mamba
+  mixers) and per-layer masks need no rules here;
+- the Linears that read the same input tensor (vLLM's fused shards: q/k/v, gate/up, MLA's q_a/kv_a,
+  a linear-attention block's input projections), traced per layer on a 4-token input: they share
+  scales the way vLLM's loader expects;
+- the attention modules: those whose forward goes through transformers' attention interface (the
+  KV-cache scales are theirs; a layer without one has no KV cache);
+- transformers' fused 3-D experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), unfused per
+  expert under the checkpoint's names (models/moe.py), with the router and shared-expert gate kept in
+  float and written to `ignore`;
+- towers beside the decoder (vision, audio, projectors): copied unchanged and ignored.
+
+What only a person knows stays unsaid and its transforms are refused (`refuses`): which norm feeds which
+Linears (SmoothQuant, rotations), an MLP FlattenQuant may widen, a norm computed as (1 + w).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8ptq.errors import ModelError
+from fp8ptq.models.arch.base import Arch, Block, LayerInputs, SmoothGroup
+from fp8ptq.models.arch.capture import (
+    MODEL_FREE,
+    NoSdpa,
+    build_model,
+    capture,
+    fold_is_exact,
+    is_norm,
+    norm_offset,
+    prefix_pairs,
+    stored_path,
+    uses_attention_interface,
+)
+from fp8ptq.models.moe import fused_experts, stored_expert_leaves, unfuse_experts
+
+LAYER = Block("layer", "", "")  # the whole decoder layer, called with its captured arguments
+TRACE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class CapturedInputs(LayerInputs):
+    """Every argument the decoder stack passes a layer besides the hidden states, at two lengths (the
+    calibration length and TRACE_TOKENS, for tracing on a short slice)."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    short: CapturedInputs | None = None
+
+    def head(self, n: int) -> LayerInputs:
+        assert self.short is not None and n == TRACE_TOKENS, f"captured inputs of {TRACE_TOKENS} tokens, not {n}"
+        return self.short
+
+
+@dataclass(frozen=True)
+class GenericArch(Arch):
+    """An `Arch` discovered from a transformers model (see module doc)."""
+
+    towers: tuple[str, ...] = ()  # modules beside the decoder (vision, audio, projectors): kept as stored
+    norm_at: str = ""  # the norm after the last decoder layer
+    experts_at: tuple[str, ...] = ()  # layer-relative names of fused 3-D experts modules to unfuse
+    skeleton: torch.nn.Module | None = field(default=None, repr=False, compare=False)  # for tracing
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def final_norm(self) -> str:
+        return self.norm_at
+
+    def check_layer(self, layer: torch.nn.Module, index: int) -> None:
+        return None
+
+    def attention_of(self, layer: torch.nn.Module) -> str | None:
+        found = [n for n, m in layer.named_modules() if uses_attention_interface(type(m))]
+        return found[0] if found else None
+
+    # -- inputs ----------------------------------------------------------------------------------------
+    def layer_inputs(self, model: torch.nn.Module, seq_len: int, device):
+        full = capture(self, model, seq_len, device)
+        short = capture(self, model, TRACE_TOKENS, device)
+        return {
+            i: CapturedInputs(None, None, a, k, CapturedInputs(None, None, *short[i])) for i, (a, k) in full.items()
+        }.__getitem__
+
+    def run_block(self, layer: torch.nn.Module, block: Block, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        assert isinstance(inputs, CapturedInputs), "the generic path runs whole layers with their captured inputs"
+        out = layer(x, *inputs.args, **inputs.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    # -- shared inputs ---------------------------------------------------------------------------------
+    def shared_inputs(self, layer: torch.nn.Module, prefix: str) -> list[tuple[str, ...]]:
+        """The layer's Linears grouped by the input tensor they read (call order), traced on a random
+        TRACE_TOKENS-token input with the layer's own arguments. Routed experts do not run: their gate/up
+        read one input by construction (models/moe.py). A layer on the meta device (data-free runs) is
+        traced on a random copy without them. Cached per layer structure."""
+        from fp8ptq.models.moe import ExpertMLP, Experts
+
+        index = int(prefix[len(self.layers) + 1 : -1])  # "model.layers.3." -> 3
+        signature = tuple((n, type(m).__name__) for n, m in layer.named_modules())
+        if signature in self._cache:
+            return self._cache[signature]
+        probe = layer
+        if any(p.is_meta for p in layer.parameters()):
+            probe = copy.deepcopy(layer)
+            for m in probe.modules():
+                if isinstance(m, Experts):
+                    m._modules.clear()  # no expert runs (Experts.forward skips missing indices)
+            probe.to_empty(device="cpu")
+            gen = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in probe.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            probe.float()
+        groups = self._trace(probe, index)
+        for n, m in layer.named_modules():
+            if isinstance(m, ExpertMLP):
+                gate, up, down = (f"{n}.{leaf}" if leaf else None for leaf in m.names)
+                groups += [(gate, up) if gate else (up,), (down,)]
+        self._cache[signature] = groups
+        return groups
+
+    def _trace(self, layer: torch.nn.Module, index: int) -> list[tuple[str, ...]]:
+        from fp8ptq.models.moe import Experts
+
+        run = self._runner(layer, index)
+        seen: list[tuple[str, torch.Tensor]] = []
+        experts = [m for m in layer.modules() if isinstance(m, Experts)]
+        inside = {id(x) for m in experts for x in m.modules()}  # routed experts: grouped by construction
+        handles = [
+            m.register_forward_pre_hook(lambda _m, a, n=n: seen.append((n, a[0])))
+            for n, m in layer.named_modules()
+            if isinstance(m, torch.nn.Linear) and id(m) not in inside
+        ]
+        for m in experts:
+            m.only = frozenset()  # no routed expert runs in the trace
+        try:
+            run()
+        finally:
+            for h in handles:
+                h.remove()
+            for m in experts:
+                m.only = None
+        groups: list[list[str]] = []
+        by_input: dict[int, list[str]] = {}
+        for name, t in seen:
+            if name in {n for g in groups for n in g}:
+                continue  # a Linear called twice (shared weights): its first input decides
+            if id(t) not in by_input:
+                by_input[id(t)] = []
+                groups.append(by_input[id(t)])
+            by_input[id(t)].append(name)
+        return [tuple(g) for g in groups]
+
+    def smooth_groups(self, layer: torch.nn.Module, prefix: str) -> tuple[SmoothGroup, ...]:
+        """SmoothQuant's norm -> Linears maps of a layer, observed rather than said: a norm whose output
+        tensor is the input of a group of Linears (traced), kept only when the fold is exact for the
+        layer as it runs: scaling the norm's output by 1/s and those Linears' inputs by s leaves the
+        layer's output unchanged (no router, gate or other module reads that output), and the norm
+        multiplies by w or by (1 + w) (probed with w = 0 and w = -1). The first such group of a layer is
+        'qkv' (the token mixer's input), the second 'gate_up' (the MLP's). Cached per layer structure."""
+        from fp8ptq.models.moe import Experts
+
+        signature = ("smooth", *((n, type(m).__name__) for n, m in layer.named_modules()))
+        if signature in self._cache:
+            return self._cache[signature]
+        index = int(prefix[len(self.layers) + 1 : -1])
+        groups = self.shared_inputs(layer, prefix)
+        modules = dict(layer.named_modules())
+        norms = {n: m for n, m in modules.items() if is_norm(m)}
+        inside = {id(x) for m in modules.values() if isinstance(m, Experts) for x in m.modules()}
+        run = self._runner(layer, index)
+        produced: dict[int, str] = {}  # id of a norm's output -> the norm
+        read: dict[tuple, int] = {}  # group -> id of its input
+        keep: list[torch.Tensor] = []  # the traced tensors stay alive: their ids stay unique
+
+        def norm_hook(name):
+            def hook(_m, _args, out):
+                keep.append(out)
+                produced.setdefault(id(out), name)
+
+            return hook
+
+        def group_hook(group):
+            def hook(_m, args):
+                keep.append(args[0])
+                read.setdefault(group, id(args[0]))
+
+            return hook
+
+        hooks = [m.register_forward_hook(norm_hook(n)) for n, m in norms.items()]
+        hooks += [
+            modules[g[0]].register_forward_pre_hook(group_hook(g)) for g in groups if id(modules[g[0]]) not in inside
+        ]
+        try:
+            base = run()
+        finally:
+            for h in hooks:
+                h.remove()
+        found: list[SmoothGroup] = []
+        for g in groups:
+            norm = produced.get(read.get(g, -1))
+            if norm is None or any(f.norm == norm for f in found) or len(found) == 2:
+                continue
+            offset = norm_offset(norms[norm])
+            if offset is not None and fold_is_exact(run, base, norms[norm], [modules[n] for n in g]):
+                found.append(SmoothGroup(("qkv", "gate_up")[len(found)], norm, g, offset))
+        self._cache[signature] = tuple(found)
+        return self._cache[signature]
+
+    def _runner(self, layer: torch.nn.Module, index: int):
+        """A function running `layer` on a fixed random TRACE_TOKENS input with its captured arguments."""
+        key = ("short", index)
+        if key not in self._cache:
+            self._cache[key] = capture(self, self.skeleton, TRACE_TOKENS, "cpu")[index]
+        args, kwargs = self._cache[key]
+        p = next(layer.parameters())
+        move = lambda t: t.to(p.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        args = tuple(move(a) for a in args)
+        kwargs = {k: (tuple(move(t) for t in v) if isinstance(v, tuple) else move(v)) for k, v in kwargs.items()}
+        gen = torch.Generator().manual_seed(index)
+        x = torch.randn(1, TRACE_TOKENS, self.hidden(layer), generator=gen).to(p.device, p.dtype)
+
+        def run():
+            try:
+                with torch.inference_mode():
+                    out = layer(x, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any failure of a foreign forward is reported by name
+                raise ModelError(
+                    f"the generic path could not run decoder layer {index} ({type(layer).__name__}): "
+                    f"{type(err).__name__}: {err}",
+                    fix=MODEL_FREE,
+                ) from None
+            return out[0] if isinstance(out, tuple) else out
+
+        return run
+
+    def renames(self, stored: list[str]) -> dict[str, str]:
+        """Module name -> stored name for the checkpoint names transformers renames on load (its own
+        WeightRenaming rules: legacy multimodal prefixes, `backbone.` -> `model.`, `block_sparse_moe.` ->
+        `mlp.`). Entries ending in "." are prefixes under which every stored tensor is renamed, so tensors
+        an export adds (a Linear's scales, an attention's KV scales) are named as their module's."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        rules = [t for t in get_model_conversion_mapping(self.skeleton) if isinstance(t, WeightRenaming)]
+        meta = self.skeleton.state_dict()
+        new = {name: rename_source_key(name, rules, [], self.skeleton.base_model_prefix, meta)[0] for name in stored}
+        out = {n: old for old, n in new.items() if n != old}
+        for p_new, p_old in prefix_pairs(out):  # a prefix no stored tensor under it keeps unrenamed
+            if all(old != n for old, n in new.items() if n.startswith(p_new)):
+                out[p_new] = p_old
+        return out
+
+    def hidden(self, layer: torch.nn.Module) -> int:
+        return int(self.skeleton.config.get_text_config().hidden_size)
+
+
+def discover(config) -> GenericArch:
+    """The generic adapter of a transformers config (see module doc); ModelError naming what is missing."""
+    try:
+        model, eager = build_model(config), False
+    except NoSdpa:
+        model, eager = build_model(config, "eager"), True
+    names = {id(m): n for n, m in model.named_modules()}
+    text = config.get_text_config()
+    where = f"'{config.model_type}'"
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or id(decoder) not in names:
+        raise ModelError(f"{where}: transformers' model has no decoder stack (get_decoder)", fix=MODEL_FREE)
+    stack = names[id(decoder)]
+    lists = [
+        n
+        for n, m in decoder.named_children()
+        if isinstance(m, torch.nn.ModuleList) and len(m) == text.num_hidden_layers
+    ]
+    if len(lists) != 1:
+        raise ModelError(
+            f"{where}: the decoder stack has {len(lists)} layer lists of num_hidden_layers {text.num_hidden_layers}",
+            fix=MODEL_FREE,
+        )
+    layers = f"{stack}.{lists[0]}" if stack else lists[0]
+    kinds = {type(m).__name__ for m in model.get_submodule(layers).modules()}
+    if "Linear" not in kinds:
+        raise ModelError(
+            f"{where}: its decoder layers hold no nn.Linear ({', '.join(sorted(kinds - {'ModuleList'}))[:120]}), "
+            "the modules compressed-tensors quantizes",
+            fix="quantize a family whose projections are nn.Linear",
+        )
+    embed_mod = model.get_input_embeddings()
+    rotary = [n for n, m in decoder.named_children() if "Rotary" in type(m).__name__]
+    norms = [n for n, m in decoder.named_children() if "norm" in type(m).__name__.lower()]
+    if len(norms) > 1 and "norm" in norms:  # transformers' name for the norm after the last layer
+        norms = ["norm"]
+    if len(norms) != 1:
+        raise ModelError(
+            f"{where}: the decoder stack has {len(norms)} norm modules, not one final norm", fix=MODEL_FREE
+        )
+    scale = getattr(embed_mod, "embed_scale", None)
+    towers = tuple(
+        n for n, m in _top_modules(model) if not _contains(n, stack) and m is not model.get_output_embeddings()
+    )
+    experts_at, routers = fused_experts(model.get_submodule(layers))
+    # routers are ignored by their module names and by the checkpoint's (what vLLM's modules are named)
+    keep = tuple(sorted({f"re:.*{re.escape(n)}$" for r in routers for n in (r, stored_path(model, layers, r))}))
+    leaves = stored_expert_leaves(model) if experts_at else None
+    if experts_at and leaves is None:
+        raise ModelError(
+            f"{where}: its checkpoints store the experts as transformers holds them (fused 3-D tensors, "
+            f"{experts_at[0]}), not one weight per expert as vLLM's MoE loaders read",
+            fix=MODEL_FREE.replace("fp8-dynamic", "fp8-dynamic (it refuses fused 3-D experts by name)"),
+        )
+    return GenericArch(
+        name=config.model_type,
+        model_types=(config.model_type,),
+        blocks=(LAYER,),
+        fused={},
+        attention="",
+        kv_cache=not getattr(text, "kv_lora_rank", None),
+        expert_lists=experts_at,
+        keep_float=keep + tuple(f"re:.*{re.escape(t.rpartition('.')[2])}\\..*" for t in towers),
+        layers=layers,
+        embed=names[id(embed_mod)],
+        rotary=f"{stack}.{rotary[0]}" if rotary and stack else (rotary[0] if rotary else ""),
+        embed_scale=None if not isinstance(scale, torch.Tensor) else (lambda _c, s=float(scale): s),
+        eager_attention=eager,
+        prepare_layer=functools.partial(_prepare, eager=eager, leaves=leaves) if eager or experts_at else None,
+        towers=towers,
+        norm_at=f"{stack}.{norms[0]}" if stack else norms[0],
+        experts_at=experts_at,
+        skeleton=model,
+    )
+
+
+def _contains(name: str, stack: str) -> bool:
+    return stack == name or stack.startswith(name + ".") or name.startswith(stack + ".")
+
+
+def _top_modules(model: torch.nn.Module):
+    """The children of the model and of its base model (`model.vision_tower`, `model.language_model`)."""
+    for n, m in model.named_children():
+        if n == "model" or (hasattr(model, "base_model_prefix") and n == model.base_model_prefix):
+            for c, cm in m.named_children():
+                yield f"{n}.{c}", cm
+        else:
+            yield n, m
+
+
+def _prepare(layer: torch.nn.Module, config, eager: bool, leaves: tuple | None) -> None:
+    """Experts unfused under the checkpoint's names; eager-attention families: the KV-observing wrapper
+    calls the family's own eager attention."""
+    import sys
+
+    if eager:
+        for m in layer.modules():
+            if uses_attention_interface(type(m)):
+                m.fp8ptq_inner_attention = sys.modules[type(m).__module__].eager_attention_forward
+    unfuse_experts(layer, config, leaves)

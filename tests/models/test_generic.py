@@ -1,0 +1,200 @@
+"""The generic adapter (models/arch/generic.py) on model types no adapter registers — a new dense family,
+a multimodal checkpoint, an MoE family and a hybrid linear-attention family, tiny random models from
+transformers' own config classes — and on every registered family, where it must find what the
+adapter says."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fp8ptq.errors import ModelError
+from fp8ptq.models.arch import ARCHS, arch_for, registered
+from fp8ptq.models.arch.generic import GenericArch, discover
+from fp8ptq.models.loader import open_hf_dir
+from fp8ptq.models.skeleton import build_skeleton, load_float, materialize, stored_names
+from fp8ptq.quantize.plan import plan_layer
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+FAMILIES = {
+    "olmo3": {},  # dense, q/k norms over all heads
+    "gemma3": {},  # Gemma3ForConditionalGeneration: a SigLIP tower beside the language model
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    "qwen3_next": dict(  # gated DeltaNet + full attention, sparse MLP with a gated shared expert
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        layer_types=("linear_attention", "full_attention"),
+    ),
+}
+
+
+def _model(tiny_model, model_type):
+    return tiny_model(model_type, max_position_embeddings=512, **SIZES, **FAMILIES[model_type])
+
+
+def _reference(path):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            return auto.from_pretrained(str(path), dtype=torch.float32).eval()
+        except ValueError:
+            continue
+    raise AssertionError(path)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_whole_layers_with_captured_inputs_are_the_models_own_forward(model_type, tiny_model):
+    path = _model(tiny_model, model_type)
+    src = open_hf_dir(path)
+    arch = src.arch
+    assert isinstance(arch, GenericArch) and model_type not in registered()
+    model = load_float(src)
+    layers = arch.decoder_layers(model)
+    ids = torch.randint(0, src.text_config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    reference = _reference(path)
+    with torch.inference_mode():
+        hidden = reference(input_ids=ids, output_hidden_states=True).hidden_states
+        inputs = arch.layer_inputs(model, ids.shape[1], "cpu")
+        x = hidden[0]
+        for i, layer in enumerate(layers[:-1]):  # the last hidden state is after the final norm
+            x = arch.run_block(layer, arch.blocks[0], x, inputs(i))
+            torch.testing.assert_close(x, hidden[i + 1], rtol=1e-4, atol=1e-4)
+
+
+def test_what_discovery_finds_in_new_families(tiny_model):
+    gemma = open_hf_dir(_model(tiny_model, "gemma3")).arch
+    assert gemma.layers == "model.language_model.layers" and gemma.towers == (
+        "model.vision_tower",
+        "model.multi_modal_projector",
+    )
+    assert gemma.embed_scale(None) == pytest.approx(64**0.5)  # Gemma's scaled embedding, read off the module
+    nxt = open_hf_dir(_model(tiny_model, "qwen3_next"))
+    arch = nxt.arch
+    assert arch.expert_lists == ("mlp.experts",) and "re:.*mlp\\.shared_expert_gate$" in arch.keep_float
+    skeleton = build_skeleton(nxt.config)
+    layers = arch.decoder_layers(skeleton)
+    # the hybrid stack: a KV cache only where a layer attends
+    assert [arch.attention_of(layer) for layer in layers] == [None, "self_attn"]
+    for i, layer in enumerate(layers):
+        plan = plan_layer(layer, arch.layer_prefix(i), ["Linear"], [], arch)
+        assert ("mlp.experts.3.gate_proj", "mlp.experts.3.up_proj") in plan.groups
+        assert ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj") in plan.groups
+        assert ("mlp.gate" not in plan.modules) and ("mlp.shared_expert_gate" not in plan.modules)
+    assert ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba") in plan_layer(
+        layers[0], arch.layer_prefix(0), ["Linear"], [], arch
+    ).groups
+    assert ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") in plan_layer(
+        layers[1], arch.layer_prefix(1), ["Linear"], [], arch
+    ).groups
+
+
+# gpt-oss (fused, transposed experts with biases) and Mixtral (experts stored as w1/w3/w2) are laid out
+# in ways only their adapters know; every other registered family is discovered as its adapter says.
+ADAPTER_ONLY = {"gpt_oss", "mixtral"}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(registered()) - ADAPTER_ONLY))
+def test_discovery_finds_what_each_adapter_says(model_type, tiny_model):
+    src = open_hf_dir(tiny_model(model_type))
+    adapter, generic = ARCHS[model_type], discover(src.config)
+    assert (generic.layers, generic.embed) == (adapter.layers, adapter.embed)
+    a_model, g_model = build_skeleton(src.config), build_model_generic(src.config, generic)
+    assert stored_names(a_model) == stored_names(g_model)  # the tensor names both read and write
+    for i, (a_layer, g_layer) in enumerate(zip(adapter.decoder_layers(a_model), generic.decoder_layers(g_model))):
+        prefix = adapter.layer_prefix(i)
+        a_plan = plan_layer(a_layer, prefix, ["Linear"], [], adapter)
+        g_plan = plan_layer(g_layer, prefix, ["Linear"], [], generic)
+        assert sorted(a_plan.groups) == sorted(g_plan.groups), (i, a_plan.groups, g_plan.groups)
+        assert dict(a_plan.skipped).keys() == dict(g_plan.skipped).keys()  # routers kept float by both
+        assert generic.attention_of(g_layer) == adapter.attention
+        materialize(g_layer, prefix, src, torch.float32)  # the smoothing maps are traced on the real layer
+        smooth = {(g.key, g.norm, g.linears, g.offset) for g in generic.smooth_groups(g_layer, prefix)}
+        said = {(g.key, g.norm, g.linears, adapter.norm_offset) for g in adapter.smooth}
+        # the adapters leave out the MLP norm of every MoE family's layers (it feeds the router), even of
+        # their dense layers; discovery finds it where the layer is dense
+        assert said <= smooth and all(g[0] == "gate_up" and not adapter.flatten for g in smooth - said), (smooth, said)
+    assert generic.kv_cache == adapter.kv_cache
+
+
+def build_model_generic(config, arch):
+    """The generic skeleton of a registered family (build_skeleton picks the adapter by model_type)."""
+    from fp8ptq.models.arch.generic import build_model
+
+    model = build_model(config)
+    for layer in arch.decoder_layers(model):
+        if arch.prepare_layer is not None:
+            with torch.device("meta"):
+                arch.prepare_layer(layer, model.config)
+    return model
+
+
+def test_a_model_type_transformers_cannot_build_is_refused_with_the_model_free_path():
+    with pytest.raises(ModelError) as e:
+        arch_for({"model_type": "my_new_arch", "architectures": ["MyNewArchForCausalLM"]})
+    assert "my_new_arch" in str(e.value) and "model-free" in e.value.fix
+
+
+def test_smoothing_maps_are_observed_not_guessed(tiny_model):
+    """SmoothQuant needs a norm whose output only the group's Linears read: Gemma 3's pre-norms (with
+    their (1 + w)), not OLMo 3's post-norms (nothing reads their output but the residual), not the MLP
+    norm of an MoE layer (its router reads it too)."""
+    found = {}
+    for model_type in ("gemma3", "olmo3", "glm4_moe"):
+        src = open_hf_dir(_model(tiny_model, model_type))
+        arch, model = src.arch, build_skeleton(src.config)
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            materialize(layer, arch.layer_prefix(i), src, torch.float32)
+            found[model_type, i] = {
+                (g.key, g.norm, g.linears, g.offset) for g in arch.smooth_groups(layer, arch.layer_prefix(i))
+            }
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    assert found["gemma3", 1] == {
+        ("qkv", "input_layernorm", qkv, 1.0),
+        ("gate_up", "pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), 1.0),
+    }
+    assert found["olmo3", 0] == found["olmo3", 1] == set()
+    assert found["glm4_moe", 0] == {
+        ("qkv", "input_layernorm", qkv, 0.0),
+        ("gate_up", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), 0.0),
+    }
+    assert found["glm4_moe", 1] == {("qkv", "input_layernorm", qkv, 0.0)}  # layer 1 is sparse
+
+
+def test_multimodal_checkpoint_keeps_its_tower_and_reloads(tiny_model, tmp_path):
+    """fp8-kv8 on Gemma3ForConditionalGeneration: the language model quantized with KV scales, every
+    tower tensor written as stored and listed in ignore, the checkpoint's names and class kept."""
+    from transformers import AutoModelForImageTextToText
+
+    path = _model(tiny_model, "gemma3")
+    processor = {"image_processor_type": "Gemma3ImageProcessor", "image_seq_length": 256}  # as the hub's
+    (path / "preprocessor_config.json").write_text(json.dumps(processor))
+    out = tmp_path / "gemma3-fp8-kv8"
+    args = ["quantize", path, "-r", "fp8-kv8", "-o", out, "--num-samples", "4", "--seq-len", "32"]
+    rc, output = run_cli(*args, "--eval-samples", "1", "--no-recipe-gates")
+    assert rc == 0, output
+    assert (out / "preprocessor_config.json").read_text() == json.dumps(processor)  # served as the same model
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert "re:.*vision_tower\\..*" in config["quantization_config"]["ignore"]
+    src_names, out_tensors = _tensors(path), _tensors(out)
+    tower = [n for n in src_names if n.startswith("vision_tower.")]
+    assert tower and all(torch.equal(src_names[n], out_tensors[n]) for n in tower)
+    layer0 = "language_model.model.layers.0.self_attn."  # the checkpoint's own (legacy) prefix
+    assert {f"{layer0}q_proj.weight_scale", f"{layer0}k_scale"} <= out_tensors.keys()
+    model = AutoModelForImageTextToText.from_pretrained(str(out))  # transformers reloads it as stored
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
