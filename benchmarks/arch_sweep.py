@@ -38,8 +38,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 RECIPES = ("fp8-dynamic", "w4a16", "fp8-kv8")
 SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
+INF_LIMIT = dict(time_step_limit=[0.0, 1e4])  # transformers 5.24 writes (0, inf) as JSON it cannot read back
 MLA = dict(
-    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
+    num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16
 )
 MROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
 # model_type -> (kind, tiny config overrides beyond SIZES); the kinds the issue asks to cover
@@ -70,7 +71,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "ernie4_5_moe": ("moe", dict(MOE, moe_num_experts=8)),
     "granitemoe": ("moe", dict(num_local_experts=8, num_experts_per_tok=2)),
     "hunyuan_v1_moe": ("moe", dict(num_experts=8, moe_topk=2)),
-    "dots1": ("moe", dict(MOE, n_routed_experts=8)),
+    "dots1": ("moe", dict(MOE, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1)),
     "minimax_m2": ("moe", dict(num_local_experts=8, num_experts_per_tok=2)),
     "phimoe": ("moe", dict(num_local_experts=8, num_experts_per_tok=2)),
     "flex_olmo": ("moe", dict(num_experts=8, num_experts_per_tok=2)),
@@ -90,10 +91,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         dict(MOE, n_routed_experts=8, moe_shared_expert_intermediate_size=64, time_step_limit=[0.0, 1e4]),
     ),
     "lfm2": ("hybrid", {}),
-    "falcon_h1": ("hybrid", {}),
-    "bamba": ("hybrid", {}),
+    "falcon_h1": ("hybrid", dict(INF_LIMIT)),
+    "bamba": ("hybrid", dict(INF_LIMIT)),
     "granitemoehybrid": ("hybrid", dict(num_local_experts=8, num_experts_per_tok=2)),
-    "jamba": ("hybrid", dict(num_experts=8, num_experts_per_tok=2)),
+    "jamba": ("hybrid", dict(num_experts=8, num_experts_per_tok=2, mamba_dt_rank=64)),
     # multimodal: the language model quantized, the towers kept
     "gemma3": ("multimodal", {}),
     "qwen2_5_vl": ("multimodal", dict(MROPE)),
@@ -249,16 +250,19 @@ def sweep(families: list[str], work: Path) -> dict:
 
 
 def verdict(entry: dict) -> str:
-    """'works' (every recipe exported and checked, or refused up front for a reason), 'refused' (the
-    family refused before any work), or 'fails' (a check failed or a traceback)."""
+    """'works' (every recipe exported and checked; fp8-kv8 may be refused where the family has no per-head
+    KV cache), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
+    failed, a traceback, or one recipe refused while others ran)."""
     rows = entry["recipes"].values()
     if "build" in entry or not rows:
         return "fails"
     if all(r["status"] == "refused" for r in rows):
         return "refused"
-    for r in rows:
+    for recipe, r in entry["recipes"].items():
         if r["status"] == "error":
             return "fails"
+        if r["status"] == "refused" and not (recipe == "fp8-kv8" and "KV cache" in r["reason"]):
+            return "fails"  # only a family without a per-head KV cache may refuse a recipe (the issue's rule)
         if r["status"] == "ok":
             checks = (r.get("decompress"), r.get("inspect"), r.get("ct017"))
             if any(c != "ok" for c in checks) or not (r["reload"] == "ok" or r["reload"].startswith("known")):
@@ -285,7 +289,8 @@ def table(data: dict) -> str:
         "transform (SmoothQuant, FlattenQuant, rotations) where the family allows it; tested in tests/contracts.",
         "- **generic** (discovered from the model transformers builds, `models/arch/generic.py`): any other "
         "model type transformers 5.24 can instantiate as a causal LM or image-text-to-text model. Every "
-        "recipe without a norm-folding transform; multimodal towers kept in float and ignored.",
+        "recipe; SmoothQuant where a traced norm -> Linears map folds exactly; FlattenQuant and rotations "
+        "refused (they need an adapter); multimodal towers kept as stored and ignored.",
         "- **model-free** (`fp8ptq model-free`): any safetensors checkpoint, data-free recipes only, by tensor names.",
         "",
         f"The generic path on {len(res)} model types no adapter registers (tiny random models from transformers' "
@@ -293,6 +298,11 @@ def table(data: dict) -> str:
         f"{len(res) - works - refused} fail. A recipe cell says what happened: ok (exported, decompresses to the "
         "simulated weights, parses under compressed-tensors 0.17, reloads in transformers, inspect clean), "
         "or the reason it was refused / failed.",
+        "",
+        "Known upstream limits, not counted as failures: transformers 5.24 cannot reload packed asymmetric INT4 "
+        "zero points (every family's w4a16; vllm-project/llm-compressor#1618) nor INT-weight per-expert MoE "
+        "exports (its fused-expert conversion); vLLM reads both. KL: fp8ptq's simulated KL on 1 x 32 held-out "
+        "tokens of a random 2-layer model (a check that the pipeline ran, not a quality number).",
         "",
         "| model_type | kind | verdict | " + " | ".join(RECIPES) + " |",
         "|---|---|---|" + "---|" * len(RECIPES),
@@ -304,8 +314,8 @@ def table(data: dict) -> str:
             if r is None:
                 cells.append(e.get("build", "")[:80])
             elif r["status"] == "ok":
-                extra = "" if r["reload"] == "ok" else " (transformers cannot reload INT MoE: upstream)"
-                cells.append(f"ok, KL {r['kl']:.4f}{extra}" if r.get("kl") is not None else "ok")
+                extra = "" if r["reload"] == "ok" else " (transformers cannot reload it: upstream, below)"
+                cells.append(f"ok, KL {r['kl']:.1e}{extra}" if r.get("kl") is not None else "ok")
             else:
                 cells.append(f"{r['status']}: {r['reason'][:90]}")
         lines.append(
@@ -320,6 +330,7 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated model types (default: all FAMILIES)")
     ap.add_argument("--table", type=Path, help="write the support table (markdown) from --out's results")
     ap.add_argument("--from-json", type=Path, help="make the table from an earlier --out file (no sweep)")
+    ap.add_argument("--merge", action="store_true", help="with --only: replace those families in --out's results")
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(args.from_json.read_text())
@@ -333,10 +344,17 @@ def main() -> int:
             "commit": commit.stdout.strip(),
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "date": time.strftime("%Y-%m-%d"),
-            "json": str(args.out.relative_to(REPO)) if args.out and args.out.is_absolute() is False else str(args.out),
+            "json": str(args.out),
             "wall_s": round(time.time() - t),
             "results": results,
         }
+        if args.merge and args.out and args.out.is_file():  # re-measured families replace their rows
+            old = json.loads(args.out.read_text())
+            data["results"] = {**old["results"], **results}
+            data["wall_s"] = f"{old['wall_s']} (+{data['wall_s']} for {','.join(families)})"
+            data["commit"] = f"{old['commit']} (+{data['commit']} for {','.join(families)})"
+        for entry in data["results"].values():
+            entry["verdict"] = verdict(entry)
         if args.out:
             args.out.write_text(json.dumps(data, indent=2) + "\n")
     counts = {v: sum(e["verdict"] == v for e in data["results"].values()) for v in ("works", "refused", "fails")}

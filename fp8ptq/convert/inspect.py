@@ -198,10 +198,22 @@ def _lint_draft(src, config: dict, out: list[Finding]) -> None:
         out.append(Finding("error", "d2t-range", "d2t", f"maps draft tokens outside the target vocabulary ({vocab})"))
 
 
+def _derived_layers(config: dict) -> int | None:
+    from transformers import AutoConfig
+
+    try:
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        return AutoConfig.for_model(**plain).get_text_config().num_hidden_layers
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: reported as no layers
+        return None
+
+
 def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]) -> None:
     """What every engine needs before the first token: decoder layers, and the LM head an untied config
     builds (tied heads read the embedding)."""
     layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    if layers is None:  # a config class that derives it (Nemotron-H: from its layer pattern)
+        layers = _derived_layers(config)
     if not isinstance(layers, int) or layers < 1:
         out.append(Finding("error", "no-layers", "config.json", f"num_hidden_layers is {layers!r}"))
     tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False))

@@ -113,7 +113,7 @@ def weight_errors(model: torch.nn.Module, arch, probed: dict[str, torch.Tensor])
     for key, w_vllm in probed.items():
         i, _, name = key.partition(".")
         parent, _, leaf = name.rpartition(".")
-        shards = arch.fused.get(leaf, (leaf,))
+        shards = arch.fused.get(leaf) or _traced_shards(arch, layers[int(i)], int(i), parent, leaf)
         modules = [layers[int(i)].get_submodule(f"{parent}.{s}" if parent else s) for s in shards]
         eye = torch.eye(w_vllm.shape[1])
         if not all(isinstance(m, torch.nn.Linear) for m in modules):  # a router: a plain weight in transformers
@@ -130,12 +130,27 @@ def weight_errors(model: torch.nn.Module, arch, probed: dict[str, torch.Tensor])
     return out
 
 
+def _traced_shards(arch, layer, index: int, parent: str, leaf: str) -> tuple[str, ...]:
+    """The shards of vLLM's fused module `leaf` under the generic adapter: the traced group (Linears that
+    read one input) under `parent` whose leaves vLLM joins into that name (q_proj + k_proj + v_proj ->
+    qkv_proj, gate_proj + up_proj -> gate_up_proj); (leaf,) when none does."""
+    names = dict(layer.named_modules())
+    if f"{parent}.{leaf}" in names or (not parent and leaf in names):
+        return (leaf,)
+    for group in arch.shared_inputs(layer, arch.layer_prefix(index)) or ():
+        leaves = [n.rpartition(".")[2] for n in group if n.rpartition(".")[0] == parent]
+        stems = [x.removesuffix("_proj") for x in leaves]
+        if len(leaves) > 1 and leaf.removesuffix("_proj") in ("".join(stems), "_".join(stems)):
+            return tuple(leaves)
+    return (leaf,)
+
+
 def engine_job(cfg: EngineCheck) -> dict:
     """The vLLM job (engine.vllm.vllm_request) that check_engine runs for cfg."""
     src = resolve_model(cfg.model)
     # not the last decoder layer: vLLM's last layer hands (hidden, residual) to the final norm in a form
     # that is not the layer's output (measured on 2- and 3-layer models: 96-145% "error" there only)
-    capture = min(cfg.capture_layers, max(0, src.config.num_hidden_layers - 1))
+    capture = min(cfg.capture_layers, max(0, src.text_config.num_hidden_layers - 1))
     return vllm_request(
         Path(cfg.model),
         [list(p) for p in cfg.prompts],

@@ -162,8 +162,9 @@ def write_random(
         default = AutoConfig.for_model(model_type)
         if default.get_text_config() is default:
             cfg = AutoConfig.for_model(model_type, **sizes)
-        else:  # multimodal: the sizes are the language model's
+        else:  # multimodal: the sizes are the language model's; the tower is shrunk too
             cfg = AutoConfig.for_model(model_type, text_config=sizes, **ids)
+            _shrink_tower(cfg)
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if init_bf16 else None  # large benchmark models: never a full fp32 copy
     try:
@@ -180,3 +181,16 @@ def write_random(
     model.save_pretrained(str(out), max_shard_size=max(total // shards + 1, 1 << 16) if shards > 1 else "10GB")
     tok.save_pretrained(str(out))
     return Path(out)
+
+
+def _shrink_tower(cfg) -> None:
+    """A multimodal config's vision tower at test size (one layer, 64 wide) instead of its default
+    (SigLIP-400M: ~800 MB per checkpoint copy), keeping what it must agree with (the text width)."""
+    vision = getattr(cfg, "vision_config", None)
+    if vision is None:
+        return
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, depth=1, num_attention_heads=4)
+    small |= dict(num_heads=4, out_hidden_size=cfg.get_text_config().hidden_size)
+    for key, value in small.items():
+        if hasattr(vision, key):
+            setattr(vision, key, value)

@@ -14,6 +14,9 @@ from compressed_tensors.utils.match import is_match
 from fp8ptq.errors import RecipeError
 from fp8ptq.models.arch import Arch
 
+# why a Linear is left float by the generic path (runs/finish.py writes these into `ignore` by name)
+UNCALLED = "never called as a module (the layer reads its weight directly): kept float, in ignore"
+
 
 def matches(name: str, module: torch.nn.Module, targets, ignore) -> bool:
     return is_match(name, module, list(targets), list(ignore))
@@ -52,6 +55,10 @@ def plan_layer(layer: torch.nn.Module, prefix: str, targets, ignore, arch: Arch)
         if names:
             groups.append(tuple(names))
             taken.update(names)
+    if traced is not None:  # a Linear the trace never saw called: its weight is read directly (Jamba's dt_proj)
+        uncalled = [n for n in chosen if n not in taken]
+        chosen = [n for n in chosen if n in taken]
+        skipped += tuple((n, UNCALLED) for n in uncalled)
     for shards in arch.fused.values():
         by_parent: dict[str, list[str]] = {}
         for n in chosen:

@@ -17,6 +17,7 @@ from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
 from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, Summary
 from fp8ptq.models.loader import open_hf_dir
+from fp8ptq.quantize.plan import UNCALLED
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.recipe import recipe_yaml
 from fp8ptq.runs.calibrated import chunks_per_rank
@@ -47,7 +48,7 @@ def finish(ctx: RunContext) -> Manifest:
         shards = writer.finish(src.text_config.num_hidden_layers)
         run.save_state(shards=shards)
         ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
-    write_metadata(ctx, _config_updates(layers), _export_groups(recipe, layers, run.state))
+    write_metadata(ctx, _config_updates(layers), _export_groups(recipe, layers, run.state), _uncalled(ctx, layers))
     ids = ctx.ids
     manifest = Manifest(
         model=src.label,
@@ -87,11 +88,11 @@ def finish(ctx: RunContext) -> Manifest:
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
-def write_metadata(ctx: RunContext, config_updates: dict, groups) -> None:
+def write_metadata(ctx: RunContext, config_updates: dict, groups, kept: tuple[str, ...] = ()) -> None:
     src, out = ctx.src, ctx.path
     config = json.loads((src.path / "config.json").read_text())
     config.update(config_updates)
-    config["quantization_config"] = quantization_config(ctx.recipe, groups, ctx.src.arch.keep_float)
+    config["quantization_config"] = quantization_config(ctx.recipe, groups, ctx.src.arch.keep_float + kept)
     write_bytes_atomic(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     # the checkpoint's own generation and processor files: a multimodal export serves as the same model
     for extra in ("generation_config.json", *PROCESSOR_FILES):
@@ -133,6 +134,14 @@ def _quality(ctx: RunContext) -> Quality:
     quality = Quality(**result, data="built-in evaluation split", numerics=numerics)
     ctx.timings["eval_s"] = time.perf_counter() - t
     return quality
+
+
+def _uncalled(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
+    """Linears the generic path kept float because the layer never calls them (quantize/plan.UNCALLED),
+    by module and stored name: neither the engine nor fp8ptq's own reader may expect quantized tensors."""
+    names = {n for layer in layers for n, why in layer.get("skipped", {}).items() if why == UNCALLED}
+    stored = {ctx.src.stored_name(f"{n}.weight").removesuffix(".weight") for n in names}
+    return tuple(sorted(names | stored))
 
 
 def _export_groups(recipe, layers: list[dict], state: dict):

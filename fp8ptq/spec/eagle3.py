@@ -248,17 +248,22 @@ def build_head(target_model, layer_ids: list[int], draft_vocab: int, fc_norm: bo
 
 
 def target_final_norm(target_model, hidden: int) -> torch.Tensor | None:
-    """The weight of the target's final norm when its family's RMSNorm computes weight · x / rms(x) (not
-    Gemma's (1 + weight)); None for a family fp8ptq has no adapter for, or another shape."""
+    """The weight of the target's final norm when its RMSNorm computes weight · x / rms(x) (not Gemma's
+    (1 + weight)): the adapter says so, the generic path probes the norm (models/arch/capture.py); None
+    for a model fp8ptq cannot read, or another shape."""
     from fp8ptq.errors import Fp8ptqError
     from fp8ptq.models.arch import arch_for
+    from fp8ptq.models.arch.capture import norm_offset
+    from fp8ptq.models.arch.generic import GenericArch
 
     try:
         arch = arch_for(target_model.config)
-        w = target_model.get_submodule(arch.final_norm).weight
+        norm = target_model.get_submodule(arch.final_norm)
+        w = norm.weight
     except (Fp8ptqError, AttributeError):
         return None
-    return w.detach().float().cpu() if arch.norm_offset == 0.0 and tuple(w.shape) == (hidden,) else None
+    offset = norm_offset(norm) if isinstance(arch, GenericArch) else arch.norm_offset
+    return w.detach().float().cpu() if offset == 0.0 and tuple(w.shape) == (hidden,) else None
 
 
 def init_lm_head(head: Eagle3Head, target_model, kept: torch.Tensor) -> None:

@@ -63,7 +63,7 @@ def bad_models(tmp_path, tiny_dir):
         ("pickle", "pickle"),
         ("corrupt", "truncated or corrupt"),
         ("garbage", "not a readable safetensors"),
-        ("arch", "unsupported architecture 'gpt2'"),
+        ("arch", "'gpt2': its decoder layers hold no nn.Linear"),  # GPT-2's Conv1D
     ],
 )
 def test_bad_models(case, needle, bad_models, tmp_path):

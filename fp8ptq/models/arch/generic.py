@@ -137,8 +137,8 @@ class GenericArch(Arch):
         seen: list[tuple[str, torch.Tensor]] = []
         experts = [m for m in layer.modules() if isinstance(m, Experts)]
         inside = {id(x) for m in experts for x in m.modules()}  # routed experts: grouped by construction
-        handles = [
-            m.register_forward_pre_hook(lambda _m, a, n=n: seen.append((n, a[0])))
+        handles = [  # before any other hook: an installed input quantizer makes a new tensor per Linear
+            m.register_forward_pre_hook(lambda _m, a, n=n: seen.append((n, a[0])), prepend=True)
             for n, m in layer.named_modules()
             if isinstance(m, torch.nn.Linear) and id(m) not in inside
         ]
@@ -200,7 +200,9 @@ class GenericArch(Arch):
 
         hooks = [m.register_forward_hook(norm_hook(n)) for n, m in norms.items()]
         hooks += [
-            modules[g[0]].register_forward_pre_hook(group_hook(g)) for g in groups if id(modules[g[0]]) not in inside
+            modules[g[0]].register_forward_pre_hook(group_hook(g), prepend=True)
+            for g in groups
+            if id(modules[g[0]]) not in inside
         ]
         try:
             base = run()
