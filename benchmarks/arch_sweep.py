@@ -138,25 +138,15 @@ def _reload(out: Path, ids: torch.Tensor) -> None:
 
 def run_recipe(src_dir: Path, out: Path, model_type: str, recipe: str) -> dict:
     """One export and its checks 1, 3, 4 (2 is batched)."""
-    from fp8ptq.api import InspectConfig, QuantizeConfig, inspect, quantize
+    from fp8ptq.api import InspectConfig, QuantizeConfig, inspect
     from fp8ptq.errors import Fp8ptqError
-    from fp8ptq.export.writer import CheckpointWriter
     from fp8ptq.manifest import Manifest
 
-    fakes: dict[str, torch.Tensor] = {}
-    real = CheckpointWriter.layer_tensors
-
-    def record(self, res):
-        fakes.update({m: q.weight.clone() for m, q in res.linears.items()})
-        for m, (t, _) in res.packed.items():
-            scale = t["weight_scale"].float()
-            fakes[m] = t["weight"].float() * (scale if scale.numel() > 1 else scale.reshape(1, 1))
-        return real(self, res)
+    from helpers import quantize_recording
 
     t = time.perf_counter()
-    CheckpointWriter.layer_tensors = record
     try:
-        quantize(
+        fakes = quantize_recording(
             QuantizeConfig(
                 model=str(src_dir),
                 recipe=recipe,
@@ -169,8 +159,6 @@ def run_recipe(src_dir: Path, out: Path, model_type: str, recipe: str) -> dict:
         )
     except Fp8ptqError as err:
         return {"status": "refused", "reason": str(err).splitlines()[0], "s": time.perf_counter() - t}
-    finally:
-        CheckpointWriter.layer_tensors = real
     row = {"status": "ok", "quantized": len(fakes), "s": round(time.perf_counter() - t, 1)}
     row["kl"] = Manifest.load(out).quality.kl
     row["experts"] = any(".experts." in m for m in fakes)
@@ -192,23 +180,10 @@ def run_recipe(src_dir: Path, out: Path, model_type: str, recipe: str) -> dict:
 
 
 def _decompress_check(out: Path, fakes: dict) -> str:
-    from compressed_tensors.quantization import QuantizationConfig
+    from helpers import decompression_mismatches
 
-    from fp8ptq.eval.quality import _LINEAR_KEYS, _scheme_for, load_simulated
-    from fp8ptq.export.compressed_tensors import decompress_linear
-    from fp8ptq.models.loader import open_hf_dir
-
-    src = open_hf_dir(out)
-    qcfg = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
-    modules = dict(load_simulated(src, simulate=False).model.named_modules())
-    for name, fake in fakes.items():
-        scheme = _scheme_for(name, modules[name], qcfg)
-        if scheme is None:
-            return f"{name}: no config group targets it"
-        local = {k: src.tensor(f"{name}.{k}") for k in _LINEAR_KEYS if src.has(f"{name}.{k}")}
-        if not torch.equal(decompress_linear(local, scheme, scheme.format or qcfg.format), fake.float()):
-            return f"{name}: differs"
-    return "ok" if fakes else "nothing quantized"
+    bad = decompression_mismatches(out, fakes)
+    return bad[0] if bad else ("ok" if fakes else "nothing quantized")
 
 
 def sweep(families: list[str], work: Path) -> dict:

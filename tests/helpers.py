@@ -150,3 +150,54 @@ def assert_one_line_error(rc: int, output: str, *phrases: str) -> str:
     assert len(errors) == 1 and all(p in errors[0] for p in phrases), output
     assert "Traceback" not in output, output
     return errors[0]
+
+
+def quantize_recording(cfg) -> dict:
+    """fp8ptq.api.quantize(cfg), returning {module: the fake-quant fp32 weight calibration simulated} for
+    every Linear it wrote (data-free FP8 packs: codes x scale), recorded at the writer."""
+    import torch
+
+    from fp8ptq.api import quantize
+    from fp8ptq.export.writer import CheckpointWriter
+
+    fakes: dict[str, torch.Tensor] = {}
+    real = CheckpointWriter.layer_tensors
+
+    def record(self, res):
+        fakes.update({m: q.weight.clone() for m, q in res.linears.items()})
+        for m, (t, _) in res.packed.items():  # data-free FP8: codes straight from the source
+            scale = t["weight_scale"].float()
+            fakes[m] = t["weight"].float() * (scale if scale.numel() > 1 else scale.reshape(1, 1))
+        return real(self, res)
+
+    CheckpointWriter.layer_tensors = record
+    try:
+        quantize(cfg)
+    finally:
+        CheckpointWriter.layer_tensors = real
+    return fakes
+
+
+def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
+    """Modules of export `out` that compressed-tensors' own compressors do not decompress to exactly the
+    recorded simulated weight (or that no config group targets), by name; [] when all match."""
+    import torch
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from fp8ptq.eval.quality import _LINEAR_KEYS, _scheme_for, load_simulated
+    from fp8ptq.export.compressed_tensors import decompress_linear
+    from fp8ptq.models.loader import open_hf_dir
+
+    src = open_hf_dir(out)
+    qcfg = QuantizationConfig.model_validate(read_config(out)["quantization_config"])
+    modules = dict(load_simulated(src, simulate=False).model.named_modules())
+    bad = []
+    for name, fake in fakes.items():
+        scheme = _scheme_for(name, modules[name], qcfg)
+        if scheme is None:
+            bad.append(f"{name}: quantized but no config group targets it")
+            continue
+        local = {k: src.tensor(f"{name}.{k}") for k in _LINEAR_KEYS if src.has(f"{name}.{k}")}
+        if not torch.equal(decompress_linear(local, scheme, scheme.format or qcfg.format), fake.float()):
+            bad.append(f"{name}: differs")
+    return bad

@@ -66,7 +66,7 @@ class CheckpointWriter:
     def layer_payload(self, res: LayerResult) -> tuple[Path, dict[str, torch.Tensor], dict]:
         """Everything `write_layer` needs, read from the source and copied to host memory now, so the write
         can run in another thread while the device goes on with the next layer."""
-        tensors = {self._stored(k): t.detach().cpu() for k, t in self.layer_tensors(res).items()}
+        tensors = {self.src.stored_name(k): t.detach().cpu() for k, t in self.layer_tensors(res).items()}
         self.src.close()
         quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
         return (
@@ -90,7 +90,7 @@ class CheckpointWriter:
         files = list(layer_files)
         for j, names in enumerate(self._rest_files()):  # embeddings, final norm, head: a few at a time
             files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
-            _save({self._stored(n): check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
+            _save({self.src.stored_name(n): check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
             self.src.close()
         names, weight_map, total = [], {}, 0
         from safetensors import safe_open
@@ -106,11 +106,6 @@ class CheckpointWriter:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return names
-
-    def _stored(self, name: str) -> str:
-        """Output names are the source's own: a module the files store under another prefix keeps it
-        (scales and KV scales follow their module's prefix)."""
-        return self.src.stored_name(name)
 
     def _rest_files(self) -> list[list[str]]:
         """The non-layer tensors in files of at most REST_FILE_BYTES (a larger tensor gets its own), so

@@ -222,16 +222,17 @@ class GenericArch(Arch):
 
     def _runner(self, layer: torch.nn.Module, index: int):
         """A function running `layer` on a fixed random TRACE_TOKENS input with its captured arguments."""
-        key = ("short", index)
-        if key not in self._cache:
-            self._cache[key] = capture(self, self.skeleton, TRACE_TOKENS, "cpu")[index]
-        args, kwargs = self._cache[key]
+        if "short" not in self._cache:  # every layer's arguments from one run of the stack
+            self._cache["short"] = capture(self, self.skeleton, TRACE_TOKENS, "cpu")
+        args, kwargs = self._cache["short"][index]
         p = next(layer.parameters())
         move = lambda t: t.to(p.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         args = tuple(move(a) for a in args)
         kwargs = {k: (tuple(move(t) for t in v) if isinstance(v, tuple) else move(v)) for k, v in kwargs.items()}
         gen = torch.Generator().manual_seed(index)
-        x = torch.randn(1, TRACE_TOKENS, self.hidden(layer), generator=gen).to(p.device, p.dtype)
+        x = torch.randn(1, TRACE_TOKENS, self.skeleton.config.get_text_config().hidden_size, generator=gen).to(
+            p.device, p.dtype
+        )
 
         def run():
             try:
@@ -263,9 +264,6 @@ class GenericArch(Arch):
             if all(old != n for old, n in new.items() if n.startswith(p_new)):
                 out[p_new] = p_old
         return out
-
-    def hidden(self, layer: torch.nn.Module) -> int:
-        return int(self.skeleton.config.get_text_config().hidden_size)
 
 
 def discover(config) -> GenericArch:
