@@ -77,16 +77,22 @@ peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage
 print(json.dumps({"peak_mib": peak, "memory": "GPU" if cuda else "RSS"}))
 """
 
-FP8PTQ_RUNS = [  # (label, recipe, weights override, group size override, extra environment)
+# (label, recipe, weights override, group size override, extra environment[, --compute-dtype]); the
+# compute dtype defaults to auto (tf32 on CUDA); the fp32/bf16 rows measure what the default changed
+FP8PTQ_RUNS = [
     ("fp8-kv8 RTN", "fp8-kv8", "rtn", None, {}),
     ("fp8-kv8 GPTQ (default)", "fp8-kv8", None, None, {}),
     ("fp8-kv8 GPTQ, eager column loop", "fp8-kv8", None, None, {"FP8PTQ_GPTQ_KERNEL": "eager"}),
     ("w4a16 g64 GPTQ", "w4a16", None, 64, {}),
     ("w4a16 g64 GPTQ, llm-compressor's algorithm", str(MATCHED_W4A16), None, 64, {}),  # the matched pair
+    ("fp8-kv8 RTN, fp32 passes", "fp8-kv8", "rtn", None, {}, "fp32"),
+    ("fp8-kv8 RTN, bf16 passes", "fp8-kv8", "rtn", None, {}, "bf16"),
+    ("fp8-kv8 GPTQ, fp32 passes", "fp8-kv8", None, None, {}, "fp32"),
+    ("fp8-kv8 GPTQ, bf16 passes", "fp8-kv8", None, None, {}, "bf16"),
 ]
 LLMC_RUNS = [("fp8-kv8 oneshot", "fp8-kv8"), ("fp8-kv8 GPTQ", "fp8-kv8-gptq"), ("w4a16 g64 GPTQ", "w4a16-g64-gptq")]
 PLAN = [("fp8ptq", 0), ("llmc", 0), ("fp8ptq", 1), ("llmc", 1), ("fp8ptq", 3), ("llmc", 2), ("fp8ptq", 2)]
-PLAN += [("fp8ptq", 4)]
+PLAN += [("fp8ptq", 4), ("fp8ptq", 5), ("fp8ptq", 6), ("fp8ptq", 7), ("fp8ptq", 8)]
 
 
 def build(a) -> tuple[Path, Path]:
@@ -132,11 +138,12 @@ def kl_of(out: Path, src: Path, a) -> tuple[float, str]:
 
 
 def run_fp8ptq(a, src: Path, env: dict, i: int) -> dict:
-    label, recipe, weights, group, extra = FP8PTQ_RUNS[i]
+    label, recipe, weights, group, extra, *dtype = FP8PTQ_RUNS[i]
     out = a.work / f"fp8ptq-{i}-{Path(recipe).stem}-{a.device}"
     cfg = dict(
         model=str(src), recipe=recipe, output=str(out), overwrite=True, num_samples=a.num_samples,
         seq_len=a.seq_len, eval_samples=0, device=a.device, weights=weights, group_size=group,
+        compute_dtype=dtype[0] if dtype else "auto",
     )  # fmt: skip
     meta, lines, err = child([sys.executable, "-c", FP8PTQ_RUN, json.dumps(cfg)], {**env, **extra})
     if meta["rc"] != 0:

@@ -5,6 +5,8 @@
 #                                has the working tree, not the history), each step's exit status
 #   gptq_kernel.json             benchmarks/gptq_kernel_bench.py: the GPTQ solve alone on Llama-3-8B shapes
 #                                (KERNEL_S=0 skips it)
+#   gpu_profile-<L>l-<w>-<d>.json benchmarks/gpu_profile.py, one per word of PROFILES ("weights:dtype[:layers]"):
+#                                host regions and device kernels of one fp8ptq run (before the STEPS)
 #   gpu_bench-<L>l-<plan>.json   benchmarks/gpu_bench.py, one file per step of STEPS ("layers:plan[:repeats]"
 #                                words, plan = indices into gpu_bench.PLAN; repeats default REPEATS),
 #                                alternating repeats, medians
@@ -25,6 +27,16 @@ if [ "${KERNEL_S:-150}" != 0 ]; then
     --json "$OUT/gptq_kernel.json" > "$OUT/gptq_kernel.log" 2>&1
   echo "gptq_kernel_bench rc=$?" >> "$OUT/gpu.txt"
 fi
+for prof in ${PROFILES:-}; do  # "weights:dtype[:layers]" words: benchmarks/gpu_profile.py, where the time goes
+  IFS=: read -r weights dtype players <<< "$prof"
+  name="gpu_profile-${players:-4}l-$weights-$dtype"
+  left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "$name skipped: ${left}s left" >> "$OUT/gpu.txt"; continue; fi
+  # shellcheck disable=SC2086  # PROFILE_ARGS: several words
+  timeout "$left" python3 benchmarks/gpu_profile.py --device "$DEVICE" --layers "${players:-4}" --weights "$weights" \
+    --compute-dtype "$dtype" ${PROFILE_ARGS:-} --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? at ${SECONDS}s" >> "$OUT/gpu.txt"
+done
 for step in ${STEPS:-4:}; do
   IFS=: read -r layers plan repeats <<< "$step"
   name="gpu_bench-${layers}l-${plan//,/-}"

@@ -38,6 +38,7 @@ class RunInfo(_Part):
     offload_activations: bool
     chunk_tokens: int
     chunks_per_rank: list[int] | None
+    compute_dtype: str | None = None  # the calibration passes' arithmetic (None: data-free)
 
 
 class Sizes(_Part):

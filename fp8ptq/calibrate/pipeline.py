@@ -35,6 +35,7 @@ from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.prefetch import LayerPrefetch
 from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.hessian import hessian_partial
+from fp8ptq.ops.precision import pass_precision
 from fp8ptq.outliers.stats import ActStats, StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
@@ -85,7 +86,7 @@ class LayerCalibrator:
         ]
         attn = self.modules[self.attn_name] if self.attn_name is not None else torch.nn.Module()
         attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
-        x = self.state.store.read(0, 1)[:, :4].to(self.state.device)  # every rank owns samples (checked)
+        x = self.state.store.read(0, 1)[:, :4].to(self.state.device, self.state.dtype)  # every rank owns samples
         head = self.inputs.head(4)
         try:
             with torch.inference_mode():
@@ -103,7 +104,7 @@ class LayerCalibrator:
     # -- passes --------------------------------------------------------------------------------------
     def _pass(self, block: Block, write: bool = False) -> None:
         """Run `block` over every local chunk; a Stop from a hook ends that chunk early."""
-        with torch.inference_mode(), self.replay.during_pass() as seen:
+        with torch.inference_mode(), self.replay.during_pass() as seen, self._precision():
             for c, first, x in self.state.each_chunk():
                 self.chunk = (c, first)
                 self.replay.at = c
@@ -114,6 +115,9 @@ class LayerCalibrator:
                     continue
                 if write:
                     self.state.write(first, y)
+
+    def _precision(self):
+        return pass_precision(self.state.compute, self.state.device)
 
     def _stage_stats(self, block: Block, group, spec: StatsSpec, h_fn: Callable | None):
         """Statistics of `group`'s input over all chunks, and the Hessian partials of h_fn(input) when
@@ -174,7 +178,7 @@ class LayerCalibrator:
             quant = input_quantizer(acts, choice.scale)
             if cal.weight_method == "gptq" and quant_h:
                 H = self._hessian_pass(block, group, quant)
-        weights = {n: self.modules[n].weight.data for n in group}
+        weights = {n: self.modules[n].weight.data.float() for n in group}  # bf16 passes: solved in fp32
         for name, qw in quantize_group(weights, scheme.weights, cal, H).items():
             self.modules[name].weight.data = qw.fake.to(self.modules[name].weight.dtype)
             params = dict(qw.params)
@@ -279,7 +283,7 @@ class LayerCalibrator:
     def _output_from_cache(self, block: Block) -> None:
         final = self.modules[block.final]
         post = self.modules[block.post_norm] if block.post_norm else (lambda t: t)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._precision():
             for c, first, x in self.state.each_chunk():
                 self.state.write(first, x + post(final(self._cached.pop(c))))  # module call: its quant hook runs
 
@@ -307,28 +311,44 @@ def calibrate(
     layer_schemes(i, plan) -> {group: LinearScheme} (default: the recipe's scheme for every group);
     transforms(layer, i, state, result): exact float transforms applied before quantization."""
     setup = setup or CalibrationSetup(recipe)
-    model, state = prepare(src, input_ids, setup, comm)
+    cuda = torch.device(setup.device).type == "cuda"
+    prefetch = setup.prefetch if setup.prefetch is not None else cuda
+    readers: list[LayerPrefetch] = []
+
+    def built(model: torch.nn.Module) -> None:  # the first layer is read while the embeddings are looked up
+        if prefetch:
+            readers.append(LayerPrefetch(src, src.arch.decoder_layers(model), pin=cuda))
+            readers[0].start(setup.start_layer)
+
+    try:
+        model, state = prepare(src, input_ids, setup, comm, built)
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
     arch = state.arch
     layers = arch.decoder_layers(model)
     default = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
-    stage = f"calibrate ({state.device})"  # where it runs, on the bar from the start (--device auto)
+    # where it runs, on the bar from the start (--device auto), and in what, unless plain fp32
+    stage = f"calibrate ({state.device}" + ("" if state.compute == "fp32" else f", {state.compute}") + ")"
     if progress:
         progress(stage, setup.start_layer, len(layers))
-    prefetch = setup.prefetch if setup.prefetch is not None else state.device.type == "cuda"
-    reader = LayerPrefetch(src, layers, pin=state.device.type == "cuda") if prefetch else None
+    reader = readers[0] if readers else None
     try:
         for i in range(setup.start_layer, len(layers)):
             layer, prefix = layers[i], arch.layer_prefix(i)
             arch.check_layer(layer, i)
             if reader is not None:
-                reader.load(i, state.device, torch.float32)  # read in line when not prefetched (the first)
+                reader.load(i, state.device, torch.float32)  # read in line when not prefetched
                 reader.start(i + 1)  # read while this layer calibrates
             else:
                 materialize(layer, prefix, src, torch.float32, state.device)
             src.close()  # drop mmaps: file pages touched would otherwise stay in RSS, growing with depth
             result = LayerResult(index=i, prefix=prefix)
             if transforms is not None:
-                transforms(layer, i, state, result)
+                transforms(layer, i, state, result)  # exact float transforms: in fp32 whatever the passes use
+            if state.dtype != torch.float32:
+                layer.to(state.dtype)  # --compute-dtype bf16: the passes' weights and buffers
             plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
             result.report["skipped"] = {prefix + n: why for n, why in plan.skipped}
             schemes = layer_schemes(i, plan) if layer_schemes else {g: default for g in plan.groups}

@@ -21,6 +21,7 @@ from fp8ptq.models.arch import Arch
 from fp8ptq.models.arch.base import LayerInputs
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
+from fp8ptq.ops.precision import layer_dtype
 from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
 from fp8ptq.quantize.numerics import register_attention
 from fp8ptq.quantize.plan import plan_layer
@@ -44,6 +45,11 @@ class RunState:
     arch: Arch
     inputs: Callable[[int], LayerInputs]  # layer index -> its position embeddings and attention mask
     cache_bytes: int = 0  # budget for keeping a block's final Linear input between passes (0: recompute)
+    compute: str = "fp32"  # the layer passes' arithmetic (ops/precision.py: fp32, tf32 or bf16)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return layer_dtype(self.compute)
 
     @property
     def total_rows(self) -> int:
@@ -55,7 +61,7 @@ class RunState:
         base = self.chunks.local_samples().start
         for c in self.chunks.owned():
             r = self.chunks.sample_range(c)
-            yield c, r.start, self.store.read(r.start - base, r.stop - base, copy=False).to(self.device)
+            yield c, r.start, self.store.read(r.start - base, r.stop - base, copy=False).to(self.device, self.dtype)
 
     def write(self, first_sample: int, x: torch.Tensor) -> None:
         self.store.write(first_sample - self.chunks.local_samples().start, x)
@@ -81,21 +87,34 @@ class CalibrationSetup:
     cache_bytes: int = 1 << 30  # see RunState.cache_bytes; 0 with offloaded activations (RAM stays flat)
     restore: object = None  # Path of the activation checkpoint to restore (resume)
     prefetch: bool | None = None  # read layer i+1 in a thread while i calibrates; None: on a CUDA device
+    compute_dtype: str = "fp32"  # the layer passes: fp32, tf32 (CUDA) or bf16 (ops/precision.py)
 
 
-def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, comm=None):
-    """Build the skeleton, the chunk plan and the activation store holding this rank's embeddings."""
+def prepare(
+    src: ModelSource,
+    input_ids: torch.Tensor,
+    setup: CalibrationSetup,
+    comm=None,
+    built: Callable[[torch.nn.Module], None] | None = None,
+):
+    """Build the skeleton, the chunk plan and the activation store holding this rank's embeddings.
+    built(model) runs once the skeleton exists, before the embeddings are read (the first layer's read
+    starts there, beside the embedding lookup)."""
     comm = comm or LocalComm()
     arch = src.arch
     device = torch.device(setup.device)
     model = build_skeleton(src.config, attn_implementation=register_attention())
+    if built is not None:
+        built(model)
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
     local = chunks.local_samples()
     shape = (len(local), input_ids.shape[1], src.text_config.hidden_size)
     store = ActivationStore(*shape, setup.offload_dir, device=_store_device(device, math.prod(shape) * 4))
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
+    if layer_dtype(setup.compute_dtype) != torch.float32:
+        inputs = _cast_inputs(inputs, layer_dtype(setup.compute_dtype))
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
-    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache)
+    state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache, setup.compute_dtype)
     if setup.restore is not None:
         store.load(setup.restore)
     else:
@@ -110,6 +129,20 @@ def prepare(src: ModelSource, input_ids: torch.Tensor, setup: CalibrationSetup, 
             state.write(r.start, x if scale is None else x * scale)
         del table
     return model, state
+
+
+def _cast_inputs(inputs: Callable[[int], LayerInputs], dtype: torch.dtype) -> Callable[[int], LayerInputs]:
+    """Position embeddings and additive masks in the passes' dtype (bf16 layers reject fp32 operands)."""
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() else t
+
+    def get(i: int) -> LayerInputs:
+        x = inputs(i)
+        pos = None if x.position_embeddings is None else tuple(cast(t) for t in x.position_embeddings)
+        return LayerInputs(pos, cast(x.attention_mask))
+
+    return get
 
 
 def _store_device(device: torch.device, nbytes: int) -> torch.device | None:

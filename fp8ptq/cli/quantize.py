@@ -48,6 +48,11 @@ def quantize(
     device: str = typer.Option(
         "auto", help="auto (CUDA when present), cpu, cuda or cuda:N (one layer at a time is moved there)"
     ),
+    compute_dtype: str = typer.Option(
+        "auto",
+        help="arithmetic of the calibration passes: auto (tf32 on CUDA, fp32 on a CPU), fp32, tf32 (CUDA) or "
+        "bf16; Hessians and GPTQ stay fp32",
+    ),
     chunk_tokens: int = typer.Option(
         8192, help="calibration tokens per step: bounds activation memory, not the result"
     ),
@@ -118,6 +123,7 @@ def quantize(
         recipe_gates=not no_recipe_gates,
         resume=resume,
         device=device,
+        compute_dtype=compute_dtype,
         chunk_tokens=chunk_tokens,
         offload_activations=offload_activations,
         int4_fraction=int4_fraction,
@@ -146,7 +152,10 @@ def quantize(
     table.add_row("recipe", manifest.recipe["name"])
     if manifest.recipe.get("transforms"):
         table.add_row("transforms", ", ".join(manifest.recipe["transforms"]))
-    table.add_row("device", describe_device(device).removeprefix("device: "))
+    where = describe_device(device).removeprefix("device: ")
+    if manifest.run.compute_dtype is not None:
+        where += f", {manifest.run.compute_dtype} passes"
+    table.add_row("device", where)
     table.add_row("decoder layers", str(s.layers))
     table.add_row("linears quantized", str(s.linears_quantized))
     table.add_row("linears skipped", ", ".join(f"{n} ({why})" for n, why in s.linears_skipped.items()) or "none")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from fp8ptq.export.compressed_tensors import compress_linear
 from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.models.loader import ModelSource, check_finite
+from fp8ptq.models.prefetch import PREFETCH_MAX_BYTES
 from fp8ptq.quantize.results import LayerResult
 
 LAYERS = "layers"
@@ -31,6 +33,33 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> int:
     data = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     write_atomic(path, lambda tmp: save_file(data, str(tmp), metadata={"format": "pt"}))
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host tensor with t's values: from a GPU with pin, an asynchronous copy into pinned memory (valid
+    once HostCopy.wait returns), without it a blocking copy; host tensors as they are."""
+    t = t.detach()
+    return t.to("cpu", non_blocking=pin) if t.is_cuda else t
+
+
+@dataclass
+class HostCopy:
+    """The device->host copies of one layer, and the names `write_layer` checks once they landed."""
+
+    check: list[str]
+    event: object = None  # torch.cuda.Event recorded after the copies; None: nothing in flight
+
+    @classmethod
+    def record(cls, check: list[str]) -> HostCopy:
+        event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record()
+        return cls(check, event)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class CheckpointWriter:
@@ -54,28 +83,37 @@ class CheckpointWriter:
         for name in self.src.weight_map:
             if name.startswith(res.prefix) and name not in quantized and name not in out:
                 out[name] = self.src.tensor(name)
+        return out
+
+    def layer_payload(self, res: LayerResult) -> tuple[Path, dict[str, torch.Tensor], dict, HostCopy]:
+        """Everything `write_layer` needs, read from the source and copied to host memory, so the write can
+        run in another thread while the device goes on with the next layer. On a GPU the copies are
+        asynchronous (pinned, non-blocking, ordered on the current stream): this thread never waits for the
+        device here; `write_layer` waits for them (HostCopy) before it checks and serialises."""
+        out = self.layer_tensors(res)
+        # pinned only up to the layer reader's bound (models/prefetch.py): page-locking a huge MoE layer's
+        # codes costs more than the wait it saves
+        pin = sum(t.numel() * t.element_size() for t in out.values() if t.is_cuda) <= PREFETCH_MAX_BYTES
+        tensors = {self.src.stored_name(k): _to_host(t, pin) for k, t in out.items()}
+        self.src.close()
+        quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
         # no code path may write a NaN scale or weight. Directly packed FP8 is checked where it is made
         # (runs/data_free.py: a finite scale, and codes clamped below the NaN code): a pass over every code
         # here cost ~10% of a data-free conversion.
-        packed = {f"{m}.{k}" for m, (tensors, _) in res.packed.items() for k in tensors}
-        for name, t in out.items():
-            if name not in packed:
-                check_finite(name, t)
-        return out
-
-    def layer_payload(self, res: LayerResult) -> tuple[Path, dict[str, torch.Tensor], dict]:
-        """Everything `write_layer` needs, read from the source and copied to host memory now, so the write
-        can run in another thread while the device goes on with the next layer."""
-        tensors = {self.src.stored_name(k): t.detach().cpu() for k, t in self.layer_tensors(res).items()}
-        self.src.close()
-        quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
+        packed = {self.src.stored_name(f"{m}.{k}") for m, (t, _) in res.packed.items() for k in t}
         return (
             self.dir / LAYERS / f"layer-{res.index:05d}.safetensors",
             tensors,
             {"index": res.index, "quantized": quantized, **res.report},
+            HostCopy.record([n for n in tensors if n not in packed]),
         )
 
-    def write_layer(self, path: Path, tensors: dict[str, torch.Tensor], report: dict) -> None:
+    def write_layer(self, path: Path, tensors: dict[str, torch.Tensor], report: dict, copy: HostCopy) -> None:
+        """Wait for the layer's host copies, check every tensor but direct FP8 packs is finite (the error
+        names it), and write the layer (serialised, fsynced, renamed) with its report."""
+        copy.wait()
+        for name in copy.check:
+            check_finite(name, tensors[name])
         report = {**report, "bytes": _save(tensors, path)}
         write_json_atomic(path.with_suffix(".json"), report)
 

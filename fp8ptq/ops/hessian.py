@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8ptq.ops.precision import strict_fp32
+
 
 def hessian_partial(x: torch.Tensor) -> torch.Tensor:
     """2 X^T X (fp32, [in, in]) over the rows of x [..., in]: one chunk's unnormalised contribution, to be
@@ -14,7 +16,13 @@ def hessian_partial(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gram(rows: torch.Tensor, blocks: int = 4) -> torch.Tensor:
-    """rows^T rows, exactly symmetric: from 512 wide the upper row blocks only (5/8 of the work), mirrored."""
+    """rows^T rows, exactly symmetric: from 512 wide the upper row blocks only (5/8 of the work), mirrored.
+    IEEE fp32 even inside a TF32 pass (--compute-dtype tf32): GPTQ solves on it."""
+    with strict_fp32():
+        return _gram_fp32(rows, blocks)
+
+
+def _gram_fp32(rows: torch.Tensor, blocks: int) -> torch.Tensor:
     n = rows.shape[1]
     if n < 512:
         return rows.T @ rows

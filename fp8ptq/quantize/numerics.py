@@ -72,11 +72,11 @@ def input_quantizer(args: QuantizationArgs, scale: torch.Tensor | None) -> Calla
     h = handler(args)
     if dynamic_inputs(args):
         fn = h.dynamic(args)
-        return lambda x: chunked(fn, x)
+        return lambda x: chunked(fn, x).to(x.dtype)  # x's dtype: bf16 passes (--compute-dtype bf16)
     assert scale is not None
     grid = h.act_grid(args)
     scale = scale.float().reshape(1)
-    return lambda x: chunked(lambda r: grid.fake_quant(r, scale.to(r.device)), x)
+    return lambda x: chunked(lambda r: grid.fake_quant(r, scale.to(r.device)), x).to(x.dtype)
 
 
 def install_input_quant(module: torch.nn.Module, quant: Callable[[torch.Tensor], torch.Tensor]):

@@ -50,6 +50,7 @@ def calibrate_into(ctx: RunContext) -> None:
         ctx.recipe,
         chunk_samples=ctx.chunk_samples,
         device=ctx.device,
+        compute_dtype=ctx.compute_dtype,
         offload_dir=resume_dir if ctx.cfg.offload_activations else None,
         start_layer=start,
         restore=resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None,

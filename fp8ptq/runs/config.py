@@ -29,6 +29,7 @@ class QuantizeConfig:
     gates: tuple[str, ...] = ()  # added to the recipe's own gates
     recipe_gates: bool = True  # False: ignore the recipe's gates
     device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
+    compute_dtype: str = "auto"  # the layer passes: auto (tf32 on CUDA, fp32 on a CPU) | fp32 | tf32 | bf16
     chunk_tokens: int = 8192  # calibration tokens per chunk (memory per step; results do not depend on it)
     offload_activations: bool = False  # keep calibration activations on disk instead of RAM
     resume: bool = False  # continue an interrupted run of the same command

@@ -22,6 +22,7 @@ from fp8ptq.export.rundir import RunDir
 from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
+from fp8ptq.ops.precision import COMPUTE_DTYPES
 from fp8ptq.recipe import Recipe, load_recipe, parse_recipe
 from fp8ptq.runs.config import DRAFT_KINDS, QuantizeConfig
 
@@ -46,6 +47,7 @@ class RunContext:
     resumed: bool = False
     writer: CheckpointWriter | None = None  # rank 0 only
     timings: dict[str, float] = field(default_factory=dict)
+    compute_dtype: str = "fp32"  # the layer passes' arithmetic, resolved (resolve_compute_dtype)
 
     @property
     def start_layer(self) -> int:
@@ -67,6 +69,7 @@ class RunContext:
             "calibration_data": None if ids is None else hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
             "chunk_tokens": self.cfg.chunk_tokens,
             "world_size": self.comm.world,
+            "compute_dtype": self.compute_dtype,
         }
 
 
@@ -87,6 +90,21 @@ def resolve_device(device: str) -> str:
     if device != "cpu" and not device.startswith("cuda"):
         raise Fp8ptqError(f"unknown --device '{device}'", fix="use auto, cpu, cuda or cuda:N")
     return device
+
+
+def resolve_compute_dtype(requested: str, device: str) -> str:
+    """--compute-dtype: auto -> tf32 on CUDA (KL within noise of fp32 on the GPU benchmark, BENCHMARKS.md),
+    fp32 on a CPU (TF32 is a CUDA matmul mode; a CPU's bf16 passes change the result for no gain here)."""
+    if requested == "auto":
+        return "tf32" if device.startswith("cuda") else "fp32"
+    if requested not in COMPUTE_DTYPES:
+        raise Fp8ptqError(f"unknown --compute-dtype '{requested}'", fix="use auto, " + ", ".join(COMPUTE_DTYPES))
+    if requested == "tf32" and not device.startswith("cuda"):
+        raise Fp8ptqError(
+            f"--compute-dtype tf32 on --device {device}: TF32 is a CUDA matmul mode",
+            fix="use --compute-dtype fp32 or bf16 on a CPU, or --device cuda",
+        )
+    return requested
 
 
 def describe_device(requested: str) -> str:
@@ -127,6 +145,7 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
         gates_skipped=skipped,
         comm=init_from_env(device),
         progress=progress,
+        compute_dtype=resolve_compute_dtype(cfg.compute_dtype, device),
     )
 
 

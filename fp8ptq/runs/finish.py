@@ -70,6 +70,7 @@ def finish(ctx: RunContext) -> Manifest:
             offload_activations=ctx.cfg.offload_activations,
             chunk_tokens=ctx.cfg.chunk_tokens,
             chunks_per_rank=None if ids is None else chunks_per_rank(ctx, ctx.comm.world),
+            compute_dtype=None if ids is None else ctx.compute_dtype,
         ),
         shards=shards,
         size_bytes=Sizes(source=src.size_bytes(), output=sum((ctx.path / s).stat().st_size for s in shards)),

@@ -173,3 +173,8 @@ def test_device_auto_is_the_default_and_says_what_it_picked(tiny_dir, tmp_path):
         assert "cpu, no CUDA device (--device auto)" in row, row
     m = json.loads((tmp_path / "out" / "fp8ptq_manifest.json").read_text())
     assert m["run"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_compute_dtype_tf32_on_a_cpu_is_refused_before_any_work(tiny_dir, tmp_path):
+    r = _quantize(tiny_dir, tmp_path / "out", "--recipe", "fp8-kv8", "--device", "cpu", "--compute-dtype", "tf32")
+    _assert_clean_failure(r, tmp_path / "out", "--compute-dtype tf32 on --device cpu")
