@@ -155,7 +155,7 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
             out.append(Finding("error", "quantized-router", module, "a router/gate is quantized; vLLM loads it float"))
         if VISION.search(module):  # by tensor name too: a text-only model tree has no vision modules
             out.append(Finding("warning", "quantized-vision", module, "a vision module is quantized"))
-    _lint_fused(src, modules, chosen, out)
+    _lint_fused(src, _fused_groups(config, modules, list(src.weight_map)), chosen, out)
     for pattern in qcfg.ignore or []:
         if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
             out.append(
@@ -166,16 +166,45 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
     return schemes
 
 
+# where no adapter builds the model (transformers' own module tree): Llama's shard names
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 FUSED["up_proj"] = "gate_up_proj"
 
 
-def _lint_fused(src, modules: dict, chosen: dict, out: list[Finding]) -> None:
-    groups: dict[str, list[str]] = {}
-    for name in modules:
-        parent, _, leaf = name.rpartition(".")
-        if leaf in FUSED and isinstance(modules[name], torch.nn.Linear):
-            groups.setdefault(f"{parent}.{FUSED[leaf]}", []).append(name)
+def _fused_groups(config: dict, modules: dict, names: list[str]) -> dict[str, list[str]]:
+    """Label -> the Linears (checkpoint names) that share one quantized input: the groups quantize makes
+    (`plan_layer`: the adapter's fused shards, or the generic adapter's traced groups: MLA's q_a/kv_a, a
+    linear-attention layer's in_proj_qkvz/in_proj_ba, ...). Llama's names where no adapter builds it."""
+    from transformers import AutoConfig
+
+    from fp8ptq.models.arch import arch_for
+    from fp8ptq.models.loader import ModelSource
+    from fp8ptq.models.skeleton import build_skeleton
+    from fp8ptq.quantize.plan import plan_layer
+
+    try:
+        cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+        arch = arch_for(cfg)
+        stored = ModelSource(path=Path("."), label="", weight_map={}, config=cfg, renames=arch.renames(names))
+        groups: dict[str, list[str]] = {}
+        for i, layer in enumerate(arch.decoder_layers(build_skeleton(cfg))):
+            prefix = arch.layer_prefix(i)
+            for group in plan_layer(layer, prefix, ["Linear"], (), arch).groups:
+                if len(group) > 1:
+                    shards = [stored.stored_name(f"{prefix}{n}.weight")[: -len(".weight")] for n in group]
+                    parent = shards[0].rpartition(".")[0]
+                    groups[f"{parent}.{'+'.join(n.rpartition('.')[2] for n in shards)}"] = shards
+        return groups
+    except Exception:  # noqa: BLE001 -- a model no adapter builds: the names transformers' tree has
+        groups = {}
+        for name in modules:
+            parent, _, leaf = name.rpartition(".")
+            if leaf in FUSED and isinstance(modules[name], torch.nn.Linear):
+                groups.setdefault(f"{parent}.{FUSED[leaf]}", []).append(name)
+        return groups
+
+
+def _lint_fused(src, groups: dict[str, list[str]], chosen: dict, out: list[Finding]) -> None:
     for fused, shards in groups.items():
         got = [chosen.get(n) for n in shards]
         if len({json.dumps(None if s is None else s.model_dump(), default=str) for s in got}) > 1:

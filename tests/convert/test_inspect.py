@@ -198,3 +198,29 @@ def test_an_export_without_the_head_or_layers_its_config_needs_fails_the_lint(kv
         c["num_hidden_layers"] = 0
 
     assert _codes(_copy(kv8, tmp_path / "nolayers", no_layers))["no-layers"] == "error"
+
+
+def test_fused_scale_check_uses_the_discovered_groups(tiny_model, tmp_path):
+    """A family no adapter registers (Qwen3-Next: gated DeltaNet beside attention): the lint's shard groups
+    are the ones quantize discovered, not Llama's names -- in_proj_qkvz and in_proj_ba read one input."""
+    model = tiny_model(  # the configuration of tests/models/test_generic.py (one build per session)
+        "qwen3_next", max_position_embeddings=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, layer_types=("linear_attention", "full_attention"),
+    )  # fmt: skip
+    out = tmp_path / "q"
+    quantize(
+        QuantizeConfig(
+            model=str(model), recipe="fp8-kv8", output=out, num_samples=2, seq_len=32, eval_samples=0,
+            recipe_gates=False, weights="rtn",
+        )
+    )  # fmt: skip
+    assert "fused-scales" not in _codes(out)
+
+    def skew(t):
+        ba = "model.layers.0.linear_attn.in_proj_ba.input_scale"
+        t[ba] = t[ba] * 2
+
+    r = inspect(InspectConfig(path=_copy(out, tmp_path / "skew", edit_tensors=skew)))
+    found = [f for f in r["findings"] if f["code"] == "fused-scales"]
+    assert [f["where"] for f in found] == ["model.layers.0.linear_attn.in_proj_qkvz+in_proj_ba"], found
