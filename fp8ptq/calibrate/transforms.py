@@ -41,7 +41,7 @@ def make_transforms(recipe, src: ModelSource) -> Callable | None:
         if recipe.flatten is not None:
             if arch.flatten is None:
                 raise RecipeError(
-                    f"recipe '{recipe.name}' flattens the MLP, which the {arch.name} adapter "
+                    f"recipe '{recipe.name}' flattens the MLP, which {arch.described} "
                     "does not support (no separate gate/up/down Linears)",
                     fix="use a recipe without a flatten section",
                 )

@@ -37,7 +37,7 @@ class LayerPlan:
 
 def _why_skipped(name: str, module, targets, arch: Arch) -> str:
     if arch.keep_float and matches(name, module, arch.keep_float, ()):
-        return f"never quantized ({arch.name} adapter)"
+        return f"never quantized ({arch.described.removeprefix('the ')})"
     return "matched by ignore" if matches(name, module, targets, ()) else "not targeted"
 
 

@@ -198,3 +198,19 @@ def _tensors(path):
         with safe_open(str(f), framework="pt") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def test_a_discovered_layout_says_so_when_it_refuses_a_recipe(tiny_model, tmp_path):
+    """An MLA family no adapter registers caches a latent, not keys/values: fp8-kv8 is refused before any
+    work, and the message names the discovered layout rather than an adapter that does not exist."""
+    from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.errors import RecipeError
+
+    model = tiny_model(
+        "deepseek_v2", max_position_embeddings=512, **{**SIZES, "num_key_value_heads": 4}, q_lora_rank=64,
+        kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64,
+    )  # fmt: skip
+    with pytest.raises(RecipeError, match="deepseek_v2's layout \\(discovered from the model; no fp8ptq adapter\\)"):
+        quantize(QuantizeConfig(model=str(model), recipe="fp8-kv8", output=tmp_path / "q"))
+    assert not (tmp_path / "q").exists()

@@ -140,16 +140,21 @@ class Arch:
     def is_layer_tensor(self, name: str) -> bool:
         return name.startswith(self.layers + ".")
 
+    @property
+    def described(self) -> str:
+        """How messages name this layout: 'the llama adapter'."""
+        return f"the {self.name} adapter"
+
     def refuses(self, recipe) -> str | None:
         """Why this family cannot take `recipe` (checked before any work), or None."""
         if recipe.scheme.kv_cache is not None and not self.kv_cache:
             return (
-                f"recipe '{recipe.name}' quantizes the KV cache, which the {self.name} adapter does not support "
+                f"recipe '{recipe.name}' quantizes the KV cache, which {self.described} does not support "
                 "(the engine caches a compressed latent, not per-head keys/values)"
             )
         if recipe.flatten is not None and self.flatten is None:
             return (
-                f"recipe '{recipe.name}' flattens the MLP, which the {self.name} adapter does not support "
+                f"recipe '{recipe.name}' flattens the MLP, which {self.described} does not support "
                 "(no separate gate/up/down Linears in every layer)"
             )
         return None

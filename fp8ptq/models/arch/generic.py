@@ -78,6 +78,10 @@ class GenericArch(Arch):
     def final_norm(self) -> str:
         return self.norm_at
 
+    @property
+    def described(self) -> str:
+        return f"{self.name}'s layout (discovered from the model; no fp8ptq adapter)"
+
     def check_layer(self, layer: torch.nn.Module, index: int) -> None:
         return None
 
