@@ -196,3 +196,25 @@ def test_non_layer_tensors_split_across_files(tmp_path, tiny_dir, monkeypatch):
     for n, f in index.items():
         with safe_open(str(tmp_path / "q" / f), framework="pt") as h:
             assert n in h.keys()
+
+
+def test_the_writer_thread_checks_what_it_writes(tiny_dir, tmp_path):
+    """A layer's tensors are checked for finiteness where they are written (the writer thread, after the
+    host copies landed): a NaN a transform left in a float tensor is refused by name, and nothing of that
+    layer is on disk; a finite layer is written with its report."""
+    from fp8ptq.errors import NonFiniteError
+    from fp8ptq.export.writer import CheckpointWriter
+    from fp8ptq.models.loader import open_hf_dir
+    from fp8ptq.quantize.results import LayerResult
+
+    writer = CheckpointWriter(open_hf_dir(tiny_dir), tmp_path)
+    norm = "model.layers.0.input_layernorm.weight"
+    bad = torch.ones(64)
+    bad[7] = float("nan")
+    path, tensors, report, copy = writer.layer_payload(LayerResult(0, "model.layers.0.", float_tensors={norm: bad}))
+    assert norm in copy.check and copy.event is None  # nothing in flight on a CPU
+    with pytest.raises(NonFiniteError, match=f"'{norm}' has 1 non-finite"):
+        writer.write_layer(path, tensors, report, copy)
+    assert not list(path.parent.iterdir())
+    writer.write_layer(*writer.layer_payload(LayerResult(0, "model.layers.0.", float_tensors={norm: torch.ones(64)})))
+    assert path.is_file() and path.with_suffix(".json").is_file()
