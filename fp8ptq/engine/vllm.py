@@ -184,6 +184,7 @@ class VllmRun:
     stage: str | None = None  # where it failed: import | load | generate
     log_tail: str = ""
     wall_s: float = 0.0
+    speculative: dict | None = None  # a validate_only job: the SpeculativeConfig vLLM resolved
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("log_tail", "layer_outputs", "probed")}
@@ -312,9 +313,10 @@ def _parse(res: dict, log: str, wall: float) -> VllmRun:
     if res.get("probe_file"):
         probed = load_file(res["probe_file"])
     if not res["ok"]:
+        config = res.get("stage") == "config"  # vLLM's config classes refused: their own message says why
         return VllmRun(
             ok=False,
-            error=root_cause(log) or res.get("error"),
+            error=res.get("error") if config else root_cause(log) or res.get("error"),
             stage=res.get("stage"),
             log_tail=log[-4000:],
             wall_s=wall,
@@ -333,4 +335,5 @@ def _parse(res: dict, log: str, wall: float) -> VllmRun:
         generate_s=res.get("generate_s"),
         log_tail=log[-2000:],
         wall_s=wall,
+        speculative=res.get("speculative"),
     )

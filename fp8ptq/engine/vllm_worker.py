@@ -9,7 +9,9 @@ REQUEST keys: model, prompts (list of token-id lists), max_tokens, temperature (
 dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
 capture_layers (int: save the first N decoder layers' outputs for prompt 0), probe_layers (int: save
 the effective weights of the first N layers' Linears), warmup (bool: one untimed 1-token generate before
-the timed one), extra (LLM kwargs).
+the timed one), extra (LLM kwargs), validate_only (bool: build vLLM's engine config from these arguments,
+its SpeculativeConfig included, and stop there: no weights are loaded; RESULT's `speculative` is what
+vLLM resolved).
 RESULT keys: ok, token_ids (per prompt), load_s, generate_s, generated_tokens, metrics (vLLM's own
 counters whose name contains 'spec_decode'), versions; or ok=false with error / error_type / stage.
 
@@ -106,6 +108,20 @@ def _shutdown(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
+def _validate(kwargs: dict, result: dict) -> dict:
+    """vLLM's own EngineArgs -> VllmConfig over the arguments (SpeculativeConfig's checks included)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    result["stage"] = "config"
+    spec = EngineArgs(**kwargs).create_engine_config().speculative_config
+    result["speculative"] = None
+    if spec is not None:
+        fields = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+        result["speculative"] = {k: getattr(spec, k, None) for k in fields}
+    result.update(ok=True, stage="done", token_ids=[])
+    return result
+
+
 def main(request_path: str, result_path: str) -> int:
     req = json.loads(open(request_path).read())
     if "jobs" not in req:
@@ -153,6 +169,8 @@ def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
         if req.get("speculative_config"):
             kwargs["speculative_config"] = req["speculative_config"]
         kwargs.update(req.get("extra", {}))
+        if req.get("validate_only"):
+            return _validate(kwargs, result)
         llm = LLM(**kwargs)
         result["load_s"] = time.perf_counter() - t0
         result["stage"] = "generate"

@@ -173,6 +173,17 @@ def sglang_check(flags: list[str]) -> dict:
     return {"version": r["version"], **{k: r["flags"]["sglang_flags"][k] for k in ("ok", "error")}}
 
 
+def vllm_config_check(target: str, configs: dict[str, dict], *, python: str | None = None) -> dict[str, dict]:
+    """name -> {"ok", "error", "resolved"}: vLLM's own EngineArgs -> VllmConfig (its SpeculativeConfig's
+    checks) over each speculative config for `target`, in one vLLM process, no weights loaded; "resolved"
+    is what vLLM made of it (method, γ, draft model, n-gram sizes)."""
+    from fp8ptq.engine.vllm import run_vllm_jobs, vllm_request
+
+    jobs = [vllm_request(Path(target), [], 1, speculative_config=c) | {"validate_only": True} for c in configs.values()]
+    runs = run_vllm_jobs(jobs, python=python, timeout_s=300)
+    return {name: {"ok": r.ok, "error": r.error, "resolved": r.speculative} for name, r in zip(configs, runs)}
+
+
 def engine_check(
     target: str,
     draft: str,
@@ -198,9 +209,11 @@ def engine_check(
     check_engine_ready(draft, python)
     gamma = int(spec_config["num_speculative_tokens"])
     extra = gamma + 1 if temperature == 0 else 0
-    # Both runs in one vLLM process (imported once), each engine warmed up by one short generate before
+    # vLLM's own config classes over the config first (SpeculativeConfig's checks, no weights), then both
+    # runs, all in one vLLM process (imported once), each engine warmed up by one short generate before
     # the timed one, so that neither rate carries the engine's first-call cost.
-    jobs = {
+    jobs = {"config": vllm_request(Path(target), [], 1, speculative_config=spec_config) | {"validate_only": True}}
+    jobs |= {
         name: vllm_request(
             Path(target), prompts, n, temperature=temperature, seed=seed, speculative_config=cfg, warmup=True
         )
@@ -227,6 +240,7 @@ def engine_check(
         "plain_tokens_per_s": plain_tps,
         "speculative_tokens_per_s": tokens / spec.generate_s,
         "speedup": tokens / spec.generate_s / plain_tps,
+        "vllm_config": runs["config"].speculative,  # what vLLM's SpeculativeConfig resolved the config to
         "vllm": {
             "drafts": m.get("vllm:spec_decode_num_drafts", 0),
             "drafted": drafted,

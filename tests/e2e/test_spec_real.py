@@ -102,6 +102,8 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     # The engine check ran the written config in vLLM (and plain decoding) on the measured prompts.
     e = rec["engine_check"]
     assert e == written and e["ok"], e
+    resolved = e["vllm_config"]  # vLLM's own SpeculativeConfig over the written config
+    assert (resolved["method"], resolved["num_speculative_tokens"]) == ("draft_model", rec["gamma"]), resolved
     assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # SGLang's parser took the flags
     assert e["tokens"] == PROMPTS * MAX_TOKENS and e["plain_tokens_per_s"] > 0 and e["speculative_tokens_per_s"] > 0
     assert e["speedup"] == pytest.approx(e["speculative_tokens_per_s"] / e["plain_tokens_per_s"])
@@ -150,6 +152,7 @@ def test_vllm_ngram_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_fi
     }
     e = rec["engine_check"]
     assert e["ok"], e
+    assert {k: e["vllm_config"][k] for k in cfg} == cfg  # vLLM's SpeculativeConfig kept every written value
     assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # the n-gram flags SGLang refused
     v, replay = e["vllm"], e["fp8ptq_replay"]
     print(
@@ -163,3 +166,16 @@ def test_vllm_ngram_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_fi
         replay["accepted"],
         replay["per_pos_accepted"],
     )
+
+
+def test_vllm_config_classes_refuse_what_vllm_would(target_dir):
+    """vllm_config_check is vLLM's own SpeculativeConfig (no weights loaded): the config fp8ptq writes for
+    an n-gram proposer resolves to itself; one vLLM refuses is refused with vLLM's own reason."""
+    from fp8ptq.spec.recommend import vllm_config
+    from fp8ptq.spec.run import vllm_config_check
+
+    good = vllm_config("ngram:2-4", 3)
+    bad = {**good, "prompt_lookup_min": 5, "prompt_lookup_max": 2}
+    r = vllm_config_check(str(target_dir), {"good": good, "bad": bad})
+    assert r["good"]["ok"] and {k: r["good"]["resolved"][k] for k in good} == good, r
+    assert not r["bad"]["ok"] and "prompt_lookup_min=5 must be <= prompt_lookup_max=2" in r["bad"]["error"], r
