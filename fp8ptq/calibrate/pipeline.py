@@ -334,21 +334,24 @@ def calibrate(
     if progress:
         progress(stage, setup.start_layer, len(layers))
     reader = readers[0] if readers else None
+    # exact float transforms need fp32 weights; without them a layer is read straight into the passes' dtype
+    # (the same values as through fp32: every stored float widens to fp32 exactly)
+    load_dtype = torch.float32 if transforms is not None else state.dtype
     try:
         for i in range(setup.start_layer, len(layers)):
             layer, prefix = layers[i], arch.layer_prefix(i)
             arch.check_layer(layer, i)
             if reader is not None:
-                reader.load(i, state.device, torch.float32)  # read in line when not prefetched
+                reader.load(i, state.device, load_dtype)  # read in line when not prefetched
                 reader.start(i + 1)  # read while this layer calibrates
             else:
-                materialize(layer, prefix, src, torch.float32, state.device)
+                materialize(layer, prefix, src, load_dtype, state.device)
             src.close()  # drop mmaps: file pages touched would otherwise stay in RSS, growing with depth
             result = LayerResult(index=i, prefix=prefix)
             if transforms is not None:
                 transforms(layer, i, state, result)  # exact float transforms: in fp32 whatever the passes use
             if state.dtype != torch.float32:
-                layer.to(state.dtype)  # --compute-dtype bf16: the passes' weights and buffers
+                layer.to(state.dtype)  # --compute-dtype bf16: transformed weights and the layer's buffers
             plan = plan_layer(layer, prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
             result.report["skipped"] = {prefix + n: why for n, why in plan.skipped}
             schemes = layer_schemes(i, plan) if layer_schemes else {g: default for g in plan.groups}

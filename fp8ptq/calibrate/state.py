@@ -132,10 +132,16 @@ def prepare(
 
 
 def _cast_inputs(inputs: Callable[[int], LayerInputs], dtype: torch.dtype) -> Callable[[int], LayerInputs]:
-    """Position embeddings and additive masks in the passes' dtype (bf16 layers reject fp32 operands)."""
+    """Position embeddings and additive masks in the passes' dtype (bf16 layers reject fp32 operands), each
+    distinct tensor cast once (layers of one type share theirs; a pass asks once per chunk)."""
+    done: dict[int, torch.Tensor] = {}  # id of the fp32 tensor (kept alive by `inputs`) -> its cast
 
     def cast(t):
-        return t.to(dtype) if t is not None and t.is_floating_point() else t
+        if t is None or not t.is_floating_point():
+            return t
+        if id(t) not in done:
+            done[id(t)] = t.to(dtype)
+        return done[id(t)]
 
     def get(i: int) -> LayerInputs:
         x = inputs(i)

@@ -66,33 +66,37 @@ def _format(path: Path, config: dict) -> str:
     return {"hf-fp8": "hf-fp8-block", "unknown (fp8)": "hf-fp8"}.get(fmt, fmt)
 
 
-def _modules(config: dict, out: list[Finding], names: list[str] = ()) -> dict[str, torch.nn.Module]:
-    """Name -> module of the model on the meta device: fp8ptq's skeleton (module names = checkpoint names)
-    for a registered family, else transformers' own class; {} (and a warning) when neither builds."""
+def _modules(
+    config: dict, out: list[Finding], names: list[str] = ()
+) -> tuple[dict[str, torch.nn.Module], dict[str, list[str]]]:
+    """Name -> module of the model on the meta device, named as the checkpoint stores them: fp8ptq's
+    skeleton (an adapter's, or the generic adapter's with transformers' renames), else transformers' own
+    class; and the fused groups (_fused_groups). ({}, {}) and a warning when nothing builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fp8ptq.errors import ModelError
-    from fp8ptq.models.arch import arch_for, registered
+    from fp8ptq.models.arch import arch_for
     from fp8ptq.models.loader import ModelSource
     from fp8ptq.models.skeleton import build_skeleton
 
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
         cfg = AutoConfig.for_model(**plain)
-        if cfg.model_type in registered():
-            return dict(build_skeleton(cfg).named_modules())
         try:
-            arch = arch_for(cfg)  # the generic adapter: module names as the checkpoint stores them
+            arch = arch_for(cfg)
         except ModelError:
             with torch.device("meta"):
-                return dict(AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).named_modules())
+                tree = dict(AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).named_modules())
+            return tree, _llama_groups(tree)
         stored = ModelSource(path=Path("."), label="", weight_map={}, config=cfg, renames=arch.renames(names))
+        model = build_skeleton(cfg)
         # a module is named as the checkpoint stores its weight (a renamed router: `mlp.router.weight`
         # stored as `block_sparse_moe.gate.weight`)
-        return {stored.stored_name(f"{n}.weight")[:-7]: m for n, m in build_skeleton(cfg).named_modules() if n}
+        modules = {stored.stored_name(f"{n}.weight")[:-7]: m for n, m in model.named_modules() if n}
+        return modules, _fused_groups(arch, model, stored)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         out.append(Finding("warning", "no-module-tree", "config.json", f"cannot build the model ({err}); lint partial"))
-        return {}
+        return {}, {}
 
 
 def _scheme_of(name, module, qcfg):
@@ -101,7 +105,7 @@ def _scheme_of(name, module, qcfg):
     return _scheme_for(name, module, qcfg)
 
 
-def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
+def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out: list[Finding]) -> dict:
     """Findings for a compressed-tensors checkpoint; returns per-scheme module counts."""
     from compressed_tensors.utils.match import is_match
 
@@ -155,7 +159,7 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
             out.append(Finding("error", "quantized-router", module, "a router/gate is quantized; vLLM loads it float"))
         if VISION.search(module):  # by tensor name too: a text-only model tree has no vision modules
             out.append(Finding("warning", "quantized-vision", module, "a vision module is quantized"))
-    _lint_fused(src, _fused_groups(config, modules, list(src.weight_map)), chosen, out)
+    _lint_fused(src, groups, chosen, out)
     for pattern in qcfg.ignore or []:
         if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
             out.append(
@@ -166,42 +170,34 @@ def _lint_ct(src, config: dict, modules: dict, out: list[Finding]) -> dict:
     return schemes
 
 
-# where no adapter builds the model (transformers' own module tree): Llama's shard names
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 FUSED["up_proj"] = "gate_up_proj"
 
 
-def _fused_groups(config: dict, modules: dict, names: list[str]) -> dict[str, list[str]]:
+def _fused_groups(arch, model: torch.nn.Module, stored) -> dict[str, list[str]]:
     """Label -> the Linears (checkpoint names) that share one quantized input: the groups quantize makes
-    (`plan_layer`: the adapter's fused shards, or the generic adapter's traced groups: MLA's q_a/kv_a, a
-    linear-attention layer's in_proj_qkvz/in_proj_ba, ...). Llama's names where no adapter builds it."""
-    from transformers import AutoConfig
-
-    from fp8ptq.models.arch import arch_for
-    from fp8ptq.models.loader import ModelSource
-    from fp8ptq.models.skeleton import build_skeleton
+    (`plan_layer`: the adapter's fused shards -- DeepSeek's q_a/kv_a as much as Llama's q/k/v -- or the
+    generic adapter's traced groups: a linear-attention layer's in_proj_qkvz/in_proj_ba, ...)."""
     from fp8ptq.quantize.plan import plan_layer
 
-    try:
-        cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
-        arch = arch_for(cfg)
-        stored = ModelSource(path=Path("."), label="", weight_map={}, config=cfg, renames=arch.renames(names))
-        groups: dict[str, list[str]] = {}
-        for i, layer in enumerate(arch.decoder_layers(build_skeleton(cfg))):
-            prefix = arch.layer_prefix(i)
-            for group in plan_layer(layer, prefix, ["Linear"], (), arch).groups:
-                if len(group) > 1:
-                    shards = [stored.stored_name(f"{prefix}{n}.weight")[: -len(".weight")] for n in group]
-                    parent = shards[0].rpartition(".")[0]
-                    groups[f"{parent}.{'+'.join(n.rpartition('.')[2] for n in shards)}"] = shards
-        return groups
-    except Exception:  # noqa: BLE001 -- a model no adapter builds: the names transformers' tree has
-        groups = {}
-        for name in modules:
-            parent, _, leaf = name.rpartition(".")
-            if leaf in FUSED and isinstance(modules[name], torch.nn.Linear):
-                groups.setdefault(f"{parent}.{FUSED[leaf]}", []).append(name)
-        return groups
+    groups: dict[str, list[str]] = {}
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        prefix = arch.layer_prefix(i)
+        for group in plan_layer(layer, prefix, ["Linear"], (), arch).groups:
+            if len(group) > 1:
+                shards = [stored.stored_name(f"{prefix}{n}.weight")[: -len(".weight")] for n in group]
+                groups[f"{shards[0].rpartition('.')[0]}.{'+'.join(n.rpartition('.')[2] for n in shards)}"] = shards
+    return groups
+
+
+def _llama_groups(modules: dict) -> dict[str, list[str]]:
+    """Where no adapter builds the model (transformers' own module tree): Llama's shard names."""
+    groups: dict[str, list[str]] = {}
+    for name, module in modules.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf in FUSED and isinstance(module, torch.nn.Linear):
+            groups.setdefault(f"{parent}.{FUSED[leaf]}", []).append(name)
+    return groups
 
 
 def _lint_fused(src, groups: dict[str, list[str]], chosen: dict, out: list[Finding]) -> None:
@@ -317,9 +313,9 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
     fmt = _format(path, config)
     findings: list[Finding] = []
     schemes: dict = {}
-    modules = _modules(config, findings, list(weight_map))
+    modules, groups = _modules(config, findings, list(weight_map))
     if fmt == "compressed-tensors":
-        schemes = _lint_ct(src, config, modules, findings)
+        schemes = _lint_ct(src, config, modules, groups, findings)
     _lint_draft(src, config, findings)
     _lint_head(config, weight_map, modules, findings)
     size = src.size_bytes()

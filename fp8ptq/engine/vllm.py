@@ -215,9 +215,11 @@ def vllm_request(
     capture_layers: int = 0,
     probe_layers: int = 0,
     warmup: bool = False,
+    validate_only: bool = False,
 ) -> dict:
     """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts.
-    warmup: one untimed 1-token generate first, so generate_s is the engine's steady rate."""
+    warmup: one untimed 1-token generate first, so generate_s is the engine's steady rate; validate_only:
+    only vLLM's config classes over the arguments (no weights, no generation)."""
     positions = _max_positions(Path(model))
     if positions:  # vLLM refuses a max_model_len beyond the model's (small test models: 512)
         max_model_len = min(max_model_len, positions)
@@ -236,6 +238,7 @@ def vllm_request(
         capture_layers=capture_layers,
         probe_layers=probe_layers,
         warmup=warmup,
+        validate_only=validate_only,
     )
 
 

@@ -24,7 +24,6 @@ from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for
 from fp8ptq.models.arch.base import SourceView
 from fp8ptq.models.arch.capture import stored_name
-from fp8ptq.models.arch.generic import GenericArch
 from fp8ptq.models.config_checks import check_architectures, check_sizes
 from fp8ptq.models.folder import inside_model
 
@@ -303,7 +302,7 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         weight_map = {n: s for n, s in weight_map.items() if n not in fused} | {
             n: weight_map[v.stored] for n, v in views.items()
         }
-    renames = arch.renames(list(weight_map)) if isinstance(arch, GenericArch) else {}
+    renames = arch.renames(list(weight_map))
     if renames:
         back = {stored: name for name, stored in renames.items() if not name.endswith(".")}  # not the prefixes
         weight_map = {back.get(n, n): s for n, s in weight_map.items()}

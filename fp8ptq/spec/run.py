@@ -179,7 +179,7 @@ def vllm_config_check(target: str, configs: dict[str, dict], *, python: str | No
     is what vLLM made of it (method, γ, draft model, n-gram sizes)."""
     from fp8ptq.engine.vllm import run_vllm_jobs, vllm_request
 
-    jobs = [vllm_request(Path(target), [], 1, speculative_config=c) | {"validate_only": True} for c in configs.values()]
+    jobs = [vllm_request(Path(target), [], 1, speculative_config=c, validate_only=True) for c in configs.values()]
     runs = run_vllm_jobs(jobs, python=python, timeout_s=300)
     return {name: {"ok": r.ok, "error": r.error, "resolved": r.speculative} for name, r in zip(configs, runs)}
 
@@ -212,7 +212,7 @@ def engine_check(
     # vLLM's own config classes over the config first (SpeculativeConfig's checks, no weights), then both
     # runs, all in one vLLM process (imported once), each engine warmed up by one short generate before
     # the timed one, so that neither rate carries the engine's first-call cost.
-    jobs = {"config": vllm_request(Path(target), [], 1, speculative_config=spec_config) | {"validate_only": True}}
+    jobs = {"config": vllm_request(Path(target), [], 1, speculative_config=spec_config, validate_only=True)}
     jobs |= {
         name: vllm_request(
             Path(target), prompts, n, temperature=temperature, seed=seed, speculative_config=cfg, warmup=True

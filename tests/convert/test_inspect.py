@@ -224,3 +224,18 @@ def test_fused_scale_check_uses_the_discovered_groups(tiny_model, tmp_path):
     r = inspect(InspectConfig(path=_copy(out, tmp_path / "skew", edit_tensors=skew)))
     found = [f for f in r["findings"] if f["code"] == "fused-scales"]
     assert [f["where"] for f in found] == ["model.layers.0.linear_attn.in_proj_qkvz+in_proj_ba"], found
+
+
+def test_fused_groups_come_from_the_adapter_or_the_trace(tiny_model):
+    """The lint's groups for a registered family are its adapter's fused shards (DeepSeek's MLA q_a/kv_a,
+    not only Llama's names), for the generic path the traced ones, named as the checkpoint stores them."""
+    from fp8ptq.convert.inspect import _modules
+
+    for model_type, group in (
+        ("deepseek_v3", "model.layers.0.self_attn.q_a_proj+kv_a_proj_with_mqa"),
+        ("llama", "model.layers.1.mlp.gate_proj+up_proj"),
+    ):
+        config = json.loads((tiny_model(model_type) / "config.json").read_text())
+        findings: list = []
+        _, groups = _modules(config, findings)
+        assert not findings and group in groups, (model_type, sorted(groups))

@@ -140,6 +140,11 @@ class Arch:
     def is_layer_tensor(self, name: str) -> bool:
         return name.startswith(self.layers + ".")
 
+    def renames(self, stored: list[str]) -> dict[str, str]:
+        """Module name -> stored name where the checkpoint names a tensor otherwise: none for an adapter,
+        whose skeleton uses the checkpoint's names (the generic adapter reads transformers' rules)."""
+        return {}
+
     @property
     def described(self) -> str:
         """How messages name this layout: 'the llama adapter'."""
