@@ -66,8 +66,14 @@ SCHEMES = (
     "nvfp4a16-gptq",
     "mxfp4a16",
     "mxfp4a16-gptq",
+    "mxfp8a16",
+    "mxfp8a16-gptq",
+    "mxfp8",
+    "mxfp8-gptq",
+    "w8a16-channel-gptq",
+    "w8a16-fp8-gptq",
 )
-DATA_FREE = ("fp8-dynamic", "fp8-block", "fp8-block-b64", "nvfp4a16", "mxfp4a16")
+DATA_FREE = ("fp8-dynamic", "fp8-block", "fp8-block-b64", "nvfp4a16", "mxfp4a16", "mxfp8a16", "mxfp8")
 
 
 def parse_args(argv=None):
@@ -138,11 +144,19 @@ def build_format_recipe(scheme):
         s = preset("FP8_BLOCK", block_structure=[64, 64])
         s.input_activations.group_size = 64
         return QuantizationModifier(config_groups={"group_0": s}, ignore=["lm_head"])
+    if scheme == "w8a16-channel-gptq":  # the W8A16 preset per output channel (its group 128 does not divide 576)
+        return GPTQModifier(
+            config_groups={"group_0": preset("W8A16", strategy="channel", group_size=None)}, ignore=["lm_head"]
+        )
+    if scheme == "w8a16-fp8-gptq":  # FP8_DYNAMIC's per-channel FP8 weights, no input quantization
+        fp8 = QuantizationScheme(targets=["Linear"], weights=PRESET_SCHEMES["FP8_DYNAMIC"]["weights"].model_copy())
+        return GPTQModifier(config_groups={"group_0": fp8}, ignore=["lm_head"])
     if scheme == "w4afp8-g64-gptq":
         return GPTQModifier(config_groups={"group_0": preset("W4AFP8", group_size=64)}, ignore=["lm_head"])
     if scheme.endswith("-gptq"):
         return GPTQModifier(targets="Linear", scheme=scheme[: -len("-gptq")].upper(), ignore=["lm_head"])
     names = {"fp8-block": "FP8_BLOCK", "nvfp4": "NVFP4", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16"}
+    names.update({"mxfp8a16": "MXFP8A16", "mxfp8": "MXFP8"})
     return QuantizationModifier(targets="Linear", scheme=names[scheme], ignore=["lm_head"])
 
 

@@ -104,12 +104,22 @@ class Scheme(_Frozen):
     @model_validator(mode="after")
     def _check(self):
         w, a, kv = self.weights, self.input_activations, self.kv_cache
-        for where, x in (("input_activations", a), ("kv_cache", kv)) + ((("weights", w),) if w.num_bits != 4 else ()):
-            if x is not None and x.scale_dtype is not None:
-                raise ValueError(f"{where}: scale_dtype is only for 4-bit float weights (MXFP4: uint8)")
+        for where, x in (("weights", w), ("input_activations", a), ("kv_cache", kv)):
+            if (
+                x is not None
+                and x.scale_dtype is not None
+                and (where == "kv_cache" or (x.type, x.strategy) != ("float", "group"))
+            ):
+                raise ValueError(f"{where}: scale_dtype is only for MX float groups (MXFP4 / MXFP8 weights: uint8)")
         handler(w).check_weights(w, "weights")
         if a is not None:
             handler(a).check_inputs(a, "input_activations")
+            if (a.scale_dtype is not None) != (w.type == "float" and w.strategy == "group" and w.num_bits == 8):
+                raise ValueError(
+                    "MXFP8 goes weights and activations together: MX group weights {num_bits: 8, type: float, "
+                    "strategy: group, group_size: 32, scale_dtype: uint8} with inputs null (mxfp8a16) or the "
+                    "same groups dynamic: true (mxfp8)"
+                )
             if (w.type, w.num_bits, w.strategy) == ("float", 4, "group"):
                 raise ValueError(
                     "MXFP4 weights are exported weight-only (mxfp4a16: input_activations null); fp8ptq does "
@@ -160,7 +170,7 @@ def _check_block_pairing(w: QuantArgs, a: QuantArgs | None) -> None:
                 f"{{type: float, strategy: group, group_size: {b}, dynamic: true}} (vLLM quantizes "
                 "block-FP8 inputs per token-group of the block width)"
             )
-    elif a is not None and a.strategy == "group":
+    elif a is not None and a.strategy == "group" and a.scale_dtype is None:
         raise ValueError("group-wise input activations go with block weights (strategy: block, block_structure)")
 
 

@@ -168,7 +168,8 @@ def _stats_pass(cal, block, experts, batch, gptq: bool):
 def _quantize_weights(cal, group, H, *, tokens: int, all_tokens: bool, amax: float) -> None:
     scheme = cal.schemes[group]
     weights = {n: cal.modules[n].weight.data.float() for n in group}  # bf16 passes: solved in fp32
-    for name, qw in quantize_group(weights, scheme.weights, cal.recipe.calibration, H).items():
+    weight_only = scheme.input_activations is None
+    for name, qw in quantize_group(weights, scheme.weights, cal.recipe.calibration, H, weight_only).items():
         cal.modules[name].weight.data = qw.fake.to(cal.modules[name].weight.dtype)
         report = dict(qw.report, input_amax=amax, scheme=describe(scheme), tokens=tokens, all_tokens=all_tokens)
         cal.result.linears[cal.plan.prefix + name] = QuantizedLinear(qw.fake, dict(qw.params), scheme, report)

@@ -179,7 +179,8 @@ class LayerCalibrator:
             if cal.weight_method == "gptq" and quant_h:
                 H = self._hessian_pass(block, group, quant)
         weights = {n: self.modules[n].weight.data.float() for n in group}  # bf16 passes: solved in fp32
-        for name, qw in quantize_group(weights, scheme.weights, cal, H).items():
+        weight_only = scheme.input_activations is None
+        for name, qw in quantize_group(weights, scheme.weights, cal, H, weight_only).items():
             self.modules[name].weight.data = qw.fake.to(self.modules[name].weight.dtype)
             params = dict(qw.params)
             report = dict(qw.report, input_amax=stats.amax, scheme=describe(scheme))

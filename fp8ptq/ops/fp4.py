@@ -24,6 +24,7 @@ import torch
 from fp8ptq.ops.fp8 import FP8_DTYPE, FP8_MAX, best_row_scale
 from fp8ptq.ops.granularity import finite_values
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID
+from fp8ptq.ops.mx import MX_GROUP, choose_mx_scale  # noqa: F401  (MX_GROUP: re-exported for MXFP4)
 
 FP4_MAX = 6.0
 NVFP4_GROUP = 16
@@ -110,27 +111,8 @@ def nvfp4_search_scale(
 
 # --- MXFP4 (OCP Microscaling): E2M1 values in groups of 32 with one E8M0 (power-of-two) scale each ---
 
-MX_GROUP = 32
+
 _MX_OFFSET = 2  # floor(log2(6)): the E2M1 exponent offset of the OCP MX shared exponent
-_E8M0_MIN, _E8M0_MAX = -127, 127  # E8M0 stores 2^(e) as e + 127 in a byte (255 is NaN)
-
-
-def mxfp4_exponent(amax: torch.Tensor, round_up: bool | torch.Tensor = False) -> torch.Tensor:
-    """Scale exponents e (scale 2^e, fp32 tensor of integers) for group abs-maxima amax: the OCP MX
-    shared exponent floor(log2(amax)) - 2 (largest value lands in [4, 8): values above 6 saturate),
-    plus one where round_up (largest in [2, 4): no saturation, half the resolution). An all-zero or
-    non-finite amax gets the smallest exponent; every exponent is clamped to E8M0's [-127, 127]."""
-    a = amax.float()
-    ok = torch.isfinite(a) & (a > 0)
-    e = torch.frexp(torch.where(ok, a, torch.ones_like(a)))[1].float() - 1 - _MX_OFFSET
-    e = e + torch.as_tensor(round_up, dtype=torch.float32)
-    return torch.where(ok, e, torch.full_like(e, _E8M0_MIN)).clamp(_E8M0_MIN, _E8M0_MAX)
-
-
-def compressed_tensors_mx_round_up(amax: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' own choice (`generate_mx_scales`: amax rounded to a power of two, up when its
-    mantissa is at least 1.75): True where it takes the larger exponent."""
-    return torch.frexp(amax.float())[0] >= 0.875  # frexp's mantissa is in [0.5, 1)
 
 
 def fake_quant_mxfp4(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -142,16 +124,8 @@ def fake_quant_mxfp4(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def choose_mxfp4_scale(x: torch.Tensor, mse: bool = False, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Power-of-two scales [rows, 1] for groups x [rows, 32]. minmax: compressed-tensors' rule; mse:
+    """Power-of-two scales [rows, 1] for groups x [rows, 32] (ops.mx): minmax, compressed-tensors' rule
+    (largest value in [4, 8): values above 6 saturate, or in [2, 4) when its mantissa is >= 1.75); mse:
     of the two exponents around the OCP one (saturate the top vs halve the resolution), the one with
     the smaller squared error on x (weight: x-shaped weights on each element's error, e.g. diag(H))."""
-    amax = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1, keepdim=True)
-    if not mse:
-        return torch.exp2(mxfp4_exponent(amax, compressed_tensors_mx_round_up(amax)))
-    lo, hi = torch.exp2(mxfp4_exponent(amax)), torch.exp2(mxfp4_exponent(amax, True))
-
-    def err(s: torch.Tensor) -> torch.Tensor:
-        e = (fake_quant_mxfp4(x, s) - x.float()).square()
-        return (e if weight is None else e * weight).nansum(dim=-1, keepdim=True)
-
-    return torch.where(err(hi) < err(lo), hi, lo)
+    return choose_mx_scale(x, _MX_OFFSET, fake_quant_mxfp4, mse, weight)

@@ -26,6 +26,16 @@ def choose_fp8_scale(x: torch.Tensor, g: Granularity) -> torch.Tensor:
     return scale_from_amax(reduce_amax(x, g))
 
 
+def scale_up_to(scale: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """fp32 scales rounded to `dtype` (the dtype an engine loads them in), upwards where rounding to
+    nearest would shrink them: the largest value still fits the grid (no saturation). None: unchanged."""
+    if dtype is None:
+        return scale
+    t = scale.to(dtype)
+    t = torch.where(t.float() < scale, torch.nextafter(t, torch.full_like(t, float("inf"))), t)
+    return t.float()
+
+
 def block_row_scale(w: torch.Tensor, rows: int) -> torch.Tensor:
     """Min-max FP8 scale [R, 1] of w [R, k] with each `rows` consecutive rows sharing one scale: one
     (rows x k) block per scale, repeated on every row of its block (so a per-row fake-quant applies

@@ -26,9 +26,10 @@ from fp8ptq.ops.fp4 import (
     fake_quant_nvfp4,
     nvfp4_search_scale,
 )
-from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale
+from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale, scale_up_to
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, finite_values
 from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, int_range, mse_int_qparams
+from fp8ptq.ops.mx import choose_mxfp8_scale, fake_quant_mxfp8
 
 # (scale, zero_point | None) at a grid's granularity; x ~= (q - zero_point) * scale.
 Params = tuple[torch.Tensor, torch.Tensor | None]
@@ -67,12 +68,14 @@ class WeightGrid:
     fused: tuple | None = None
 
 
-def fp8_grid(g: Granularity = TENSOR, scale: torch.Tensor | None = None) -> WeightGrid:
+def fp8_grid(
+    g: Granularity = TENSOR, scale: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None
+) -> WeightGrid:
     """FP8 E4M3 grid, per-tensor or per-channel. scale: a fixed scale (e.g. shared by fused shards);
-    None chooses the min-max scale of W."""
+    None chooses the min-max scale of W, rounded up to scale_dtype when the engine loads it in one."""
     assert g in (TENSOR, CHANNEL), g
     if scale is None:
-        choose = lambda w: (choose_fp8_scale(w, g), None)  # noqa: E731
+        choose = lambda w: (scale_up_to(choose_fp8_scale(w, g), scale_dtype), None)  # noqa: E731
     else:
         fixed = scale.float().reshape(-1, 1) if g == CHANNEL else scale.float().reshape(1)
         choose = lambda w: (fixed, None)  # noqa: E731
@@ -117,6 +120,20 @@ def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
         lambda w, p: fake_quant_mxfp4(w, p[0]),
         MX_GROUP,
         choose_weighted=weighted,
+    )
+
+
+def mxfp8_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
+    """MXFP8 (ops.mx): groups of 32 input columns, per-row power-of-two scales [R, 1], E4M3 codes (the
+    fused block kernel's FP8 rounding applies: the same bits per row). hessian: the mse choice weighted
+    by diag(H) per column in GPTQ's static groups."""
+    weighted = (lambda w, d: (choose_mxfp8_scale(w, True, d), None)) if mse and hessian else None
+    return WeightGrid(
+        lambda w: (choose_mxfp8_scale(w, mse), None),
+        lambda w, p: fake_quant_mxfp8(w, p[0]),
+        MX_GROUP,
+        choose_weighted=weighted,
+        fused=("fp8",),
     )
 
 

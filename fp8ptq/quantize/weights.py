@@ -25,10 +25,11 @@ def export_format(weights: QuantizationArgs, acts: QuantizationArgs | None) -> s
     return handler(weights).format(weights, acts)
 
 
-def weight_grid(args: QuantizationArgs, cal, w: torch.Tensor | None = None) -> WeightGrid:
-    """The scheme's grid for weight w (two-level formats take their global scale from w)."""
+def weight_grid(args: QuantizationArgs, cal, w: torch.Tensor | None = None, weight_only: bool = False) -> WeightGrid:
+    """The scheme's grid for weight w (two-level formats take their global scale from w; weight_only:
+    no input quantization, see SchemeHandler.weight_grid)."""
     h = handler(args)
-    return h.weight_grid(args, cal, None if w is None else h.global_scale(args, w))
+    return h.weight_grid(args, cal, None if w is None else h.global_scale(args, w), weight_only=weight_only)
 
 
 def _rtn(w: torch.Tensor, grid: WeightGrid) -> tuple[torch.Tensor, dict]:
@@ -80,10 +81,15 @@ def _params(scale: torch.Tensor, zp: torch.Tensor | None) -> dict:
 
 
 def quantize_group(
-    weights: dict[str, torch.Tensor], args: QuantizationArgs, cal, H: torch.Tensor | None
+    weights: dict[str, torch.Tensor],
+    args: QuantizationArgs,
+    cal,
+    H: torch.Tensor | None,
+    weight_only: bool = False,
 ) -> dict[str, QuantizedWeight]:
     """Quantize one fused group's weights (names -> [out, in]), RTN or GPTQ (needs H, the sum of 2 x^T x
-    over the group's inputs). cal: the recipe's calibration section.
+    over the group's inputs). cal: the recipe's calibration section; weight_only: the scheme has no input
+    quantization (the engine's weight-only kernels load scales in the model dtype).
 
     The group's rows are stacked and solved as one matrix: they share the input (one Hessian), and a
     per-tensor scale of the stack is the scale the shards must share (vLLM runs them as one GEMM and
@@ -97,7 +103,7 @@ def quantize_group(
         check_group_size(w.shape[1], g.group_size)
     if g.kind == "block":
         check_block_size({n: tuple(weights[n].shape) for n in names}, g.block)
-    grid = weight_grid(args, cal, w)
+    grid = weight_grid(args, cal, w, weight_only)
     if cal.weight_method == "gptq":
         assert H is not None, "GPTQ needs the input Hessian"
         r = gptq(w, H, grid, block_size=cal.gptq_block_size, damp=cal.gptq_damp, act_order=cal.gptq_act_order)

@@ -361,11 +361,12 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
         f = recipe.flatten
         widths[arch.flatten.down] = flattened_width(widths[arch.flatten.down], f.extra_channels, f.multiple, f.tp)
     common = sorted(set.intersection(*(set(valid_group_sizes(w)) for w in widths.values())))
-    fixed = {a.group_size for a in args if (a.type, a.num_bits) == ("float", 4)}  # NVFP4 16, MXFP4 32
+    float_groups = [a for a in args if a.type == "float" and a.strategy in ("group", "tensor_group")]
+    fixed = {a.group_size for a in float_groups}  # the format fixes them: NVFP4 16, MXFP4 / MXFP8 32
     for size in sizes:
         bad = sorted({f"{_EXPERT_INDEX.sub('.N.', n)} ({w})" for n, w in widths.items() if w % size})
         if bad:
             fix = f"use a group size that divides every quantized layer: {', '.join(map(str, common))}"
             if size in fixed:
-                fix = f"the FP4 format fixes groups of {size}: add those Linears to the recipe's scheme.ignore"
+                fix = f"the format fixes groups of {size}: add those Linears to the recipe's scheme.ignore"
             raise RecipeError(f"group_size {size} does not divide the input width of {', '.join(bad)}", fix=fix)

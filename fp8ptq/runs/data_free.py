@@ -48,7 +48,8 @@ def _layers(ctx: RunContext, layers):
     arch, w = src.arch, recipe.scheme.weights
     scheme = LinearScheme(w, recipe.scheme.input_activations)
     h = handler(w)
-    direct = h.packs_directly(w, recipe.calibration)
+    weight_only = recipe.scheme.input_activations is None
+    direct = h.packs_directly(w, recipe.calibration, weight_only)
     for i in range(ctx.start_layer, len(layers)):
         prefix = arch.layer_prefix(i)
         plan = plan_layer(layers[i], prefix, recipe.scheme.targets, recipe.scheme.ignore, arch)
@@ -63,6 +64,6 @@ def _layers(ctx: RunContext, layers):
                 res.packed.update((prefix + n, p) for n, p in packed.items())
                 continue
             weights = {n: check_finite(f"{prefix}{n}.weight", src.tensor(f"{prefix}{n}.weight")) for n in group}
-            for n, qw in quantize_group(weights, w, recipe.calibration, None).items():
+            for n, qw in quantize_group(weights, w, recipe.calibration, None, weight_only).items():
                 res.linears[prefix + n] = QuantizedLinear(qw.fake, qw.params, scheme, qw.report)
         yield res

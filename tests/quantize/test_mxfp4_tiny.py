@@ -52,5 +52,5 @@ def test_mx_recipes_need_uint8_scales_and_no_activations():
     acts = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": "local"}
     with pytest.raises(RecipeError, match="MXFP4 weights are exported weight-only"):
         parse_recipe({**base, "scheme": {"weights": {**w, "scale_dtype": "uint8"}, "input_activations": acts}}, "x")
-    with pytest.raises(RecipeError, match="scale_dtype is only for 4-bit float weights"):
+    with pytest.raises(RecipeError, match="scale_dtype is only for MX float groups"):
         parse_recipe({**base, "scheme": {"weights": {"num_bits": 8, "scale_dtype": "uint8"}}}, "x")

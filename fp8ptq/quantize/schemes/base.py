@@ -47,9 +47,12 @@ class SchemeHandler:
     def check_kv(self, args: QuantizationArgs, where: str) -> None:
         raise ValueError(f"{where}: {self.key} KV cache is not supported")
 
-    def weight_grid(self, args: QuantizationArgs, cal, global_scale: torch.Tensor | None = None) -> WeightGrid:
+    def weight_grid(
+        self, args: QuantizationArgs, cal, global_scale: torch.Tensor | None = None, weight_only: bool = False
+    ) -> WeightGrid:
         """The RTN / GPTQ grid of a weight scheme (cal: the recipe's calibration section; global_scale:
-        from `global_scale`, for two-level formats)."""
+        from `global_scale`, for two-level formats; weight_only: the Linear has no input quantization, so
+        vLLM runs it on a weight-only kernel, which loads per-channel/group scales in the model dtype)."""
         raise NotImplementedError
 
     def global_scale(self, args: QuantizationArgs, w: torch.Tensor) -> torch.Tensor | None:
@@ -79,7 +82,7 @@ class SchemeHandler:
         """compressed-tensors format of a Linear with these weights (and input activations)."""
         raise NotImplementedError
 
-    def packs_directly(self, args: QuantizationArgs, cal) -> bool:
+    def packs_directly(self, args: QuantizationArgs, cal, weight_only: bool = False) -> bool:
         """Whether `pack` can turn source weights straight into checkpoint tensors (data-free RTN)."""
         return False
 

@@ -62,7 +62,7 @@ class FP4(SchemeHandler):
         """compressed-tensors stores the divisor 1 / scale as `input_global_scale` (exact: scale is a power of two)."""
         return {"input_global_scale": (1.0 / scale.float()).reshape(1)}
 
-    def weight_grid(self, args, cal, global_scale=None):
+    def weight_grid(self, args, cal, global_scale=None, weight_only=False):
         mse, hessian = cal.weight_search
         if args.strategy == "group":  # MXFP4: `weight_observer: mse` picks each group's exponent by error
             return mxfp4_grid(mse=mse, hessian=hessian)

