@@ -81,7 +81,7 @@ class GateRecord(_Part):
         return cls(**result.as_dict())
 
 
-_OMITTED_WHEN_NONE = ("mixed", "speculative", "quality")
+_OMITTED_WHEN_NONE = ("mixed", "lm_head", "speculative", "quality")
 
 
 class Manifest(BaseModel):
@@ -97,6 +97,7 @@ class Manifest(BaseModel):
     layers: list[dict]
     summary: Summary
     mixed: dict | None = None  # the 4/8-bit plan (mixed recipes)
+    lm_head: dict | None = None  # the quantized LM head's numbers (scheme.lm_head): weight_rel_err, source, tied
     speculative: dict | None = None  # quantize --draft auto
     quality: Quality | None = None  # the quality check (--eval-samples > 0)
     timings: dict[str, float] = {}

@@ -21,6 +21,7 @@ from pydantic import (
 
 from fp8ptq.errors import RecipeError
 from fp8ptq.quantize.schemes import calibrated_inputs, handler
+from fp8ptq.quantize.schemes.pairing import check_linear_scheme, is_w4a8_fp8
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 
@@ -92,6 +93,26 @@ class QuantArgs(QuantizationArgs):
         return f"{kind} per-{self.strategy}{group}" + ("" if self.symmetric else " asym")
 
 
+class Head(_Frozen):
+    """The LM head, quantized at export (round to nearest with its weights' grid; `--quantize-lm-head`
+    derives it from the scheme: `head_from`). Its inputs are not calibrated: dynamic or none. vLLM 0.32
+    quantizes a ParallelLMHead with any Linear scheme a name target picks (compressed_tensors.py
+    `get_quant_method`); a tied head is written untied (the embedding stays as stored)."""
+
+    weights: QuantArgs
+    input_activations: QuantArgs | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        check_linear_scheme(self.weights, self.input_activations, "lm_head")
+        if calibrated_inputs(self.input_activations):
+            raise ValueError(
+                "lm_head.input_activations: the LM head's inputs are not calibrated; use dynamic ones "
+                "({strategy: token, dynamic: true}) or none"
+            )
+        return self
+
+
 class Scheme(_Frozen):
     """What gets quantized and how. `targets`/`ignore`: exact names, `re:` patterns or class names."""
 
@@ -100,44 +121,15 @@ class Scheme(_Frozen):
     kv_cache: QuantArgs | None = None
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
+    lm_head: Head | None = None  # a quantized LM head (its own config group; `lm_head` leaves `ignore`)
 
     @model_validator(mode="after")
     def _check(self):
         w, a, kv = self.weights, self.input_activations, self.kv_cache
-        for where, x in (("weights", w), ("input_activations", a), ("kv_cache", kv)):
-            if (
-                x is not None
-                and x.scale_dtype is not None
-                and (where == "kv_cache" or (x.type, x.strategy) != ("float", "group"))
-            ):
-                raise ValueError(f"{where}: scale_dtype is only for MX float groups (MXFP4 / MXFP8 weights: uint8)")
-        handler(w).check_weights(w, "weights")
-        if a is not None:
-            handler(a).check_inputs(a, "input_activations")
-            if (a.scale_dtype is not None) != (w.type == "float" and w.strategy == "group" and w.num_bits == 8):
-                raise ValueError(
-                    "MXFP8 goes weights and activations together: MX group weights {num_bits: 8, type: float, "
-                    "strategy: group, group_size: 32, scale_dtype: uint8} with inputs null (mxfp8a16) or the "
-                    "same groups dynamic: true (mxfp8)"
-                )
-            if (w.type, w.num_bits, w.strategy) == ("float", 4, "group"):
-                raise ValueError(
-                    "MXFP4 weights are exported weight-only (mxfp4a16: input_activations null); fp8ptq does "
-                    "not simulate MX activations"
-                )
-            if is_w4a8_fp8(w, a) or (w.type, w.num_bits, a.type, a.num_bits) == ("float", 4, "float", 4):
-                pass  # W4A8-FP8, NVFP4 W4A4
-            elif w.num_bits == 4:
-                raise ValueError(
-                    "4-bit weights are exported weight-only (W4A16: input_activations null) or as W4A8-FP8 "
-                    "(symmetric INT4 groups + {type: float, strategy: token, dynamic: true} inputs)"
-                )
-            elif a.type != w.type:
-                raise ValueError(
-                    f"weights are {w.type} but input_activations {a.type}: vLLM runs W8A8 as FP8xFP8 or INT8xINT8 GEMMs"
-                )
-        _check_block_pairing(w, a)
+        check_linear_scheme(w, a)
         if kv is not None:
+            if kv.scale_dtype is not None:
+                raise ValueError("kv_cache: scale_dtype is only for MX float groups (MXFP4 / MXFP8 weights: uint8)")
             handler(kv).check_kv(kv, "kv_cache")
         for field in ("targets", "ignore"):  # compressed-tensors and vLLM compile these with `re`
             for pattern in getattr(self, field):
@@ -148,30 +140,20 @@ class Scheme(_Frozen):
         return self
 
 
-def is_w4a8_fp8(w: QuantizationArgs, a: QuantizationArgs | None) -> bool:
-    """INT4 symmetric group weights with FP8 dynamic per-token inputs: compressed-tensors' W4AFP8 preset,
-    vLLM's CompressedTensorsW4A8Fp8 (Hopper)."""
-    return (
-        a is not None
-        and (w.type, w.num_bits, w.strategy, w.symmetric) == ("int", 4, "group", True)
-        and (a.type, a.num_bits, a.strategy, a.dynamic) == ("float", 8, "token", True)
-    )
-
-
-def _check_block_pairing(w: QuantArgs, a: QuantArgs | None) -> None:
-    """Block weights run in vLLM only with dynamic per-token-group inputs of the block's width
-    (CompressedTensorsW8A8Fp8 asserts a non-static input scheme and quantizes activations in groups of
-    block_structure[0]); group-wise inputs only with block weights."""
-    if w.strategy == "block":
-        b = w.block_structure[0]
-        if a is None or a.strategy != "group" or a.group_size != b:
-            raise ValueError(
-                f"block_structure {list(w.block_structure)} weights need input_activations "
-                f"{{type: float, strategy: group, group_size: {b}, dynamic: true}} (vLLM quantizes "
-                "block-FP8 inputs per token-group of the block width)"
-            )
-    elif a is not None and a.strategy == "group" and a.scale_dtype is None:
-        raise ValueError("group-wise input activations go with block weights (strategy: block, block_structure)")
+def head_from(scheme: Scheme) -> dict:
+    """The LM head a scheme implies (`--quantize-lm-head`): its weights, per channel where they are per
+    tensor (one matrix, nothing to share), with its inputs where those are dynamic, dynamic per token
+    where they are static (the head's inputs are not calibrated), none where they are NVFP4's."""
+    w = scheme.weights.model_dump()
+    if w["strategy"] == "tensor":
+        w["strategy"] = "channel"
+    a = scheme.input_activations
+    acts = None
+    if a is not None and a.dynamic is True:
+        acts = a.model_dump()
+    elif a is not None and a.dynamic is False:
+        acts = {"num_bits": 8, "type": a.type, "strategy": "token", "dynamic": True, "symmetric": True}
+    return {"weights": w, "input_activations": acts}
 
 
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]

@@ -71,6 +71,11 @@ def quantize(
     rotate: bool = typer.Option(
         False, "--rotate", help="add the recipe transform 'rotate': Hadamard rotations folded into the float model"
     ),
+    quantize_lm_head: bool = typer.Option(
+        False,
+        "--quantize-lm-head",
+        help="quantize the LM head too (the recipe's weights per channel, dynamic inputs; a tied head is untied)",
+    ),
     draft: str = typer.Option(
         "none",
         help="auto: also distil a draft from the quantized model (eagle3: train an EAGLE-3 head for it), "
@@ -99,6 +104,7 @@ def quantize(
       fp8ptq quantize smollm2-135m -r fp8-block --block-size 64 -o out/smol-fp8-block
       fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
       fp8ptq quantize smollm2-135m -r w8a8-int8 --rotate -o out/int8-rot  # rotated
+      fp8ptq quantize smollm2-135m -r fp8-kv8 --quantize-lm-head -o out/q  # LM head too
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
@@ -132,6 +138,7 @@ def quantize(
         group_size=group_size,
         weights=weights,
         rotate=rotate,
+        quantize_lm_head=quantize_lm_head,
         draft=draft,
         draft_trim=draft_trim,
         draft_steps=draft_steps,
@@ -159,7 +166,12 @@ def quantize(
     table.add_row("decoder layers", str(s.layers))
     table.add_row("linears quantized", str(s.linears_quantized))
     table.add_row("linears skipped", ", ".join(f"{n} ({why})" for n, why in s.linears_skipped.items()) or "none")
-    table.add_row("ignored (recipe)", ", ".join(manifest.recipe["scheme"]["ignore"]) or "none")
+    head = manifest.lm_head
+    ignored = [p for p in manifest.recipe["scheme"]["ignore"] if not (head and p == "lm_head")]
+    table.add_row("ignored (recipe)", ", ".join(ignored) or "none")
+    if head:
+        tied = ", untied from the embedding" if head["tied"] else ""
+        table.add_row("LM head", f"quantized (rel. error {head['weight_rel_err']:.4f}{tied})")
     table.add_row("worst linear rel. error", f"{s.worst_linear_rel_err:.4f}")
     sz = manifest.size_bytes
     table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×)")

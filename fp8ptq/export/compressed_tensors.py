@@ -66,7 +66,8 @@ def quantization_config(
         kv_cache_scheme=ct_args(recipe.scheme.kv_cache),
         format=MIXED if mixed else formats.pop(),
         quantization_status="compressed",
-        ignore=list(recipe.scheme.ignore) + [p for p in keep_float if p not in recipe.scheme.ignore],
+        ignore=[p for p in recipe.scheme.ignore if not (recipe.scheme.lm_head and p == "lm_head")]
+        + [p for p in keep_float if p not in recipe.scheme.ignore],
     )
     return {
         "quant_method": "compressed-tensors",

@@ -23,9 +23,13 @@ from fp8ptq.export.compressed_tensors import compress_linear
 from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.prefetch import PREFETCH_MAX_BYTES
+from fp8ptq.models.skeleton import source_name
 from fp8ptq.quantize.results import LayerResult
+from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantize.weights import quantize_group
 
 LAYERS = "layers"
+HEAD = "lm_head.weight"  # the skeleton's name of the LM head (every causal-LM class transformers builds)
 REST_FILE_BYTES = 1 << 30
 
 
@@ -65,6 +69,7 @@ class HostCopy:
 class CheckpointWriter:
     def __init__(self, src: ModelSource, run_dir: Path):
         self.src, self.dir = src, Path(run_dir)
+        self.head_report: dict | None = None
         (self.dir / LAYERS).mkdir(exist_ok=True)
 
     def layer_tensors(self, res: LayerResult) -> dict[str, torch.Tensor]:
@@ -120,13 +125,17 @@ class CheckpointWriter:
     def reports(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted((self.dir / LAYERS).glob("layer-*.json"))]
 
-    def finish(self, num_layers: int) -> list[str]:
-        """Write the non-layer tensors, rename all files into HF shards, write the index."""
+    def finish(self, num_layers: int, head: LinearScheme | None = None, cal=None) -> list[str]:
+        """Write the non-layer tensors (head: the LM head's scheme, quantized here by round to nearest on
+        its grid; cal: the recipe's calibration section), rename all files into HF shards, write the index."""
         layer_files = [self.dir / LAYERS / f"layer-{i:05d}.safetensors" for i in range(num_layers)]
         missing = [p.name for p in layer_files if not p.is_file()]
         assert not missing, f"layers not written: {missing[:3]}"
         files = list(layer_files)
-        for j, names in enumerate(self._rest_files()):  # embeddings, final norm, head: a few at a time
+        if head is not None:
+            files.append(self.dir / LAYERS / "other-head.safetensors")
+            _save(self._head_tensors(head, cal), files[-1])
+        for j, names in enumerate(self._rest_files(head is not None)):  # embeddings, final norm: a few at a time
             files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
             _save({self.src.stored_name(n): check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
             self.src.close()
@@ -145,12 +154,28 @@ class CheckpointWriter:
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return names
 
-    def _rest_files(self) -> list[list[str]]:
+    def _head_tensors(self, head: LinearScheme, cal) -> dict[str, torch.Tensor]:
+        """The quantized LM head's tensors under the head's stored name. A tied head is read from the
+        embedding (which is still written as stored) and written as its own `lm_head`."""
+        name = source_name(self.src, HEAD)
+        w = check_finite(name, self.src.tensor(name))
+        rtn = cal.model_copy(update={"weight_method": "rtn"})  # no Hessian of the head's inputs is gathered
+        qw = quantize_group({"lm_head": w}, head.weights, rtn, None, head.input_activations is None)["lm_head"]
+        self.head_report = dict(qw.report, source=name, tied=name != HEAD)
+        prefix = self.src.stored_name(HEAD).removesuffix(".weight") if self.src.has(HEAD) else "lm_head"
+        tensors = {f"{prefix}.{k}": t.clone() for k, t in compress_linear(qw.fake, qw.params, head).items()}
+        for k, t in tensors.items():
+            check_finite(k, t)
+        self.src.close()
+        return tensors
+
+    def _rest_files(self, head_written: bool = False) -> list[list[str]]:
         """The non-layer tensors in files of at most REST_FILE_BYTES (a larger tensor gets its own), so
         memory holds one file's worth, not a 70B model's embeddings and head together."""
         files: list[list[str]] = []
         size = REST_FILE_BYTES
-        for n in sorted(n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n)):
+        rest = (n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n))
+        for n in sorted(n for n in rest if not (head_written and n == HEAD)):
             nbytes = self.src.tensor_bytes(n)
             if size + nbytes > REST_FILE_BYTES:
                 files.append([])

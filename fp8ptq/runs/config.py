@@ -44,3 +44,4 @@ class QuantizeConfig:
     group_size: int | None = None  # group-weight recipes: override the weights' group_size
     weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method
     rotate: bool = False  # add the transform "rotate" to the recipe's transforms
+    quantize_lm_head: bool = False  # quantize the LM head too (recipe.head_from), unless the recipe says how

@@ -23,7 +23,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.ops.precision import COMPUTE_DTYPES
-from fp8ptq.recipe import Recipe, load_recipe, parse_recipe
+from fp8ptq.recipe import Recipe, head_from, load_recipe, parse_recipe
 from fp8ptq.runs.config import DRAFT_KINDS, QuantizeConfig
 
 
@@ -207,6 +207,8 @@ def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
         data["calibration"]["weight_method"] = cfg.weights
     if cfg.rotate and "rotate" not in data["transforms"]:
         data["transforms"] = [*data["transforms"], "rotate"]
+    if cfg.quantize_lm_head and data["scheme"].get("lm_head") is None:
+        data["scheme"]["lm_head"] = head_from(recipe.scheme)
     for value, section, key, flag in (
         (cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
         (cfg.tp, "flatten", "tp", "--tp"),

@@ -45,10 +45,11 @@ def finish(ctx: RunContext) -> Manifest:
     shards = ctx.state.get("shards")  # a resumed run that had already assembled its shards
     if not shards:
         t = time.perf_counter()
-        shards = writer.finish(src.text_config.num_hidden_layers)
-        run.save_state(shards=shards)
+        shards = writer.finish(src.text_config.num_hidden_layers, _head(recipe), recipe.calibration)
+        run.save_state(shards=shards, lm_head=writer.head_report)
         ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
-    write_metadata(ctx, _config_updates(layers), _export_groups(recipe, layers, run.state), _uncalled(ctx, layers))
+    updates = _config_updates(layers) | _untie(ctx, run.state.get("lm_head"))
+    write_metadata(ctx, updates, _export_groups(recipe, layers, run.state), _uncalled(ctx, layers))
     ids = ctx.ids
     manifest = Manifest(
         model=src.label,
@@ -77,6 +78,7 @@ def finish(ctx: RunContext) -> Manifest:
         layers=layers,
         summary=summary(layers),
         mixed=run.state["mixed"]["report"] if recipe.mixed is not None else None,
+        lm_head=run.state.get("lm_head"),
     )
     if ctx.cfg.draft in DRAFT_KINDS:  # the finished target is in place: distil, measure, recommend beside it
         manifest.speculative = _draft(ctx)
@@ -145,17 +147,34 @@ def _uncalled(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
     return tuple(sorted(names | stored))
 
 
+def _head(recipe) -> LinearScheme | None:
+    h = recipe.scheme.lm_head
+    return None if h is None else LinearScheme(h.weights, h.input_activations)
+
+
+def _untie(ctx: RunContext, head: dict | None) -> dict:
+    """A quantized tied head is written as its own tensor: the config must say so, or an engine would tie
+    the head to the (float) embedding again and never read it."""
+    return {"tie_word_embeddings": False} if head and head["tied"] else {}
+
+
 def _export_groups(recipe, layers: list[dict], state: dict):
-    """(scheme, module names) per compressed-tensors config group; None: the recipe's single group."""
+    """(scheme, module names) per compressed-tensors config group; None: the recipe's single group. A
+    quantized LM head is a group of its own, targeted by name (an exact name wins over the class target
+    `Linear` in compressed-tensors and vLLM)."""
+    head = _head(recipe)
     if recipe.mixed is None:
-        return None
+        if head is None:
+            return None
+        s = recipe.scheme
+        return [(LinearScheme(s.weights, s.input_activations), list(s.targets)), (head, ["lm_head"])]
     low = set(state["mixed"]["low"])
     names = sorted(n for layer in layers for n in layer["quantized"])
     high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
     groups = [(high, [n for n in names if n not in low])]
     if low:
         groups.append((LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations), sorted(low)))
-    return [g for g in groups if g[1]]
+    return [g for g in groups if g[1]] + ([(head, ["lm_head"])] if head is not None else [])
 
 
 def _config_updates(layers: list[dict]) -> dict:

@@ -94,6 +94,11 @@ def data_free_recipe(name: str) -> Recipe:
             "transform), which the model-free path does not run",
             fix="use a data-free recipe (fp8-dynamic, fp8-block) or `fp8ptq quantize` on a supported family",
         )
+    if recipe.scheme.lm_head is not None:
+        raise RecipeError(
+            f"recipe '{recipe.name}' quantizes the LM head (scheme.lm_head); the model-free path keeps it as stored",
+            fix="drop scheme.lm_head, or use `fp8ptq quantize ... --quantize-lm-head` on a model transformers builds",
+        )
     return recipe
 
 

