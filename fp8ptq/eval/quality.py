@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from compressed_tensors.quantization import QuantizationConfig
-from compressed_tensors.utils.match import is_match
+from compressed_tensors.utils.match import is_match, match_targets
 
 from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import decompress_linear
@@ -46,15 +46,14 @@ class Simulated:
 
 
 def _scheme_for(name, module, qcfg: QuantizationConfig):
-    """The config group vLLM would pick: a name or `re:` target anywhere wins over a class-name target."""
+    """The config group compressed-tensors and vLLM pick: `ignore` first, then the module's matching
+    targets in compressed-tensors' own order (exact name, regex, class name: `match_targets`, as its
+    `apply_quantization_config` does), so `lm_head` takes its own group beside a `Linear` one."""
     if qcfg.ignore and is_match(name, module, qcfg.ignore):
         return None
-    for by_name in (True, False):
-        for scheme in qcfg.config_groups.values():
-            targets = [t for t in scheme.targets if (t.startswith("re:") or "." in t) == by_name]
-            if targets and is_match(name, module, targets, []):
-                return scheme
-    return None
+    by_target = {t: s for s in qcfg.config_groups.values() for t in s.targets}
+    matched = match_targets(name, module, by_target)
+    return by_target[matched[0]] if matched else None
 
 
 def read_quantization_config(src: ModelSource, raw) -> QuantizationConfig:

@@ -109,3 +109,12 @@ def test_static_head_inputs_are_refused():
     scheme = {"weights": w, "lm_head": {"weights": w, "input_activations": static}}
     with pytest.raises(RecipeError, match="the LM head's inputs are not calibrated"):
         parse_recipe({**base, "scheme": scheme}, "x.yaml")
+
+
+def test_head_group_wins_over_the_class_target(heads):
+    """fp8-kv8's Linears have static inputs, its head dynamic ones: the evaluator must pick the head's
+    own group by its exact name (compressed-tensors' order), not the first group whose class matches."""
+    _, out, _ = heads("fp8-kv8", True)
+    sim = load_simulated(open_hf_dir(out))
+    assert sim.numerics["quantized_linears"] == 15
+    assert (sim.numerics["static_inputs"], sim.numerics["dynamic_inputs"]) == (14, 1), sim.numerics
