@@ -378,7 +378,16 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 # Keys added after recipes were first written, left out of recipe.yaml at their default so that recipes not
 # using them are written (and outputs hash) as before the keys existed.
-_WRITTEN_ONLY_IF_SET = {("transforms",): [], ("calibration", "kv_observer"): "minmax"}
+_WRITTEN_ONLY_IF_SET = {("transforms",): [], ("calibration", "kv_observer"): "minmax", ("scheme", "lm_head"): None}
+
+
+def recipe_record(recipe: Recipe) -> dict:
+    """The recipe as the manifest records it: its dump, without keys newer than the record that are unset
+    (a quantized LM head), so the manifests of runs that do not use them stay what they were."""
+    data = recipe.model_dump(mode="json")
+    if data["scheme"]["lm_head"] is None:
+        del data["scheme"]["lm_head"]
+    return data
 
 
 def recipe_yaml(recipe: Recipe) -> str:

@@ -19,7 +19,7 @@ from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, 
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.quantize.plan import UNCALLED
 from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.recipe import recipe_yaml
+from fp8ptq.recipe import recipe_record, recipe_yaml
 from fp8ptq.runs.calibrated import chunks_per_rank
 from fp8ptq.runs.config import DRAFT_KINDS
 from fp8ptq.runs.context import RunContext
@@ -53,7 +53,7 @@ def finish(ctx: RunContext) -> Manifest:
     ids = ctx.ids
     manifest = Manifest(
         model=src.label,
-        recipe=recipe.model_dump(mode="json"),
+        recipe=recipe_record(recipe),
         versions=versions(),
         calibration=None
         if ids is None
