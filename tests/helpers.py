@@ -201,3 +201,28 @@ def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
         if not torch.equal(decompress_linear(local, scheme, scheme.format or qcfg.format), fake.float()):
             bad.append(f"{name}: differs")
     return bad
+
+
+def mx_rtn(w, choose_scale, fake_quant, mse: bool = False):
+    """Round-to-nearest of w [out, in] on an MX grid (ops.mx): (fake-quant weight, scales [out, in / 32])."""
+    from fp8ptq.ops.mx import MX_GROUP
+
+    groups = w.reshape(-1, MX_GROUP)
+    s = choose_scale(groups, mse)
+    return fake_quant(groups, s).reshape(w.shape), s.reshape(w.shape[0], -1)
+
+
+def mx_round_trip(fmt: str, args, fake, scale, stored: dict):
+    """An MX format's compressed-tensors compressor on (fake-quant weight, power-of-two scales): checks it
+    stores exactly the tensors `stored` ({name: (dtype, shape)}) and the scales as E8M0 exponents holding
+    them exactly; returns its decompression (fp32)."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    comp = BaseCompressor.get_value_from_registry(fmt)
+    packed = comp.compress({"weight": fake, "weight_scale": scale}, scheme)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in packed.items()} == stored, packed.keys()
+    assert torch.equal(torch.exp2(packed["weight_scale"].float() - 127), scale)  # E8M0 holds it exactly
+    return comp.decompress(dict(packed), scheme)["weight"].float()

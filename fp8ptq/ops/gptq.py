@@ -111,30 +111,28 @@ def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = Fa
     )
 
 
-def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
-    """MXFP4 (ops.fp4): groups of 32 input columns, per-row power-of-two scales [R, 1] (hessian: the
-    mse choice weighted by diag(H) per column in GPTQ's static groups)."""
-    weighted = (lambda w, d: (choose_mxfp4_scale(w, True, d), None)) if mse and hessian else None
+def _mx_grid(choose_scale, fake_quant, mse: bool, hessian: bool, fused: tuple | None = None) -> WeightGrid:
+    """An MX grid (ops.mx): groups of 32 input columns, per-row power-of-two scales [R, 1] from
+    choose_scale(w, mse[, d]) (hessian: the mse choice weighted by diag(H) per column in GPTQ's static
+    groups), values by fake_quant(w, scale)."""
+    weighted = (lambda w, d: (choose_scale(w, True, d), None)) if mse and hessian else None
     return WeightGrid(
-        lambda w: (choose_mxfp4_scale(w, mse), None),
-        lambda w, p: fake_quant_mxfp4(w, p[0]),
+        lambda w: (choose_scale(w, mse), None),
+        lambda w, p: fake_quant(w, p[0]),
         MX_GROUP,
         choose_weighted=weighted,
+        fused=fused,
     )
+
+
+def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
+    """MXFP4 (ops.fp4): E2M1 values; the eager solver only."""
+    return _mx_grid(choose_mxfp4_scale, fake_quant_mxfp4, mse, hessian)
 
 
 def mxfp8_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
-    """MXFP8 (ops.mx): groups of 32 input columns, per-row power-of-two scales [R, 1], E4M3 codes (the
-    fused block kernel's FP8 rounding applies: the same bits per row). hessian: the mse choice weighted
-    by diag(H) per column in GPTQ's static groups."""
-    weighted = (lambda w, d: (choose_mxfp8_scale(w, True, d), None)) if mse and hessian else None
-    return WeightGrid(
-        lambda w: (choose_mxfp8_scale(w, mse), None),
-        lambda w, p: fake_quant_mxfp8(w, p[0]),
-        MX_GROUP,
-        choose_weighted=weighted,
-        fused=("fp8",),
-    )
+    """MXFP8 (ops.mx): E4M3 values, so the fused block kernel's FP8 rounding applies (the same bits per row)."""
+    return _mx_grid(choose_mxfp8_scale, fake_quant_mxfp8, mse, hessian, fused=("fp8",))
 
 
 def int_grid(

@@ -48,7 +48,7 @@ def finish(ctx: RunContext) -> Manifest:
         shards = writer.finish(src.text_config.num_hidden_layers, _head(recipe), recipe.calibration)
         run.save_state(shards=shards, lm_head=writer.head_report)
         ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
-    updates = _config_updates(layers) | _untie(ctx, run.state.get("lm_head"))
+    updates = _config_updates(layers) | _untie(run.state.get("lm_head"))
     write_metadata(ctx, updates, _export_groups(recipe, layers, run.state), _uncalled(ctx, layers))
     ids = ctx.ids
     manifest = Manifest(
@@ -152,7 +152,7 @@ def _head(recipe) -> LinearScheme | None:
     return None if h is None else LinearScheme(h.weights, h.input_activations)
 
 
-def _untie(ctx: RunContext, head: dict | None) -> dict:
+def _untie(head: dict | None) -> dict:
     """A quantized tied head is written as its own tensor: the config must say so, or an engine would tie
     the head to the (float) embedding again and never read it."""
     return {"tie_word_embeddings": False} if head and head["tied"] else {}

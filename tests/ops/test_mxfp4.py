@@ -4,34 +4,27 @@ exponent choice and GPTQ), with finite power-of-two scales for all-zero, tiny, h
 
 import pytest
 import torch
-from compressed_tensors.compressors import BaseCompressor
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-from fp8ptq.ops.fp4 import MX_GROUP, choose_mxfp4_scale, fake_quant_mxfp4
+from fp8ptq.ops.fp4 import choose_mxfp4_scale, fake_quant_mxfp4
 from fp8ptq.ops.gptq import gptq, mxfp4_grid
+
+from helpers import mx_round_trip, mx_rtn
 
 ARGS = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True, scale_dtype="uint8")
 
 
 def _rtn(w: torch.Tensor, mse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    groups = w.reshape(-1, MX_GROUP)
-    s = choose_mxfp4_scale(groups, mse)
-    return fake_quant_mxfp4(groups, s).reshape(w.shape), s.reshape(w.shape[0], -1)
+    return mx_rtn(w, choose_mxfp4_scale, fake_quant_mxfp4, mse)
 
 
 def _ct_round_trip(fake: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    scheme = QuantizationScheme(targets=["Linear"], weights=ARGS)
-    comp = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
-    packed = comp.compress({"weight": fake, "weight_scale": scale}, scheme)
-    assert set(packed) == {"weight_packed", "weight_scale"}  # no global scale
-    assert packed["weight_packed"].dtype == torch.uint8 and packed["weight_packed"].shape == (
-        fake.shape[0],
-        fake.shape[1] // 2,
-    )
-    assert packed["weight_scale"].dtype == torch.uint8 and packed["weight_scale"].shape == scale.shape
-    assert torch.equal(torch.exp2(packed["weight_scale"].float() - 127), scale)  # E8M0 holds it exactly
-    return comp.decompress(dict(packed), scheme)["weight"].float()
+    stored = {  # two E2M1 codes per byte, E8M0 exponents, no global scale
+        "weight_packed": (torch.uint8, (fake.shape[0], fake.shape[1] // 2)),
+        "weight_scale": (torch.uint8, tuple(scale.shape)),
+    }
+    return mx_round_trip("mxfp4-pack-quantized", ARGS, fake, scale, stored)
 
 
 def test_minmax_scale_is_compressed_tensors_rule():

@@ -9,31 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from compressed_tensors.compressors import BaseCompressor
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
 from fp8ptq.ops.gptq import gptq, mxfp8_grid
-from fp8ptq.ops.mx import MX_GROUP, choose_mxfp8_scale, fake_quant_mxfp8, fake_quant_mxfp8_act, mxfp8_act_scale
+from fp8ptq.ops.mx import choose_mxfp8_scale, fake_quant_mxfp8, fake_quant_mxfp8_act, mxfp8_act_scale
+
+from helpers import mx_round_trip, mx_rtn
 
 ARGS = QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=32, symmetric=True, scale_dtype="uint8")
 
 
 def _rtn(w: torch.Tensor, mse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    groups = w.reshape(-1, MX_GROUP)
-    s = choose_mxfp8_scale(groups, mse)
-    return fake_quant_mxfp8(groups, s).reshape(w.shape), s.reshape(w.shape[0], -1)
+    return mx_rtn(w, choose_mxfp8_scale, fake_quant_mxfp8, mse)
 
 
 def _ct_round_trip(fake: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    scheme = QuantizationScheme(targets=["Linear"], weights=ARGS)
-    comp = BaseCompressor.get_value_from_registry("mxfp8-quantized")
-    packed = comp.compress({"weight": fake, "weight_scale": scale}, scheme)
-    assert set(packed) == {"weight", "weight_scale"}
-    assert packed["weight"].dtype == torch.float8_e4m3fn and packed["weight"].shape == fake.shape
-    assert packed["weight_scale"].dtype == torch.uint8 and packed["weight_scale"].shape == scale.shape
-    assert torch.equal(torch.exp2(packed["weight_scale"].float() - 127), scale)  # E8M0 holds it exactly
-    return comp.decompress(dict(packed), scheme)["weight"].float()
+    stored = {"weight": (torch.float8_e4m3fn, tuple(fake.shape)), "weight_scale": (torch.uint8, tuple(scale.shape))}
+    return mx_round_trip("mxfp8-quantized", ARGS, fake, scale, stored)
 
 
 def test_minmax_scale_is_compressed_tensors_rule():

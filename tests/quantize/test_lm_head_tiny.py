@@ -3,6 +3,8 @@ its own config group targeted by name, `lm_head` out of `ignore`, a tied head wr
 embedding kept as stored), compressed-tensors' compressor decompressing it to the simulated weights, and
 the evaluator running the head on its quantized inputs. Refusals: static head inputs."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from fp8ptq.export.compressed_tensors import ct_scheme, decompress_linear
 from fp8ptq.manifest import Manifest
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.recipe import Head, load_recipe, parse_recipe
+from fp8ptq.recipe import Head, head_from, load_recipe, parse_recipe
 
 from helpers import parse_config_under, read_config, read_tensors
 
@@ -21,38 +23,27 @@ pytestmark = pytest.mark.tiny
 
 
 @pytest.fixture(scope="module")
-def heads(tmp_path_factory, tiny_model):
-    """(recipe, tied) -> (source, export with the head quantized, export without)."""
+def export(tmp_path_factory, tiny_model):
+    """export(recipe, tied, head) -> (source, export dir): built once per argument set, and only when asked."""
     done = {}
 
-    def make(recipe: str, tied: bool):
-        if (recipe, tied) not in done:
+    def make(recipe: str, tied: bool, head: bool = True):
+        key = (recipe, tied, head)
+        if key not in done:
             src = tiny_model("llama", tie_word_embeddings=tied)
-            base = tmp_path_factory.mktemp(f"head-{recipe}-{tied}")
-            outs = []
-            for q in (True, False):
-                out = base / ("q" if q else "plain")
-                quantize(
-                    QuantizeConfig(
-                        model=str(src),
-                        recipe=recipe,
-                        output=out,
-                        num_samples=4,
-                        seq_len=64,
-                        eval_samples=0,
-                        quantize_lm_head=q,
-                    )
-                )
-                outs.append(out)
-            done[(recipe, tied)] = (src, *outs)
-        return done[(recipe, tied)]
+            out = tmp_path_factory.mktemp(f"head-{recipe}-{tied}-{head}") / "q"
+            cfg = QuantizeConfig(model=str(src), recipe=recipe, output=out, num_samples=4, seq_len=64, eval_samples=0)
+            quantize(replace(cfg, quantize_lm_head=head))
+            done[key] = (src, out)
+        return done[key]
 
     return make
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_head_group_config_and_tensors(tied, heads):
-    src, out, plain = heads("fp8-dynamic", tied)
+def test_head_group_config_and_tensors(tied, export):
+    src, out = export("fp8-dynamic", tied)
+    _, plain = export("fp8-dynamic", tied, head=False)
     cfg = read_config(out)
     qc = cfg["quantization_config"]
     assert "lm_head" not in qc["ignore"]
@@ -78,12 +69,11 @@ def test_head_group_config_and_tensors(tied, heads):
     assert m.size_bytes.output > Manifest.load(plain).size_bytes.output - (0 if tied else 1024 * 64)
 
 
-def test_head_decompresses_to_what_is_simulated(heads):
-    src, out, _ = heads("w8a8-int8", True)
+def test_head_decompresses_to_what_is_simulated(export):
+    src, out = export("w8a8-int8", True)
     t = read_tensors(out)
-    scheme = load_recipe("w8a8-int8").scheme
-    head = Head.model_validate({"weights": scheme.weights.model_dump(), "input_activations": None})
-    ls = LinearScheme(head.weights, None)
+    head = Head.model_validate(head_from(load_recipe("w8a8-int8").scheme))  # what --quantize-lm-head wrote
+    ls = LinearScheme(head.weights, head.input_activations)
     fmt = read_config(out)["quantization_config"]["config_groups"]
     fmt = next(g for g in fmt.values() if g["targets"] == ["lm_head"]).get("format") or "int-quantized"
     state = {k.removeprefix("lm_head."): v for k, v in t.items() if k.startswith("lm_head.")}
@@ -93,8 +83,9 @@ def test_head_decompresses_to_what_is_simulated(heads):
     assert not torch.equal(w, read_tensors(src)["model.embed_tokens.weight"].float())
 
 
-def test_quantized_head_costs_a_little_quality(heads):
-    src, out, plain = heads("w8a8-int8", False)
+def test_quantized_head_costs_a_little_quality(export):
+    src, out = export("w8a8-int8", False)
+    _, plain = export("w8a8-int8", False, head=False)
     from fp8ptq.data import load_samples
 
     ids = load_samples("builtin", open_hf_dir(src).tokenizer(), 2, 48, "evaluation")
@@ -113,10 +104,10 @@ def test_static_head_inputs_are_refused():
         parse_recipe({**base, "scheme": scheme}, "x.yaml")
 
 
-def test_head_group_wins_over_the_class_target(heads):
+def test_head_group_wins_over_the_class_target(export):
     """fp8-kv8's Linears are FP8 with static inputs, its head INT8 weight-only: the evaluator must pick the
     head's own group by its exact name (compressed-tensors' order), not the first group whose class matches."""
-    _, out, _ = heads("fp8-kv8", True)
+    _, out = export("fp8-kv8", True)
     sim = load_simulated(open_hf_dir(out))
     assert sim.numerics["quantized_linears"] == 15
     assert (sim.numerics["static_inputs"], sim.numerics["dynamic_inputs"]) == (14, 0), sim.numerics
