@@ -1,7 +1,7 @@
 """CI recipes: every built-in recipe runs end to end on the demo model through the CLI, as a user runs it:
 its gates are evaluated, printed and recorded, the exit code follows them, the report is written.
 
-Calibration is small here (8 x 128 tokens, 2 held-out samples, round to nearest for
+Calibration is small here (8 x 128 tokens, 1 held-out sample, round to nearest for
 conftest.RECIPE_CI_RTN; conftest.recipe_export, whose exports the
 engine tests in test_vllm_real.py serve too): the mechanics, not the quality.
 Each recipe's quality against its own gates, on the 8 x 256 calibration and 4 held-out samples the gates
