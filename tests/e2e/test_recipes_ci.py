@@ -15,7 +15,7 @@ import pytest
 
 from fp8ptq.cli.common import GATE_FAILED_EXIT
 from fp8ptq.manifest import Manifest
-from fp8ptq.recipe import builtin_names, load_recipe
+from fp8ptq.recipe import Recipe, builtin_names, load_recipe
 from tests.conftest import RECIPE_CI_RTN
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,8 @@ def test_recipe_runs_and_evaluates_its_gates_on_demo_model(name, recipe_export):
     assert exit_code == (0 if all(g.passed for g in m.gates) else GATE_FAILED_EXIT), output
     print(name, {g.gate: (round(g.value, 5), g.passed) for g in m.gates})
     assert m.quality is not None and math.isfinite(m.quality.kl)
-    if name in RECIPE_CI_RTN:  # round to nearest here (conftest): weight-only recipes then need no data
-        assert m.calibration is None or m.calibration.tokens == 8 * 128, m.calibration
-        assert m.recipe["calibration"]["weight_method"] == "rtn", m.recipe["calibration"]
-    else:
-        assert m.calibration.tokens == 8 * 128 if recipe.needs_data else m.calibration is None
+    run = Recipe.model_validate(m.recipe)  # the recipe as run: conftest's --weights rtn applied
+    assert run.calibration.weight_method == ("rtn" if name in RECIPE_CI_RTN else recipe.calibration.weight_method)
+    assert m.calibration.tokens == 8 * 128 if run.needs_data else m.calibration is None
     html = (out / "report.html").read_text()
     assert all(f"<code>{escape(g.gate)}</code>" in html for g in m.gates)  # the report's gate table
