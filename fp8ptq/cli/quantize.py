@@ -68,6 +68,11 @@ def quantize(
     weights: Optional[str] = typer.Option(
         None, help="rtn (round to nearest: fastest) or gptq: override the recipe's weight rounding"
     ),
+    smooth_alpha: Optional[str] = typer.Option(
+        None,
+        help="SmoothQuant recipes (w8a8-int8, nvfp4, flatten-w8a8): 'auto' (measured per layer) or one "
+        "alpha in [0, 1] for every layer: no search, a faster calibration",
+    ),
     rotate: bool = typer.Option(
         False, "--rotate", help="add the recipe transform 'rotate': Hadamard rotations folded into the float model"
     ),
@@ -104,6 +109,7 @@ def quantize(
       fp8ptq quantize smollm2-135m -r fp8-block --block-size 64 -o out/smol-fp8-block
       fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
       fp8ptq quantize smollm2-135m -r w8a8-int8 --rotate -o out/int8-rot  # rotated
+      fp8ptq quantize ./my-model -r nvfp4 --smooth-alpha 0.8 -o out/nvfp4  # no alpha search
       fp8ptq quantize smollm2-135m -r fp8-kv8 --quantize-lm-head -o out/q  # LM head too
       fp8ptq recipes list                                    # what each recipe does
     """
@@ -137,6 +143,7 @@ def quantize(
         block_size=block_size,
         group_size=group_size,
         weights=weights,
+        smooth_alpha=smooth_alpha,
         rotate=rotate,
         quantize_lm_head=quantize_lm_head,
         draft=draft,

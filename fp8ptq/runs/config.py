@@ -43,5 +43,6 @@ class QuantizeConfig:
     block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
     group_size: int | None = None  # group-weight recipes: override the weights' group_size
     weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method
+    smooth_alpha: str | None = None  # "auto" or a number in [0, 1]: override the recipe's smooth.alpha
     rotate: bool = False  # add the transform "rotate" to the recipe's transforms
     quantize_lm_head: bool = False  # quantize the LM head too (recipe.head_from), unless the recipe says how

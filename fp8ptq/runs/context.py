@@ -205,6 +205,8 @@ def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
                 fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
             )
         data["calibration"]["weight_method"] = cfg.weights
+    if cfg.smooth_alpha is not None:
+        data["smooth"] = _smooth_alpha(cfg.smooth_alpha, recipe, data.get("smooth"))
     if cfg.rotate and "rotate" not in data["transforms"]:
         data["transforms"] = [*data["transforms"], "rotate"]
     if cfg.quantize_lm_head and data["scheme"].get("lm_head") is None:
@@ -240,6 +242,28 @@ def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
         if a is not None and a.get("strategy") == "group":
             a["group_size"] = cfg.block_size
     return parse_recipe(data, f"{recipe.name} with command-line overrides")
+
+
+def _smooth_alpha(value: str, recipe: Recipe, smooth: dict | None) -> dict:
+    """--smooth-alpha: 'auto' (the recipe's measured search) or one alpha for every layer (no search)."""
+    if smooth is None:
+        raise RecipeError(
+            f"--smooth-alpha needs a recipe with a 'smooth' section; '{recipe.name}' has none",
+            fix="drop --smooth-alpha or use a recipe such as w8a8-int8 or nvfp4",
+        )
+    if value != "auto":
+        try:
+            alpha = float(value)
+        except ValueError:
+            alpha = float("nan")
+        if not 0.0 <= alpha <= 1.0:
+            raise RecipeError(
+                f"--smooth-alpha '{value}' is neither 'auto' nor a number in [0, 1] "
+                f"(recipe '{recipe.name}' uses {recipe.smooth.alpha})",
+                fix="use --smooth-alpha auto (search per layer) or a fixed alpha such as --smooth-alpha 0.8",
+            )
+        value = alpha
+    return smooth | {"alpha": value}
 
 
 def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:

@@ -91,10 +91,14 @@ def test_activations_that_overflow_are_refused(recipe, inf_model, tmp_path):
         ("--chunk-tokens", "0", "--chunk-tokens 0 is out of range"),
         ("--tp", "0", "--tp 0 is out of range"),
         ("--weights", "round", "--weights 'round' is not one of rtn, gptq (recipe 'fp8-kv8' uses gptq)"),
+        ("--smooth-alpha", "0.5", "--smooth-alpha needs a recipe with a 'smooth' section; 'fp8-kv8' has none"),
+        (("-r", "w8a8-int8", "--smooth-alpha"), "1.5", "--smooth-alpha '1.5' is neither 'auto' nor a number in [0, 1]"),
+        (("-r", "nvfp4", "--smooth-alpha"), "high", "(recipe 'nvfp4' uses auto)"),
     ],
 )
 def test_options_out_of_range_before_any_work(flag, value, phrase, tiny_dir, tmp_path):
-    rc, output = _run("quantize", tiny_dir, "-o", tmp_path / "out", flag, value)
+    flag = (flag,) if isinstance(flag, str) else flag
+    rc, output = _run("quantize", tiny_dir, "-o", tmp_path / "out", *flag, value)
     _one_line_error(rc, output, phrase)
     assert not (tmp_path / "out").exists()
 

@@ -1,4 +1,4 @@
-"""`quantize --weights rtn|gptq` overrides the recipe's weight rounding, stated in manifest and report."""
+"""`quantize --weights rtn|gptq` and `--smooth-alpha` override the recipe, stated in manifest and report."""
 
 import pytest
 import torch
@@ -46,3 +46,22 @@ def test_weights_rtn_makes_w4a16_data_free(tiny_dir, tmp_path):
     out = tmp_path / "w4"
     m = quantize(QuantizeConfig(model=str(tiny_dir), recipe="w4a16", output=out, eval_samples=0, weights="rtn"))
     assert m.calibration is None and m.recipe["calibration"]["weight_method"] == "rtn"
+
+
+def test_smooth_alpha_fixes_the_alpha_without_a_search(tiny_dir, tmp_path):
+    m = quantize(
+        QuantizeConfig(
+            model=str(tiny_dir),
+            recipe="w8a8-int8",
+            output=tmp_path / "int8",
+            num_samples=4,
+            seq_len=48,
+            eval_samples=0,
+            smooth_alpha="0.8",
+        )
+    )
+    assert m.recipe["smooth"]["alpha"] == 0.8
+    smooth = [layer["transforms"]["smooth"] for layer in m.layers]
+    groups = [g for s in smooth for g in s.values()]
+    assert len(groups) == 2 * len(m.layers)  # q/k/v and gate/up in every layer, none declined
+    assert all(g["alpha"] == 0.8 and g["errors"] == {} for g in groups)  # no candidate was scored
