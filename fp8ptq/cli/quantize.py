@@ -73,6 +73,13 @@ def quantize(
         help="SmoothQuant recipes (w8a8-int8, nvfp4, flatten-w8a8): 'auto' (measured per layer) or one "
         "alpha in [0, 1] for every layer: no search, a faster calibration",
     ),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        metavar="KEY=VALUE",
+        help="change any recipe key, repeatable: --set calibration.gptq_damp=0.05 (VALUE is YAML; the flags "
+        "above are aliases with their own checks; keys: fp8ptq recipes show NAME)",
+    ),
     rotate: bool = typer.Option(
         False, "--rotate", help="add the recipe transform 'rotate': Hadamard rotations folded into the float model"
     ),
@@ -110,6 +117,7 @@ def quantize(
       fp8ptq quantize ./my-model -r fp8-kv8 -o out/q --weights rtn   # RTN instead of GPTQ
       fp8ptq quantize smollm2-135m -r w8a8-int8 --rotate -o out/int8-rot  # rotated
       fp8ptq quantize ./my-model -r nvfp4 --smooth-alpha 0.8 -o out/nvfp4  # no alpha search
+      fp8ptq quantize ./my-model -r w4a16 --set calibration.gptq_damp=0.05 -o out/w4
       fp8ptq quantize smollm2-135m -r fp8-kv8 --quantize-lm-head -o out/q  # LM head too
       fp8ptq recipes list                                    # what each recipe does
     """
@@ -144,6 +152,7 @@ def quantize(
         group_size=group_size,
         weights=weights,
         smooth_alpha=smooth_alpha,
+        sets=tuple(set_),
         rotate=rotate,
         quantize_lm_head=quantize_lm_head,
         draft=draft,

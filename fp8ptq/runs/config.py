@@ -44,5 +44,6 @@ class QuantizeConfig:
     group_size: int | None = None  # group-weight recipes: override the weights' group_size
     weights: str | None = None  # "rtn" | "gptq": override the recipe's calibration.weight_method
     smooth_alpha: str | None = None  # "auto" or a number in [0, 1]: override the recipe's smooth.alpha
+    sets: tuple[str, ...] = ()  # "section.key=value" recipe overrides, applied after the alias flags
     rotate: bool = False  # add the transform "rotate" to the recipe's transforms
     quantize_lm_head: bool = False  # quantize the LM head too (recipe.head_from), unless the recipe says how

@@ -23,8 +23,9 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.ops.precision import COMPUTE_DTYPES
-from fp8ptq.recipe import Recipe, head_from, load_recipe, parse_recipe
+from fp8ptq.recipe import Recipe, load_recipe
 from fp8ptq.runs.config import DRAFT_KINDS, QuantizeConfig
+from fp8ptq.runs.overrides import recipe_overrides
 
 
 @dataclass
@@ -124,14 +125,7 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     _check_options(cfg, recipe)
     check_output(cfg.output, cfg.overwrite, run_inputs(cfg))
     device = resolve_device(cfg.device)
-    overrides = {
-        k: v
-        for k, v in (("num_samples", cfg.num_samples), ("seq_len", cfg.seq_len), ("seed", cfg.seed))
-        if v is not None
-    }
-    if overrides:
-        recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update=overrides)})
-    recipe = _recipe_overrides(cfg, recipe)
+    recipe = recipe_overrides(cfg, recipe)
     if cfg.draft != "none" and cfg.draft not in DRAFT_KINDS:
         raise RecipeError(
             f"unknown --draft '{cfg.draft}'", fix="use --draft auto (train a draft), eagle3 (an EAGLE-3 head) or none"
@@ -188,82 +182,6 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
     check_option("--draft-trim", cfg.draft_trim, minimum=1, example=8192)
     check_option("--draft-steps", cfg.draft_steps, minimum=1, example=400)
     check_option("--draft-time-budget", cfg.draft_time_budget_s, minimum=1e-3, example=900)
-
-
-WEIGHT_METHODS = ("rtn", "gptq")
-
-
-def _recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
-    """--int4-fraction / --tp change the recipe's mixed / flatten sections, --weights its
-    calibration.weight_method (validated like the YAML)."""
-    data = recipe.model_dump(mode="json")
-    if cfg.weights is not None:
-        if cfg.weights not in WEIGHT_METHODS:
-            raise RecipeError(
-                f"--weights '{cfg.weights}' is not one of {', '.join(WEIGHT_METHODS)} "
-                f"(recipe '{recipe.name}' uses {recipe.calibration.weight_method})",
-                fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
-            )
-        data["calibration"]["weight_method"] = cfg.weights
-    if cfg.smooth_alpha is not None:
-        data["smooth"] = _smooth_alpha(cfg.smooth_alpha, recipe, data.get("smooth"))
-    if cfg.rotate and "rotate" not in data["transforms"]:
-        data["transforms"] = [*data["transforms"], "rotate"]
-    if cfg.quantize_lm_head and data["scheme"].get("lm_head") is None:
-        data["scheme"]["lm_head"] = head_from(recipe.scheme)
-    for value, section, key, flag in (
-        (cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
-        (cfg.tp, "flatten", "tp", "--tp"),
-    ):
-        if value is None:
-            continue
-        if data.get(section) is None:
-            raise RecipeError(
-                f"{flag} needs a recipe with a '{section}' section; '{recipe.name}' has none",
-                fix=f"drop {flag} or use a recipe such as {'mixed-w4-w8' if section == 'mixed' else 'flatten-w8a8'}",
-            )
-        data[section][key] = value
-    if cfg.group_size is not None:
-        w = data["scheme"]["weights"]
-        if w.get("strategy") != "group":
-            raise RecipeError(
-                f"--group-size needs a recipe with group weights; '{recipe.name}' has {w.get('strategy')} weights",
-                fix="drop --group-size or use a recipe such as w4a16 or w4a8-fp8",
-            )
-        w["group_size"] = cfg.group_size
-    if cfg.block_size is not None:
-        w, a = data["scheme"]["weights"], data["scheme"]["input_activations"]
-        if w.get("strategy") != "block":
-            raise RecipeError(
-                f"--block-size needs a recipe with block weights; '{recipe.name}' has {w.get('strategy')} weights",
-                fix="drop --block-size or use the recipe fp8-block",
-            )
-        w["block_structure"] = [cfg.block_size, cfg.block_size]
-        if a is not None and a.get("strategy") == "group":
-            a["group_size"] = cfg.block_size
-    return parse_recipe(data, f"{recipe.name} with command-line overrides")
-
-
-def _smooth_alpha(value: str, recipe: Recipe, smooth: dict | None) -> dict:
-    """--smooth-alpha: 'auto' (the recipe's measured search) or one alpha for every layer (no search)."""
-    if smooth is None:
-        raise RecipeError(
-            f"--smooth-alpha needs a recipe with a 'smooth' section; '{recipe.name}' has none",
-            fix="drop --smooth-alpha or use a recipe such as w8a8-int8 or nvfp4",
-        )
-    if value != "auto":
-        try:
-            alpha = float(value)
-        except ValueError:
-            alpha = float("nan")
-        if not 0.0 <= alpha <= 1.0:
-            raise RecipeError(
-                f"--smooth-alpha '{value}' is neither 'auto' nor a number in [0, 1] "
-                f"(recipe '{recipe.name}' uses {recipe.smooth.alpha})",
-                fix="use --smooth-alpha auto (search per layer) or a fixed alpha such as --smooth-alpha 0.8",
-            )
-        value = alpha
-    return smooth | {"alpha": value}
 
 
 def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:

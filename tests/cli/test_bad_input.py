@@ -94,6 +94,7 @@ def test_activations_that_overflow_are_refused(recipe, inf_model, tmp_path):
         ("--smooth-alpha", "0.5", "--smooth-alpha needs a recipe with a 'smooth' section; 'fp8-kv8' has none"),
         (("-r", "w8a8-int8", "--smooth-alpha"), "1.5", "--smooth-alpha '1.5' is neither 'auto' nor a number in [0, 1]"),
         (("-r", "nvfp4", "--smooth-alpha"), "high", "(recipe 'nvfp4' uses auto)"),
+        ("--set", "calibration.gptq_dampp=0.05", "unknown key 'calibration.gptq_dampp' (fix: valid keys there:"),
     ],
 )
 def test_options_out_of_range_before_any_work(flag, value, phrase, tiny_dir, tmp_path):

@@ -65,3 +65,30 @@ def test_smooth_alpha_fixes_the_alpha_without_a_search(tiny_dir, tmp_path):
     groups = [g for s in smooth for g in s.values()]
     assert len(groups) == 2 * len(m.layers)  # q/k/v and gate/up in every layer, none declined
     assert all(g["alpha"] == 0.8 and g["errors"] == {} for g in groups)  # no candidate was scored
+
+
+def test_set_changes_any_recipe_key_and_the_recipe_judges_it(tiny_dir, tmp_path):
+    from fp8ptq.errors import RecipeError
+    from fp8ptq.recipe import load_recipe
+    from fp8ptq.runs.overrides import recipe_overrides
+
+    def run(*sets, recipe="w4a16"):
+        cfg = QuantizeConfig(model=str(tiny_dir), recipe=recipe, output=tmp_path / "o", sets=sets)
+        return recipe_overrides(cfg, load_recipe(recipe))
+
+    r = run("calibration.gptq_damp=0.05", "scheme.weights.group_size=32", "gates=[kl<=0.4]")
+    assert (r.calibration.gptq_damp, r.scheme.weights.group_size, r.gates) == (0.05, 32, ("kl<=0.4",))
+    # a section the recipe leaves out is started; the alias flag and its key give the same recipe
+    assert run("smooth.alpha=0.8", recipe="fp8-dynamic").smooth.alpha == 0.8
+    alias = QuantizeConfig(model=str(tiny_dir), recipe="w8a8-int8", output=tmp_path / "o", smooth_alpha="0.5")
+    assert recipe_overrides(alias, load_recipe("w8a8-int8")) == run("smooth.alpha=0.5", recipe="w8a8-int8")
+    for bad, phrase in [
+        ("calibration.gptq_dampp=0.05", "gptq_dampp"),  # the recipe's own validation names the key
+        ("calibration.gptq_damp=high", "gptq_damp"),
+        ("calibration", "is not KEY=VALUE"),
+        ("scheme.weights.num_bits.x=1", "'scheme.weights.num_bits' is a value, not a section"),
+        ("gates=[kl<=0.4", "is not a YAML value"),
+    ]:
+        with pytest.raises(RecipeError, match=None) as err:
+            run(bad)
+        assert phrase in str(err.value), (bad, str(err.value))

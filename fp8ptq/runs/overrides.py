@@ -1,0 +1,125 @@
+"""What the quantize command changes in its recipe: the calibration sizes, the alias flags (--weights,
+--smooth-alpha, --group-size, --block-size, --int4-fraction, --tp, --rotate, --quantize-lm-head) and the
+generic `--set section.key=value`, validated together like a recipe file."""
+
+from __future__ import annotations
+
+import yaml
+
+from fp8ptq.errors import RecipeError
+from fp8ptq.recipe import Recipe, head_from, parse_recipe
+from fp8ptq.runs.config import QuantizeConfig
+
+WEIGHT_METHODS = ("rtn", "gptq")
+
+
+def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
+    """The recipe as this command runs it: --num-samples / --seq-len / --seed, then the flags that change
+    one of its keys (each a named alias with its own check and message), then every --set KEY=VALUE in
+    order; the result is validated like the YAML, so a bad value names its key."""
+    calibration = {
+        k: v
+        for k, v in (("num_samples", cfg.num_samples), ("seq_len", cfg.seq_len), ("seed", cfg.seed))
+        if v is not None
+    }
+    if calibration:
+        recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update=calibration)})
+    data = recipe.model_dump(mode="json")
+    if cfg.weights is not None:
+        if cfg.weights not in WEIGHT_METHODS:
+            raise RecipeError(
+                f"--weights '{cfg.weights}' is not one of {', '.join(WEIGHT_METHODS)} "
+                f"(recipe '{recipe.name}' uses {recipe.calibration.weight_method})",
+                fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
+            )
+        data["calibration"]["weight_method"] = cfg.weights
+    if cfg.smooth_alpha is not None:
+        data["smooth"] = _smooth_alpha(cfg.smooth_alpha, recipe, data.get("smooth"))
+    if cfg.rotate and "rotate" not in data["transforms"]:
+        data["transforms"] = [*data["transforms"], "rotate"]
+    if cfg.quantize_lm_head and data["scheme"].get("lm_head") is None:
+        data["scheme"]["lm_head"] = head_from(recipe.scheme)
+    for value, section, key, flag in (
+        (cfg.int4_fraction, "mixed", "int4_fraction", "--int4-fraction"),
+        (cfg.tp, "flatten", "tp", "--tp"),
+    ):
+        if value is None:
+            continue
+        if data.get(section) is None:
+            raise RecipeError(
+                f"{flag} needs a recipe with a '{section}' section; '{recipe.name}' has none",
+                fix=f"drop {flag} or use a recipe such as {'mixed-w4-w8' if section == 'mixed' else 'flatten-w8a8'}",
+            )
+        data[section][key] = value
+    if cfg.group_size is not None:
+        w = data["scheme"]["weights"]
+        if w.get("strategy") != "group":
+            raise RecipeError(
+                f"--group-size needs a recipe with group weights; '{recipe.name}' has {w.get('strategy')} weights",
+                fix="drop --group-size or use a recipe such as w4a16 or w4a8-fp8",
+            )
+        w["group_size"] = cfg.group_size
+    if cfg.block_size is not None:
+        w, a = data["scheme"]["weights"], data["scheme"]["input_activations"]
+        if w.get("strategy") != "block":
+            raise RecipeError(
+                f"--block-size needs a recipe with block weights; '{recipe.name}' has {w.get('strategy')} weights",
+                fix="drop --block-size or use the recipe fp8-block",
+            )
+        w["block_structure"] = [cfg.block_size, cfg.block_size]
+        if a is not None and a.get("strategy") == "group":
+            a["group_size"] = cfg.block_size
+    for item in cfg.sets:
+        set_key(data, item)
+    return parse_recipe(data, f"{recipe.name} with command-line overrides")
+
+
+def _smooth_alpha(value: str, recipe: Recipe, smooth: dict | None) -> dict:
+    """--smooth-alpha: 'auto' (the recipe's measured search) or one alpha for every layer (no search)."""
+    if smooth is None:
+        raise RecipeError(
+            f"--smooth-alpha needs a recipe with a 'smooth' section; '{recipe.name}' has none",
+            fix="drop --smooth-alpha or use a recipe such as w8a8-int8 or nvfp4",
+        )
+    if value != "auto":
+        try:
+            alpha = float(value)
+        except ValueError:
+            alpha = float("nan")
+        if not 0.0 <= alpha <= 1.0:
+            raise RecipeError(
+                f"--smooth-alpha '{value}' is neither 'auto' nor a number in [0, 1] "
+                f"(recipe '{recipe.name}' uses {recipe.smooth.alpha})",
+                fix="use --smooth-alpha auto (search per layer) or a fixed alpha such as --smooth-alpha 0.8",
+            )
+        value = alpha
+    return smooth | {"alpha": value}
+
+
+def set_key(data: dict, item: str) -> None:
+    """Apply one `--set a.b.c=VALUE` to a recipe's data in place: VALUE is read as YAML (0.05, true, null,
+    [64, 64], rtn); a section the recipe leaves out (null) is started. The recipe's own validation judges
+    the result."""
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise RecipeError(
+            f"--set '{item}' is not KEY=VALUE with a dotted recipe key",
+            fix="e.g. --set calibration.gptq_damp=0.05 or --set smooth.alpha=0.8 (keys: fp8ptq recipes show NAME)",
+        )
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        why = getattr(err, "problem", None) or err
+        raise RecipeError(f"--set {key}: '{raw}' is not a YAML value ({why})", fix="quote it or close it") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise RecipeError(
+                f"--set {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section",
+                fix=f"set it whole: --set {'.'.join(parts[: i + 1])}=VALUE",
+            )
+    node[parts[-1]] = value
