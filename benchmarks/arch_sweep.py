@@ -14,7 +14,7 @@ A family is counted when every recipe it takes passes 1-4, or when it is refused
 one-line reason (a ModelError / RecipeError before any work). Results: JSON in benchmarks/results/ and
 the support table docs/SUPPORT.md (--table), generated from that JSON.
 
-    python benchmarks/arch_sweep.py --out benchmarks/results/arch-sweep.json --table docs/SUPPORT.md
+    python benchmarks/arch_sweep.py --out benchmarks/results/arch-sweep-<date>.json --table docs/SUPPORT.md
     python benchmarks/arch_sweep.py --only olmo3,gemma3          # a few families
 """
 

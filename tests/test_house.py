@@ -3,12 +3,14 @@
 - imports flow one way: a module imports only packages of its own layer or below (function-level
   imports count too);
 - files stay at most 400 lines;
-- no function outside the typer commands takes more than 6 positional parameters (use keywords).
+- no function outside the typer commands takes more than 6 positional parameters (use keywords);
+- every repository path the docs, BENCHMARKS.md and the sources name exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,46 @@ def test_few_positional_parameters(path):
         and _positional(n) > MAX_POSITIONAL
     ]
     assert wide == [], f"{path}: more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only)"
+
+
+# A repository path named in prose: a top-level folder, then path characters. A name followed by a
+# placeholder (`results/gpu-<date>.json`, `*`) is a pattern, not a path.
+NAMED_PATH = re.compile(r"(?<![\w./-])((?:fp8ptq|tests|benchmarks|recipes|docs|\.ci)/[\w.+/-]*)([<*{$]?)")
+# Named on purpose though absent from a clone: made by a setup command, or a user's own file in an example.
+MADE_OR_EXAMPLE = {
+    "benchmarks/.venv-llmc",  # bash benchmarks/setup_llmc_venv.sh
+    "benchmarks/.venv-llmc/bin/python",
+    "recipes/my-model-fp8.yaml",  # docs/ci.md: the user's recipe
+    "fp8ptq/compressed-tensors",  # prose: "an fp8ptq/compressed-tensors checkpoint"
+    "fp8ptq/ops/planted",  # the planted module of test_a_planted_upward_import_is_caught
+}
+
+
+def named_paths(root: Path) -> dict[str, list[str]]:
+    """{path: [file:line, ...]} for every repository path the docs, BENCHMARKS.md and the sources' comments
+    and docstrings name that does not exist. docs/notebook/ is history: it names what existed then."""
+    texts = [root / "README.md", root / "BENCHMARKS.md", root / "CONTRIBUTING.md", *(root / "docs").glob("*.md")]
+    texts += [p for d in ("fp8ptq", "tests", "benchmarks") for p in (root / d).rglob("*.py")]
+    texts += [*(root / "benchmarks").glob("*.sh"), root / "Makefile"]
+    missing: dict[str, list[str]] = {}
+    for f in sorted(t for t in texts if t.exists() and t.name != "test_house.py"):  # this file plants paths
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            for m in NAMED_PATH.finditer(line):
+                path = m.group(1).rstrip(".,:;-/")
+                if m.group(2) or path in MADE_OR_EXAMPLE:
+                    continue
+                if path not in MADE_OR_EXAMPLE and not (root / path).exists():
+                    missing.setdefault(path, []).append(f"{f.relative_to(root)}:{i}")
+    return missing
+
+
+def test_every_named_path_exists():
+    assert named_paths(PACKAGE.parent) == {}
+
+
+def test_a_moved_path_is_caught(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    (tmp_path / "docs" / "x.md").write_text("see tests/test_a.py and tests/test_b.py, or tests/gpu-<date>.json\n")
+    assert named_paths(tmp_path) == {"tests/test_b.py": ["docs/x.md:1"]}

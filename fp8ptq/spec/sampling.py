@@ -5,7 +5,7 @@ distribution after the prefix and x_<i); the target scored the prefix + drafts i
 p_1..p_{γ+1}. For i = 1..γ: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
 rejection sample a replacement from the residual norm(max(0, p_i − q_i)) and stop. If all γ are
 accepted, sample a bonus token from p_{γ+1}. The tokens emitted are then distributed exactly as if they
-had been sampled from the target one at a time (tests/test_spec_sampling.py checks this with a
+had been sampled from the target one at a time (tests/spec/test_spec_sampling.py checks this with a
 chi-square test, and that a wrong rule fails it). Greedy mode: accept while x_i == argmax p_i, then
 emit argmax p at the first mismatch (or the bonus position) — the output equals the target's greedy
 output token for token.
