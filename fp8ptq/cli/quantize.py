@@ -96,7 +96,9 @@ def quantize(
     draft_trim: Optional[int] = typer.Option(
         None, help="with --draft auto: also a VocabTrim draft keeping N tokens; eagle3: the head's draft vocabulary"
     ),
-    draft_steps: int = typer.Option(400, help="with --draft auto: training steps at most"),
+    draft_steps: Optional[int] = typer.Option(
+        None, help="with --draft: training steps at most (default: draft-train's, 400; eagle3 2000)"
+    ),
     draft_time_budget: Optional[float] = typer.Option(900.0, help="with --draft auto: training seconds at most"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):

@@ -37,7 +37,7 @@ class QuantizeConfig:
     int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
     draft: str = "none"  # "auto" (a draft LLM) | "eagle3" (an EAGLE-3 head): also train it, measure, write the config
     draft_trim: int | None = None  # draft=auto: also a VocabTrim draft keeping N tokens; eagle3: the head's vocabulary
-    draft_steps: int = 400
+    draft_steps: int | None = None  # None: the draft kind's default (DraftTrainConfig / Eagle3TrainConfig)
     draft_time_budget_s: float | None = 900.0
     tp: int | None = None  # flatten recipes: override the tensor-parallel size
     block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group

@@ -2,7 +2,7 @@
 
 Contract (for fp8ptq.api.quantize, which owns the output directory):
 
-    build_draft_bundle(target_dir, out_dir, *, layers=2, max_steps=400, time_budget_s=900.0,
+    build_draft_bundle(target_dir, out_dir, *, layers=2, max_steps=None, time_budget_s=900.0,
                        trim_keep=None, gammas=(1..8), temperature=0.0, num_prompts=8, max_tokens=64,
                        device_memory=None, seed=0, device="cpu", progress=None, train=None,
                        kind="model") -> dict
@@ -43,7 +43,7 @@ def build_draft_bundle(
     out_dir: Path,
     *,
     layers: int = 2,
-    max_steps: int = 400,
+    max_steps: int | None = None,  # None: the kind's trainer default (DraftTrainConfig / Eagle3TrainConfig)
     time_budget_s: float | None = 900.0,
     trim_keep: int | None = None,
     gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
@@ -68,7 +68,9 @@ def build_draft_bundle(
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     draft_dir = out_dir / "draft"
-    common = dict(target=str(target_dir), output=draft_dir, max_steps=max_steps, time_budget_s=time_budget_s)
+    common = dict(target=str(target_dir), output=draft_dir, time_budget_s=time_budget_s)
+    if max_steps is not None:
+        common["max_steps"] = max_steps
     common |= dict(seed=seed, device=device, **(train or {}))
     if kind == "eagle3":
         from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train

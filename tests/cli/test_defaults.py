@@ -1,0 +1,34 @@
+"""Each draft-training default is defined once, in its trainer's config: the commands pass only what the
+user gave, and their help states the configs' values (so help and behaviour cannot disagree)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import typer.main
+
+from fp8ptq.cli import app
+from fp8ptq.runs.config import QuantizeConfig
+from fp8ptq.spec.draft_train import DraftTrainConfig
+from fp8ptq.spec.eagle3_train import Eagle3TrainConfig
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def _help(command: str, option: str) -> str:
+    cmd = typer.main.get_command(app).commands[command]
+    return next(p.help for p in cmd.params if p.name == option)
+
+
+def test_draft_defaults_live_in_the_trainer_configs_and_the_help_states_them():
+    model, eagle3 = _defaults(DraftTrainConfig), _defaults(Eagle3TrainConfig)
+    for option, key in (("max_steps", "max_steps"), ("batch_size", "batch_size"), ("lr", "lr")):
+        stated = re.search(r"default ([\d.e-]+); eagle3 ([\d.e-]+)", _help("draft-train", option))
+        assert tuple(map(float, stated.groups())) == (model[key], eagle3[key]), option
+    stated = re.search(r"(\d+); eagle3 (\d+)", _help("quantize", "draft_steps"))
+    assert tuple(map(int, stated.groups())) == (model["max_steps"], eagle3["max_steps"])
+    # quantize --draft leaves the step count to the trainer of the kind it trains
+    assert QuantizeConfig(model="m", recipe="r", output="o").draft_steps is None
