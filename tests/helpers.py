@@ -184,7 +184,7 @@ def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
     import torch
     from compressed_tensors.quantization import QuantizationConfig
 
-    from fp8ptq.eval.quality import _LINEAR_KEYS, _scheme_for, load_simulated
+    from fp8ptq.eval.quality import _LINEAR_KEYS, group_scheme_for, load_simulated
     from fp8ptq.export.compressed_tensors import decompress_linear
     from fp8ptq.models.loader import open_hf_dir
 
@@ -193,7 +193,7 @@ def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
     modules = dict(load_simulated(src, simulate=False).model.named_modules())
     bad = []
     for name, fake in fakes.items():
-        scheme = _scheme_for(name, modules[name], qcfg)
+        scheme = group_scheme_for(name, modules[name], qcfg)
         if scheme is None:
             bad.append(f"{name}: quantized but no config group targets it")
             continue

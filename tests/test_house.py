@@ -4,7 +4,8 @@
   imports count too);
 - files stay at most 400 lines;
 - no function outside the typer commands takes more than 6 positional parameters (use keywords);
-- every repository path the docs, BENCHMARKS.md and the sources name exists.
+- every repository path the docs, BENCHMARKS.md and the sources name exists;
+- no module imports another module's private (`_name`) functions: what is shared is public.
 """
 
 from __future__ import annotations
@@ -174,3 +175,21 @@ def test_a_moved_path_is_caught(tmp_path):
     (tmp_path / "tests" / "test_a.py").write_text("")
     (tmp_path / "docs" / "x.md").write_text("see tests/test_a.py and tests/test_b.py, or tests/gpu-<date>.json\n")
     assert named_paths(tmp_path) == {"tests/test_b.py": ["docs/x.md:1"]}
+
+
+def private_imports(root: Path) -> list[str]:
+    """`from fp8ptq.x import _name` anywhere under root (a copy of the fp8ptq package)."""
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fp8ptq":
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                bad += [f"{f.relative_to(root.parent)}:{node.lineno} imports {node.module}.{n}" for n in names]
+    return bad
+
+
+def test_no_private_imports_across_modules(tmp_path):
+    assert private_imports(PACKAGE) == []
+    (tmp_path / "fp8ptq").mkdir()
+    (tmp_path / "fp8ptq" / "m.py").write_text("def f():\n    from fp8ptq.ops.gptq import _solve\n")
+    assert private_imports(tmp_path / "fp8ptq") == ["fp8ptq/m.py:2 imports fp8ptq.ops.gptq._solve"]

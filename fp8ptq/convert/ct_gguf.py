@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fp8ptq.convert.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
-from fp8ptq.eval.quality import _scheme_for, read_quantization_config
+from fp8ptq.eval.quality import group_scheme_for, read_quantization_config
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.skeleton import build_skeleton
@@ -69,7 +69,7 @@ def plan(src: ModelSource, dtype: torch.dtype) -> tuple[list[Planned], list[str]
     planned, dropped, done = [], [], set()
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        scheme = _scheme_for(name, module, qcfg) if isinstance(module, torch.nn.Linear) else None
+        scheme = group_scheme_for(name, module, qcfg) if isinstance(module, torch.nn.Linear) else None
         if scheme is None:
             continue
         shape = (module.out_features, module.in_features)

@@ -100,9 +100,9 @@ def _modules(
 
 
 def _scheme_of(name, module, qcfg):
-    from fp8ptq.eval.quality import _scheme_for
+    from fp8ptq.eval.quality import group_scheme_for
 
-    return _scheme_for(name, module, qcfg)
+    return group_scheme_for(name, module, qcfg)
 
 
 def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out: list[Finding]) -> dict:

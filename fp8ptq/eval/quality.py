@@ -45,7 +45,7 @@ class Simulated:
     numerics: dict  # what is simulated: counts of quantized linears, activation modes, kv
 
 
-def _scheme_for(name, module, qcfg: QuantizationConfig):
+def group_scheme_for(name, module, qcfg: QuantizationConfig):
     """The config group compressed-tensors and vLLM pick: `ignore` first, then the module's matching
     targets in compressed-tensors' own order (exact name, regex, class name: `match_targets`, as its
     `apply_quantization_config` does), so `lm_head` takes its own group beside a `Linear` one."""
@@ -124,7 +124,7 @@ class SimLoader:
             local_name = f"{name}." if name else ""
             scheme = None
             if qcfg is not None and isinstance(module, torch.nn.Linear):
-                scheme = _scheme_for(full, module, qcfg)
+                scheme = group_scheme_for(full, module, qcfg)
             if scheme is not None:
                 local = {k: src.tensor(f"{full}.{k}") for k in _LINEAR_KEYS if src.has(f"{full}.{k}")}
                 fmt = getattr(scheme, "format", None) or qcfg.format

@@ -59,9 +59,9 @@ def build_draft_bundle(
 ) -> dict:
     from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
     from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, draft_trim
-    from fp8ptq.spec.run import MeasureConfig, RecommendConfig, _check_gammas, recommend
+    from fp8ptq.spec.run import MeasureConfig, RecommendConfig, check_gammas, recommend
 
-    _check_gammas(gammas)
+    check_gammas(gammas)
     if kind not in ("model", "eagle3"):
         raise SpecError(f"unknown draft kind '{kind}'", fix="use model (a small draft LLM) or eagle3 (an EAGLE-3 head)")
     target_dir, out_dir = Path(target_dir), Path(out_dir)

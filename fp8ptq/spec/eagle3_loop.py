@@ -170,14 +170,14 @@ def eagle3_generate(
     device,
 ):
     """measure.speculative_generate for an EAGLE-3 head (same verification and counting)."""
-    from fp8ptq.spec.measure import _pick
+    from fp8ptq.spec.measure import pick_token
     from fp8ptq.spec.sampling import verify_drafts
 
     g = generator or torch.Generator().manual_seed(0)
     tc, st = new_cache(target.model), HeadState(draft.head)
     with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
         logits, aux = target_step(target, prompt, tc, cap, device)
-        first, _ = _pick(logits[-1], temperature, g)
+        first, _ = pick_token(logits[-1], temperature, g)
         seq = list(prompt) + [first]
         pending = aux  # target rows not yet fed to the head (positions st.committed..len(seq)-2)
         while len(seq) - len(prompt) < max_tokens:
@@ -225,7 +225,7 @@ def eagle3_replay(
 @torch.inference_mode()
 def head_step_time(target: LoadedModel, draft: Eagle3Draft, context: list[int], repeats: int, device: str) -> float:
     """Median wall time of one head step (1 token after a KV cache of len(context) positions)."""
-    from fp8ptq.spec.measure import _median_time
+    from fp8ptq.spec.measure import median_time
 
     with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
         target.model(input_ids=torch.tensor([context], device=device))
@@ -235,4 +235,4 @@ def head_step_time(target: LoadedModel, draft: Eagle3Draft, context: list[int], 
     h = torch.zeros(1, 1, draft.head.s.hidden, device=device)
     tok = torch.tensor([[context[-1]]], device=device)
     pos = torch.tensor([len(context)], device=device)
-    return _median_time(lambda: draft.head.block(tok, h, pos, (st.k, st.v)), repeats)
+    return median_time(lambda: draft.head.block(tok, h, pos, (st.k, st.v)), repeats)

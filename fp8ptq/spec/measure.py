@@ -88,7 +88,8 @@ class SpecStats:
         }
 
 
-def _pick(logits: torch.Tensor, temperature: float, g: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def pick_token(logits: torch.Tensor, temperature: float, g: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """The next token: argmax at temperature 0, else a sample from the tempered distribution (also returned)."""
     if temperature == 0:
         return int(logits.argmax()), None
     p = to_probs(logits, temperature)
@@ -100,7 +101,7 @@ def _draft_next(
 ) -> tuple[int, torch.Tensor | None]:
     """A draft token in target ids, and q over the target vocabulary (None when greedy)."""
     if draft.kept_ids is None:
-        return _pick(logits, temperature, g)
+        return pick_token(logits, temperature, g)
     if temperature == 0:
         return int(draft.kept_ids[int(logits.argmax())]), None
     q = to_target_probs(draft, to_probs(logits, temperature), V)
@@ -161,7 +162,7 @@ def speculative_generate(
     g = generator or torch.Generator().manual_seed(0)
     V = target.vocab_size
     tc, dc = new_cache(target.model), draft_cache(draft)
-    first, _ = _pick(step_logits(target, prompt, tc, device)[-1], temperature, g)
+    first, _ = pick_token(step_logits(target, prompt, tc, device)[-1], temperature, g)
     seq = list(prompt) + [first]  # the target cache holds len(seq) - 1 positions at each step start
     dlen = 0  # positions of seq the draft cache holds
     while len(seq) - len(prompt) < max_tokens:
@@ -194,10 +195,10 @@ def plain_generate(
     """The baseline the speedup is relative to: one target forward per token, same cache and sampling code."""
     g = generator or torch.Generator().manual_seed(0)
     cache = new_cache(target.model)
-    tok, _ = _pick(step_logits(target, prompt, cache, device)[-1], temperature, g)
+    tok, _ = pick_token(step_logits(target, prompt, cache, device)[-1], temperature, g)
     out = [tok]
     while len(out) < max_tokens:
-        tok, _ = _pick(step_logits(target, [tok], cache, device)[-1], temperature, g)
+        tok, _ = pick_token(step_logits(target, [tok], cache, device)[-1], temperature, g)
         out.append(tok)
     return out
 
@@ -311,7 +312,8 @@ def replay_greedy(
         crop(dc, dlen)
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` calls, after one warm-up call."""
     fn()  # warm-up: allocator, lazy init
     times = []
     for _ in range(repeats):
@@ -353,14 +355,14 @@ def measure_costs(
 
         t_draft = head_step_time(target, draft, context, repeats, device)
     elif isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step
-        t_draft = _median_time(lambda: draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
+        t_draft = median_time(lambda: draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
     else:
         dc = new_cache(draft.model)
         step_logits(draft, context, dc, device)
-        t_draft = _median_time(run(draft, dc, probe[:1]), repeats)
+        t_draft = median_time(run(draft, dc, probe[:1]), repeats)
     t_verify = {}
     for k in range(1, max_k + 1):
-        t_verify[k] = _median_time(run(target, tc, probe[:k]), repeats)
+        t_verify[k] = median_time(run(target, tc, probe[:k]), repeats)
         if progress:
             progress("costs", k, max_k)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")

@@ -57,7 +57,8 @@ def load_any_draft(draft: str, target, device: str = "cpu"):
     return load_draft(draft, device)
 
 
-def _check_gammas(gammas) -> None:
+def check_gammas(gammas) -> None:
+    """Every γ in 1..MAX_GAMMA, at least one (SpecError naming them otherwise)."""
     bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
     if not gammas or bad:
         raise SpecError(f"γ values {list(gammas)} must be in 1..{MAX_GAMMA}", fix="e.g. --gammas 1,2,3,4,5,6,7,8")
@@ -69,7 +70,7 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
     from fp8ptq.spec.models import check_pair, load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
-    _check_gammas(cfg.gammas)
+    check_gammas(cfg.gammas)
     if any(t < 0 for t in cfg.temperatures):
         raise SpecError(f"temperatures {list(cfg.temperatures)} must be ≥ 0", fix="0 = greedy, 1 = plain sampling")
     if any(not 0 < t < 1 for t in cfg.thresholds):
