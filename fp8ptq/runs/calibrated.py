@@ -7,6 +7,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,14 @@ CHECKPOINT_COST_RATIO = 50
 # disk with fsync), so the first one is not due after layer 0 (an 8B-width store of 64 x 512 tokens is
 # 512 MiB: ~0.5 s, first checkpoint after ~25 s of calibration).
 CHECKPOINT_BYTES_PER_S = 1 << 30
+
+
+def checkpoint_file(resume_dir: Path, rank: int, layer: int) -> Path:
+    """The activations entering `layer`, saved by `rank`. Named by the layer: the state's `checkpoint` and
+    its file change together only when the state is written, so a run killed after a new file was saved
+    but before the state named it resumes from the file the state names (one name for every checkpoint
+    let a kill there resume layer k's inputs from a later layer's activations: different bits)."""
+    return resume_dir / f"hidden.rank{rank}.layer{layer}.bin"
 
 
 def chunks_per_rank(ctx: RunContext, world: int) -> list[int]:
@@ -53,7 +62,7 @@ def calibrate_into(ctx: RunContext) -> None:
         compute_dtype=ctx.compute_dtype,
         offload_dir=resume_dir if ctx.cfg.offload_activations else None,
         start_layer=start,
-        restore=resume_dir / f"hidden.rank{comm.rank}.bin" if start > 0 else None,
+        restore=checkpoint_file(resume_dir, comm.rank, start) if start > 0 else None,
     )
     last = {"t": time.monotonic(), "cost": None}
     # Layer i is compressed here, then serialised and fsynced by a writer thread while layer i+1 calibrates
@@ -83,13 +92,19 @@ def calibrate_into(ctx: RunContext) -> None:
         if due:  # every rank saves its own activations, then rank 0 records the checkpoint
             resume_dir.mkdir(exist_ok=True)
             t0 = time.monotonic()
-            st.store.save(resume_dir / f"hidden.rank{comm.rank}.bin")
+            st.store.save(checkpoint_file(resume_dir, comm.rank, i + 1))
             last["t"], last["cost"] = time.monotonic(), time.monotonic() - t0
         comm.barrier()
         if due or final:  # a checkpoint names this layer as done: it must be on disk first
             settle()
             if ctx.run is not None:
                 ctx.run.save_state(checkpoint=i + 1)
+        if due:  # the state names the new checkpoint on every rank's behalf: the older files can go
+            comm.barrier()
+            keep = checkpoint_file(resume_dir, comm.rank, i + 1)
+            for old in resume_dir.glob(f"hidden.rank{comm.rank}.layer*.bin"):
+                if old != keep:
+                    old.unlink(missing_ok=True)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8ptq-writer") as pool:
         calibrate(

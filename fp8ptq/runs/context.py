@@ -46,13 +46,12 @@ class RunContext:
     path: Path | None = None  # the hidden run directory (every rank)
     state: dict = field(default_factory=dict)  # the run directory's state.json (resume)
     resumed: bool = False
+    # the first layer this run calibrates: the state's checkpoint when the run opened (the state's own
+    # value moves on as this run checkpoints; the manifest's resumed_from_layer reported the final one)
+    start_layer: int = 0
     writer: CheckpointWriter | None = None  # rank 0 only
     timings: dict[str, float] = field(default_factory=dict)
     compute_dtype: str = "fp32"  # the layer passes' arithmetic, resolved (resolve_compute_dtype)
-
-    @property
-    def start_layer(self) -> int:
-        return self.state.get("checkpoint", 0)
 
     @property
     def chunk_samples(self) -> int:
@@ -234,6 +233,7 @@ def open_run(ctx: RunContext):
     if not msg["ok"]:
         raise Fp8ptqError(msg["message"], fix=msg["fix"])
     ctx.run, ctx.state, ctx.resumed, ctx.path = run, msg["state"], msg["resumed"], Path(msg["path"])
+    ctx.start_layer = ctx.state.get("checkpoint", 0)
     ctx.writer = CheckpointWriter(ctx.src, ctx.path) if ctx.comm.rank == 0 else None
     try:
         yield ctx

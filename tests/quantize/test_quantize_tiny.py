@@ -151,6 +151,30 @@ def test_failure_leaves_no_complete_output_and_resumes(tmp_path, tiny_dir, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "y"]
 
 
+def test_a_crash_between_saving_activations_and_naming_them_resumes_exactly(tmp_path, tiny_sharded_dir, monkeypatch):
+    """The window the SIGKILL test hit on a slow machine (tests/e2e/test_scale.py): layer 2's input
+    activations are on disk but the state still names layer 1's checkpoint. The resumed run must read
+    layer 1's activations, not the newer file, and equal the uninterrupted run bit for bit."""
+    from fp8ptq.export.rundir import RunDir
+
+    kw = dict(eval_samples=0, checkpoint_every_s=0.0)  # a checkpoint after every layer
+    real = RunDir.save_state
+
+    def crash_naming_checkpoint_2(self, **updates):
+        if updates.get("checkpoint") == 2:
+            raise RuntimeError("simulated kill before the state names the new checkpoint")
+        real(self, **updates)
+
+    monkeypatch.setattr(RunDir, "save_state", crash_naming_checkpoint_2)
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        _run(tiny_sharded_dir, tmp_path / "x", "fp8-kv8", **kw)
+    monkeypatch.setattr(RunDir, "save_state", real)
+    resumed = _run(tiny_sharded_dir, tmp_path / "x", "fp8-kv8", resume=True, **kw)
+    assert resumed.run.resumed_from_layer == 1
+    _run(tiny_sharded_dir, tmp_path / "y", "fp8-kv8", **kw)
+    assert _shard_bytes(tmp_path / "x") == _shard_bytes(tmp_path / "y")
+
+
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_direct_fp8_packing_equals_general_path(tmp_path, tiny_sharded_dir, monkeypatch, strategy):
     """Data-free FP8 goes straight from source tensor to codes (pack_group_fp8); the general fp32
