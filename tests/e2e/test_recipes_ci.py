@@ -2,8 +2,9 @@
 its gates are evaluated, printed and recorded, the exit code follows them, the report is written.
 
 Calibration is small here (8 x 128 tokens, 1 held-out sample, round to nearest for
-conftest.RECIPE_CI_RTN; conftest.recipe_export, whose exports the
-engine tests in test_vllm_real.py serve too): the mechanics, not the quality.
+conftest.RECIPE_CI_RTN, nvfp4 with one SmoothQuant alpha: conftest.RECIPE_CI_OPTIONS;
+conftest.recipe_export, whose exports the engine tests in test_vllm_real.py serve too): the mechanics,
+not the quality.
 Each recipe's quality against its own gates, on the 8 x 256 calibration and 4 held-out samples the gates
 were set for (what this test asserted until issue 31), is `make bench` (benchmarks/recipes_bench.py;
 results in BENCHMARKS.md)."""
@@ -16,7 +17,7 @@ import pytest
 from fp8ptq.cli.common import GATE_FAILED_EXIT
 from fp8ptq.manifest import Manifest
 from fp8ptq.recipe import Recipe, builtin_names, load_recipe
-from tests.conftest import RECIPE_CI_RTN
+from tests.conftest import RECIPE_CI_OPTIONS, RECIPE_CI_RTN
 
 pytestmark = pytest.mark.slow
 
@@ -42,5 +43,9 @@ def test_recipe_runs_and_evaluates_its_gates_on_demo_model(name, recipe_export):
     run = Recipe.model_validate(m.recipe)  # the recipe as run: conftest's --weights rtn applied
     assert run.calibration.weight_method == ("rtn" if name in RECIPE_CI_RTN else recipe.calibration.weight_method)
     assert m.calibration.tokens == 8 * 128 if run.needs_data else m.calibration is None
+    if "--smooth-alpha" in RECIPE_CI_OPTIONS.get(name, []):  # the fixed alpha was applied, not searched
+        assert run.smooth.alpha == 0.8 and all(
+            g["alpha"] == 0.8 for layer in m.layers for g in layer["transforms"]["smooth"].values()
+        )
     html = (out / "report.html").read_text()
     assert all(f"<code>{escape(g.gate)}</code>" in html for g in m.gates)  # the report's gate table
