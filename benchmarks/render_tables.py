@@ -1,0 +1,76 @@
+"""Render BENCHMARKS.md's tables from the benchmark scripts' JSON (issue 34: the results page is built,
+not typed). Each rendered table sits between `<!-- rendered: NAME JSON -->` and `<!-- end rendered -->`;
+tests/benchmarks/test_render_tables.py holds the page to what this prints.
+
+    python benchmarks/render_tables.py recipes benchmarks/results/recipes.json   # print the table
+    python benchmarks/render_tables.py --write BENCHMARKS.md                      # refresh every table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- rendered: (\S+) (\S+) -->\n)(.*?)(<!-- end rendered -->)", re.S)
+
+
+def _machine(m: dict) -> str:
+    flags = " + ".join(f for f, on in (("AVX-512", m.get("avx512")), ("VNNI", m.get("vnni"))) if on)
+    return f"{m.get('cpus')}-core {m.get('processor')}" + (f", {flags}" if flags else ", AVX2 only")
+
+
+def recipes(data: dict) -> str:
+    """`make bench` (benchmarks/recipes_bench.py): one row per recipe, the row's own commit where it was
+    re-run, else the file's."""
+    flag = re.compile(r" (--(?:block|group)-size \d+)")
+    head = "| recipe | KL | top-1 | size ratio | wall s | peak RSS MiB | gates | passed | commit |\n"
+    head += "|---|---:|---:|---:|---:|---:|---|---|---|\n"
+    rows = []
+    for r in data["recipes"]:
+        extra = flag.search(r["command"])
+        name = r["recipe"] + (f" (`{extra.group(1)}`)" if extra else "")
+        size = next(g["value"] for g in r["gates"] if g["metric"] == "size_ratio")
+        gates = ", ".join(g["gate"] for g in r["gates"])
+        q = r["quality"]
+        cells = [name, f"{q['kl']:.4f}", f"{q['top1']:.3f}", f"{size:.3f}", f"{r['wall_s']:.0f}"]
+        cells += [
+            f"{r['peak_rss_mib']:.0f}",
+            gates,
+            "yes" if r["passed"] else "**no**",
+            r.get("commit", data["commit"]),
+        ]
+        rows.append("| " + " | ".join(cells) + " |\n")
+    foot = f"\nFile: {data['commit']}, {data['date']}, {_machine(data['machine'])}, {data['calibration']}.\n"
+    return head + "".join(rows) + foot
+
+
+RENDERERS = {"recipes": recipes}
+
+
+def render_page(text: str, root: Path = REPO) -> str:
+    """The page with every rendered block replaced by what its renderer prints from its JSON."""
+
+    def fill(m: re.Match) -> str:
+        data = json.loads((root / m.group(3)).read_text())
+        return m.group(1) + RENDERERS[m.group(2)](data) + m.group(5)
+
+    return BLOCK.sub(fill, text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("table", nargs="?", choices=sorted(RENDERERS))
+    ap.add_argument("json", nargs="?", type=Path)
+    ap.add_argument("--write", type=Path, help="a page (BENCHMARKS.md): refresh its rendered tables in place")
+    args = ap.parse_args()
+    if args.write:
+        args.write.write_text(render_page(args.write.read_text()))
+    else:
+        print(RENDERERS[args.table](json.loads(args.json.read_text())), end="")
+
+
+if __name__ == "__main__":
+    main()
