@@ -1,5 +1,6 @@
 """Each draft-training default is defined once, in its trainer's config: the commands pass only what the
-user gave, and their help states the configs' values (so help and behaviour cannot disagree)."""
+user gave, and their help states the configs' values (so help and behaviour cannot disagree); README's
+quantize option table names every option the command has, and no other."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def test_draft_defaults_live_in_the_trainer_configs_and_the_help_states_them():
     assert tuple(map(int, stated.groups())) == (model["max_steps"], eagle3["max_steps"])
     # quantize --draft leaves the step count to the trainer of the kind it trains
     assert QuantizeConfig(model="m", recipe="r", output="o").draft_steps is None
+
+
+def test_readme_option_table_names_every_quantize_option_and_no_other():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("| option | default | meaning |")
+    rows = readme[start:].split("\n\n")[0].splitlines()[2:]
+    documented = {o for row in rows for o in re.findall(r"`(--[\w-]+)", row.split(" | ")[0])}
+    cmd = typer.main.get_command(app).commands["quantize"]
+    options = {o for p in cmd.params for o in p.opts if o.startswith("--")} - {"--help"}
+    assert documented == options, (sorted(options - documented), sorted(documented - options))
