@@ -17,14 +17,10 @@ def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
     """The recipe as this command runs it: --num-samples / --seq-len / --seed, then the flags that change
     one of its keys (each a named alias with its own check and message), then every --set KEY=VALUE in
     order; the result is validated like the YAML, so a bad value names its key."""
-    calibration = {
-        k: v
-        for k, v in (("num_samples", cfg.num_samples), ("seq_len", cfg.seq_len), ("seed", cfg.seed))
-        if v is not None
-    }
-    if calibration:
-        recipe = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update=calibration)})
     data = recipe.model_dump(mode="json")
+    for key, value in (("num_samples", cfg.num_samples), ("seq_len", cfg.seq_len), ("seed", cfg.seed)):
+        if value is not None:
+            data["calibration"][key] = value
     if cfg.weights is not None:
         if cfg.weights not in WEIGHT_METHODS:
             raise RecipeError(

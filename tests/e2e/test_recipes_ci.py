@@ -43,9 +43,11 @@ def test_recipe_runs_and_evaluates_its_gates_on_demo_model(name, recipe_export):
     run = Recipe.model_validate(m.recipe)  # the recipe as run: conftest's --weights rtn applied
     assert run.calibration.weight_method == ("rtn" if name in RECIPE_CI_RTN else recipe.calibration.weight_method)
     assert m.calibration.tokens == 8 * 128 if run.needs_data else m.calibration is None
-    if "--smooth-alpha" in RECIPE_CI_OPTIONS.get(name, []):  # the fixed alpha was applied, not searched
-        assert run.smooth.alpha == 0.8 and all(
-            g["alpha"] == 0.8 for layer in m.layers for g in layer["transforms"]["smooth"].values()
+    options = RECIPE_CI_OPTIONS.get(name, [])
+    if "--smooth-alpha" in options:  # the fixed alpha was applied, not searched
+        alpha = float(options[options.index("--smooth-alpha") + 1])
+        assert run.smooth.alpha == alpha and all(
+            g["alpha"] == alpha for layer in m.layers for g in layer["transforms"]["smooth"].values()
         )
     html = (out / "report.html").read_text()
     assert all(f"<code>{escape(g.gate)}</code>" in html for g in m.gates)  # the report's gate table
