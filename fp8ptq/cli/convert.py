@@ -8,36 +8,12 @@ import typer
 
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import console, fail, offline, out, user_errors
+from fp8ptq.convert.registry import CONVERTERS, SOURCES, TARGETS
 from fp8ptq.errors import Fp8ptqError
 
-
-def summary_line(report: dict) -> str:
-    """One line: what was carried exactly, re-quantized, dequantized or kept."""
-    s = report["summary"]
-    if report["to"] == "gguf":
-        return (
-            f"tensors: {s['exact']} exact codes (Q4_0: {s['exact_q4_0']}, Q8_0: {s['exact_q8_0']}; worst fp16 "
-            f"scale rounding {s['worst_scale_fp16_rel_err']:.3g}), {s['dequantized']} dequantized, {s['kept']} float"
-            + (f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else "")
-        )
-    if report.get("from") == "hf-fp8":
-        return f"tensors: {s['exact']} exact (FP8 block {s['block']}: same codes, weight_scale_inv -> weight_scale)"
-    if report.get("from") in ("gptq", "awq"):
-        kind = f"INT{s['bits']} {'symmetric' if s['symmetric'] else 'with zero points'}"
-        deq = f", {s['dequantized']} dequantized (act-order g_idx)" if s["dequantized"] else ""
-        return f"tensors: {s['exact']} exact ({report['from']} -> {kind}: same codes, scales, zero points){deq}"
-    if report.get("from") == "modelopt":
-        extra = f", {s['kv_scales']} KV scales" if s["kv_scales"] else ""
-        if s["algo"] == "NVFP4":
-            extra += f"; global scales inverted, worst rel err {s['worst_global_scale_rel_err']:.3g}"
-        return f"tensors: {s['exact']} exact (ModelOpt {s['algo']}: same codes and scales{extra})"
-    parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
-    if s["requantized"]:
-        parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
-    if s["dequantized"]:
-        parts.append(f"{s['dequantized']} dequantized (worst cast abs err {s['worst_dequantized_abs_err']:.3g})")
-    parts.append(f"{s['kept']} kept float")
-    return "tensors: " + ", ".join(parts)
+TO_HELP = "; ".join(
+    f"{t}: from {', '.join(c.source for c in CONVERTERS if c.target == t)}" for t in TARGETS
+)  # the converters convert/registry.py has, each source's formats
 
 
 @app.command()
@@ -48,17 +24,12 @@ def convert(
         "dir (--to gguf)",
     ),
     output: Path = typer.Option(..., "--output", "-o", help="a directory, or NAME.gguf for --to gguf"),
-    to: str = typer.Option(
-        "hf",
-        help="hf (dequantized float), compressed-tensors (exact Q4_0/Q8_0 codes) or gguf (from compressed-tensors)",
-    ),
+    to: str = typer.Option("hf", help=TO_HELP),
     dtype: str = typer.Option("bfloat16", help="dtype of dequantized / float matrices: bfloat16, float16 or float32"),
     recipe: str = typer.Option(
         None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
     ),
-    source_format: str = typer.Option(
-        None, "--from", help="gguf, gptq, awq, modelopt, hf-fp8 or compressed-tensors: confirm the detected format"
-    ),
+    source_format: str = typer.Option(None, "--from", help=f"{', '.join(SOURCES)}: confirm the detected format"),
     overwrite: bool = typer.Option(False),
 ):
     """Convert between GGUF and Hugging Face checkpoints: a GGUF to float (--to hf) or to
@@ -99,6 +70,6 @@ def convert(
                     source_format=source_format,
                 )
             )
-    if "summary" in report:
-        out.print(summary_line(report))
-    out.print(f"wrote {report['output']}")
+    if report.line:
+        out.print(report.line)
+    out.print(f"wrote {report.output}")

@@ -186,3 +186,25 @@ def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype) -> dict:
         "kept": sum(r["action"] == "kept" for r in records),
     }
     return {"source": str(src.path), "to": "gguf", "dropped": dropped, "summary": summary, "tensors": records}
+
+
+def check(cfg, fmt: str) -> ModelSource:
+    """The compressed-tensors checkpoint opened, and its family one GGUF names, before any output exists."""
+    from fp8ptq.models.loader import open_hf_dir
+
+    src = open_hf_dir(cfg.source)
+    gguf_arch(src.config)
+    return src
+
+
+def write(cfg, fmt: str, src: ModelSource, tmp: Path) -> dict:
+    return ct_to_gguf(src, tmp, getattr(torch, cfg.dtype))
+
+
+def describe(report: dict) -> str:
+    s = report["summary"]
+    return (
+        f"tensors: {s['exact']} exact codes (Q4_0: {s['exact_q4_0']}, Q8_0: {s['exact_q8_0']}; worst fp16 "
+        f"scale rounding {s['worst_scale_fp16_rel_err']:.3g}), {s['dequantized']} dequantized, {s['kept']} float"
+        + (f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else "")
+    )

@@ -1,4 +1,5 @@
-"""Which checkpoint format a path holds, from its files (docs/formats.md, "Formats fp8ptq inspect tells apart").
+"""Which checkpoint format a directory holds, from its files (docs/formats.md, "Formats fp8ptq inspect tells
+apart"); shared by `convert` (convert/registry.py: which of these it reads) and `inspect`.
 
 gguf                a .gguf file
 modelopt            hf_quant_config.json (NVIDIA ModelOpt's export), or quant_method modelopt in config.json
@@ -14,8 +15,6 @@ import json
 from pathlib import Path
 
 from fp8ptq.errors import ModelError
-
-SOURCES = ("gguf", "gptq", "awq", "modelopt", "hf-fp8", "compressed-tensors")
 
 
 def read_json(path: Path) -> dict:
@@ -41,38 +40,3 @@ def format_of_config(path: Path, config: dict) -> str:
     if not method and (path / "quantize_config.json").is_file():
         return "gptq"  # AutoGPTQ writes its config beside config.json only
     return f"unknown ({method})" if method else "float"
-
-
-def detect_source(path: Path) -> str:
-    """The format of `path`; a ModelError when it is none fp8ptq converts."""
-    if not path.exists():
-        raise ModelError(f"'{path}' not found", fix="pass a .gguf file or a checkpoint directory")
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return "gguf"
-        raise ModelError(f"'{path}' is not a .gguf file", fix="pass a .gguf file or a checkpoint directory")
-    if not (path / "config.json").is_file():
-        raise ModelError(f"'{path}' has no config.json", fix="pass a Hugging Face checkpoint directory")
-    fmt = format_of_config(path, read_json(path / "config.json"))
-    if fmt not in SOURCES:
-        hint = "quantize it with `fp8ptq quantize`, or pass" if fmt == "float" else "pass"
-        raise ModelError(
-            f"'{path}' is a {fmt} checkpoint, which `convert` does not read",
-            fix=f"{hint} a checkpoint in one of: {', '.join(SOURCES)}",
-        )
-    return fmt
-
-
-def check_source(path: Path, declared: str | None) -> str:
-    """detect_source, confirmed against `--from` when given (a ModelError naming both when they differ)."""
-    if declared is not None and declared not in SOURCES:
-        from fp8ptq.errors import OptionError
-
-        raise OptionError(f"unknown --from '{declared}'", fix=f"use one of: {', '.join(SOURCES)}")
-    found = detect_source(path)
-    if declared is not None and declared != found:
-        raise ModelError(
-            f"--from {declared}, but '{path}' is a {found} checkpoint",
-            fix=f"pass --from {found} (or drop --from), or the {declared} checkpoint you meant",
-        )
-    return found

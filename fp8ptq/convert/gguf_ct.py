@@ -242,3 +242,29 @@ def summarize(records: list[dict]) -> dict:
     deq = [r["max_abs_err"] for r in records if r["action"] == "dequantized"]
     s["worst_dequantized_abs_err"] = max(deq, default=0.0)
     return s
+
+
+def check(cfg, fmt: str) -> tuple[GgufModel, Recipe | None]:
+    """The recipe (data-free) and the GGUF file opened and checked, before any output exists."""
+    from fp8ptq.models.gguf import open_gguf
+    from fp8ptq.recipe import load_recipe
+
+    recipe = None if cfg.recipe is None else load_recipe(cfg.recipe)
+    check_recipe(recipe)
+    return open_gguf(cfg.source), recipe
+
+
+def write(cfg, fmt: str, checked: tuple[GgufModel, Recipe | None], tmp: Path) -> dict:
+    model, recipe = checked
+    return gguf_to_compressed_tensors(model, tmp, getattr(torch, cfg.dtype), recipe)
+
+
+def describe(report: dict) -> str:
+    s = report["summary"]
+    parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
+    if s["requantized"]:
+        parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
+    if s["dequantized"]:
+        parts.append(f"{s['dequantized']} dequantized (worst cast abs err {s['worst_dequantized_abs_err']:.3g})")
+    parts.append(f"{s['kept']} kept float")
+    return "tensors: " + ", ".join(parts)

@@ -84,3 +84,16 @@ def hf_fp8_to_ct(path: Path, tmp: Path) -> dict:
     report = {"source": str(path), "to": "compressed-tensors", "from": "hf-fp8", "tensors": records}
     report["summary"] = {"exact": len(records), "exact_fp8_block": len(records), "block": block}
     return finish(src, tmp, config, schemes, report)
+
+
+def check(cfg, fmt: str) -> None:
+    read_fp8_config(cfg.source)  # a typed error before any output exists
+
+
+def write(cfg, fmt: str, checked: None, tmp: Path) -> dict:
+    return hf_fp8_to_ct(cfg.source, tmp)
+
+
+def describe(report: dict) -> str:
+    s = report["summary"]
+    return f"tensors: {s['exact']} exact (FP8 block {s['block']}: same codes, weight_scale_inv -> weight_scale)"

@@ -143,3 +143,21 @@ def _rename_kv(tmp) -> int:
     index["weight_map"] = dict(sorted({moved.get(k, k): v for k, v in index["weight_map"].items()}.items()))
     write_json_atomic(tmp / "model.safetensors.index.json", index, trailing_newline=True)
     return len(moved)
+
+
+def check(cfg, fmt: str) -> None:
+    from fp8ptq.convert.detect import read_json
+
+    read_config(cfg.source, read_json(cfg.source / "config.json"))  # a typed error before any output
+
+
+def write(cfg, fmt: str, checked: None, tmp) -> dict:
+    return modelopt_to_ct(cfg.source, tmp)
+
+
+def describe(report: dict) -> str:
+    s = report["summary"]
+    extra = f", {s['kv_scales']} KV scales" if s["kv_scales"] else ""
+    if s["algo"] == "NVFP4":
+        extra += f"; global scales inverted, worst rel err {s['worst_global_scale_rel_err']:.3g}"
+    return f"tensors: {s['exact']} exact (ModelOpt {s['algo']}: same codes and scales{extra})"

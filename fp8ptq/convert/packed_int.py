@@ -155,3 +155,20 @@ def packed_int_to_ct(path, tmp, method: str, dtype: torch.dtype) -> dict:
     summary["worst_dequantized_abs_err"] = max((r["max_abs_err"] for r in deq), default=0.0)
     report = {"source": str(path), "to": "compressed-tensors", "from": method, "summary": summary, "tensors": records}
     return finish(src, tmp, config, schemes, report)
+
+
+def check(cfg, fmt: str) -> None:
+    from fp8ptq.convert.detect import read_json
+
+    read_config(cfg.source, read_json(cfg.source / "config.json"), fmt)  # a typed error before any output
+
+
+def write(cfg, fmt: str, checked: None, tmp) -> dict:
+    return packed_int_to_ct(cfg.source, tmp, fmt, getattr(torch, cfg.dtype))
+
+
+def describe(report: dict) -> str:
+    s = report["summary"]
+    kind = f"INT{s['bits']} {'symmetric' if s['symmetric'] else 'with zero points'}"
+    deq = f", {s['dequantized']} dequantized (act-order g_idx)" if s["dequantized"] else ""
+    return f"tensors: {s['exact']} exact ({report['from']} -> {kind}: same codes, scales, zero points){deq}"

@@ -324,28 +324,33 @@ def alias_gguf(alias: str) -> Path:
 
 def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Dequantize a GGUF file into an HF safetensors directory at `out` (written atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     from fp8ptq.io import atomic_output_dir
     from fp8ptq.models.gguf import check_gguf
 
     check_gguf(gguf)  # a supported architecture, every tensor its metadata builds present and in shape
     with atomic_output_dir(out, overwrite=True) as tmp:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent),
-            gguf_file=gguf.name,
-            dtype=dtype,
-            quantization_config=GgufConfig(dequantize=True),
-            trust_remote_code=False,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-        # The weights are plain tensors now; drop the GGUF quantizer so save_pretrained accepts them.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        write_gguf_as_hf(gguf, tmp, dtype)
     return out
+
+
+def write_gguf_as_hf(gguf: Path, tmp: Path, dtype: torch.dtype) -> None:
+    """The dequantized model and tokenizer of a checked GGUF file, saved into the directory `tmp`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+        trust_remote_code=False,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+    # The weights are plain tensors now; drop the GGUF quantizer so save_pretrained accepts them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
 
 
 def _cached_gguf(gguf: Path, cached: Path) -> Path:

@@ -44,8 +44,11 @@ def _one_line_error(rc: int, out: str, text: str) -> None:
 
 def test_bad_convert_input(gguf_file, tiny_dir, tmp_path):
     _one_line_error(*_run("convert", gguf_file, "--to", "onnx", "-o", tmp_path / "o"), "unknown --to 'onnx'")
-    _one_line_error(*_run("convert", gguf_file, "--to", "gguf", "-o", tmp_path / "o.gguf"), "is not a directory")
-    _one_line_error(*_run("convert", tiny_dir, "--to", "gguf", "-o", tmp_path / "o.gguf"), "no quantization_config")
+    _one_line_error(  # the converters a gguf file has, named
+        *_run("convert", gguf_file, "--to", "gguf", "-o", tmp_path / "o.gguf"),
+        "writes hf, compressed-tensors from it, not gguf",
+    )
+    _one_line_error(*_run("convert", tiny_dir, "--to", "gguf", "-o", tmp_path / "o.gguf"), "is a float checkpoint")
     _one_line_error(*_run("convert", tiny_dir, "--to", "gguf", "-o", tmp_path / "o"), "does not end in .gguf")
     _one_line_error(
         *_run("convert", gguf_file, "--to", "compressed-tensors", "--recipe", "w4a16", "-o", tmp_path / "o"),

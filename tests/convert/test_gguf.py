@@ -57,10 +57,10 @@ def _decompressed(path):
 
 def test_gguf_to_ct_carries_codes_exactly(ct_dir, gguf_float):
     out, report = ct_dir
-    s = report["summary"]
+    s = report.summary
     # 7 Linears of layer 0 + q/k/v/o + gate/up of layer 1 exact; gate (Q4_0) fused with up (Q8_0): INT8
     assert (s["exact"], s["exact_int4"], s["exact_int8"]) == (13, 8, 5)
-    acts = {r["tensor"]: r for r in report["tensors"]}
+    acts = {r["tensor"]: r for r in report.tensors}
     assert acts["model.layers.1.mlp.down_proj.weight"]["action"] == "dequantized"  # Q4_1, no recipe
     assert acts["model.embed_tokens.weight"]["action"] == "dequantized"
     assert acts["model.embed_tokens.weight"]["max_abs_err"] == 0.0  # float32 holds d * q exactly
@@ -96,11 +96,11 @@ def test_gguf_to_ct_requantizes_other_types_with_a_recipe(tiny_gguf, tmp_path):
     report = convert(
         ConvertConfig(source=tiny_gguf, output=tmp_path / "o", to="compressed-tensors", recipe="fp8-dynamic")
     )
-    recs = {r["tensor"]: r for r in report["tensors"]}
+    recs = {r["tensor"]: r for r in report.tensors}
     down = recs["model.layers.1.mlp.down_proj.weight"]
     assert down["action"] == "requantized" and down["gguf_type"] == "Q4_1"
     assert 0 < down["weight_rel_err"] < 0.1
-    assert report["summary"]["exact"] == 13
+    assert report.summary["exact"] == 13
     qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "mixed-precision"
     parse_config_under(qc, "0.17.0")
@@ -120,7 +120,7 @@ def test_round_trip_gguf_ct_gguf_keeps_codes(tiny_gguf, ct_dir, gguf_float, tmp_
 
     out = tmp_path / "back.gguf"
     report = convert(ConvertConfig(source=ct_dir[0], output=out, to="gguf"))
-    assert report["summary"]["worst_scale_fp16_rel_err"] == 0.0
+    assert report.summary["worst_scale_fp16_rel_err"] == 0.0
     a = {t.name: t for t in GGUFReader(str(tiny_gguf)).tensors}
     b = {t.name: t for t in GGUFReader(str(out)).tensors}
     assert set(a) == set(b)

@@ -59,7 +59,7 @@ def test_block_fp8_carried_exactly(tiny_dir, tmp_path, block):
     src = write_fp8_block(tiny_dir, tmp_path / "fp8", block)
     out = tmp_path / "ct"
     report = convert(ConvertConfig(source=src, output=out, to="compressed-tensors"))
-    assert report["summary"]["exact"] == 14
+    assert report.summary["exact"] == 14
     a, b = read_tensors(src), read_tensors(out)
     sim = load_simulated(open_hf_dir(out), simulate=False).model.state_dict()
     for name in [n for n in a if n.endswith(".weight_scale_inv")]:

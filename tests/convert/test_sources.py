@@ -50,7 +50,7 @@ def test_gptq_carried_exactly(tiny_dir, tmp_path, kw):
     ref = write_gptq(tiny_dir, tmp_path / "gptq", **kw)
     assert inspect(InspectConfig(path=tmp_path / "gptq"))["format"] == "gptq"
     report = _to_ct(tmp_path / "gptq", tmp_path / "ct", source_format="gptq")
-    assert (report["summary"]["exact"], report["summary"]["dequantized"]) == (14, 0), report["summary"]
+    assert (report.summary["exact"], report.summary["dequantized"]) == (14, 0), report.summary
     sim = _decompressed(tmp_path / "ct")
     for name, want in ref.items():
         assert torch.equal(sim[f"{name}.weight"], want), name
@@ -69,8 +69,8 @@ def test_gptq_act_order_is_dequantized(tiny_dir, tmp_path):
     here: exact), the report says why, and fused shards stay together."""
     ref = write_gptq(tiny_dir, tmp_path / "gptq", act_order=True)
     report = _to_ct(tmp_path / "gptq", tmp_path / "ct", dtype="float32")
-    assert (report["summary"]["exact"], report["summary"]["dequantized"]) == (0, 14)
-    assert "act-order" in report["tensors"][0]["why"] and report["summary"]["worst_dequantized_abs_err"] == 0
+    assert (report.summary["exact"], report.summary["dequantized"]) == (0, 14)
+    assert "act-order" in report.tensors[0]["why"] and report.summary["worst_dequantized_abs_err"] == 0
     t = read_tensors(tmp_path / "ct")
     for name, want in ref.items():
         assert torch.equal(t[f"{name}.weight"], want), name
@@ -81,7 +81,7 @@ def test_awq_carried_exactly(tiny_dir, tmp_path):
     ref = write_awq(tiny_dir, tmp_path / "awq")
     assert inspect(InspectConfig(path=tmp_path / "awq"))["format"] == "awq"
     report = _to_ct(tmp_path / "awq", tmp_path / "ct")
-    assert report["from"] == "awq" and report["summary"]["exact"] == 14
+    assert report.source_format == "awq" and report.summary["exact"] == 14
     sim = _decompressed(tmp_path / "ct")
     for name, want in ref.items():
         assert torch.equal(sim[f"{name}.weight"], want), name
@@ -95,7 +95,7 @@ def test_modelopt_fp8_carried_exactly(tiny_dir, tmp_path, algo):
     ref = write_modelopt(tiny_dir, tmp_path / "mo", algo=algo, kv=algo == "FP8")
     assert inspect(InspectConfig(path=tmp_path / "mo"))["format"] == "modelopt"
     report = _to_ct(tmp_path / "mo", tmp_path / "ct", source_format="modelopt")
-    assert report["summary"]["exact"] == 14 and report["summary"]["kv_scales"] == (4 if algo == "FP8" else 0)
+    assert report.summary["exact"] == 14 and report.summary["kv_scales"] == (4 if algo == "FP8" else 0)
     a, b = read_tensors(tmp_path / "mo"), read_tensors(tmp_path / "ct")
     sim = _decompressed(tmp_path / "ct")
     for name, want in ref.items():
@@ -120,7 +120,7 @@ def test_modelopt_fp8_carried_exactly(tiny_dir, tmp_path, algo):
 def test_modelopt_nvfp4_same_codes_reciprocal_global_scales(tiny_dir, tmp_path):
     ref = write_modelopt(tiny_dir, tmp_path / "mo", algo="NVFP4", kv=False)
     report = _to_ct(tmp_path / "mo", tmp_path / "ct")
-    s = report["summary"]
+    s = report.summary
     assert s["exact"] == 14 and 0 <= s["worst_global_scale_rel_err"] < 2e-7, s
     a, b = read_tensors(tmp_path / "mo"), read_tensors(tmp_path / "ct")
     sim = _decompressed(tmp_path / "ct")

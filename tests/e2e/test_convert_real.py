@@ -22,7 +22,7 @@ def test_real_q4_0_gguf_to_ct_and_back_is_exact(smol_q4_0, tmp_path):
     from gguf import GGUFReader
 
     gguf, ct, report = smol_q4_0  # conftest: the GGUF and its conversion, shared with test_convert_vllm.py
-    s = report["summary"]
+    s = report.summary
     assert (s["exact"], s["exact_int4"], s["dequantized"]) == (210, 210, 1), s  # the Q8_0 embedding: bf16
     assert read_config(ct)["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
     # the same numbers as transformers' dequantization of the GGUF (in bf16, as `convert --to hf` writes it)
@@ -30,7 +30,7 @@ def test_real_q4_0_gguf_to_ct_and_back_is_exact(smol_q4_0, tmp_path):
     assert q["kl"] < 1e-3 and q["top1"] > 0.98, q
     back = tmp_path / "back.gguf"
     report = convert(ConvertConfig(source=ct, output=back, to="gguf"))
-    assert report["summary"]["exact_q4_0"] == 210 and report["summary"]["worst_scale_fp16_rel_err"] == 0.0
+    assert report.summary["exact_q4_0"] == 210 and report.summary["worst_scale_fp16_rel_err"] == 0.0
     a = {t.name: t for t in GGUFReader(str(gguf)).tensors}
     same = sum(
         np.array_equal(np.asarray(t.data), np.asarray(a[t.name].data))
@@ -46,10 +46,10 @@ def test_real_q4_1_gguf_is_requantized_with_a_recipe(tmp_path):
             source=alias_gguf("smollm2-135m"), output=tmp_path / "fp8", to="compressed-tensors", recipe="fp8-dynamic"
         )
     )
-    s = report["summary"]
+    s = report.summary
     assert (s["exact"], s["requantized"]) == (0, 210), s
     assert 0 < s["worst_requantized_rel_err"] < 0.1, s
-    kinds = {r["gguf_type"] for r in report["tensors"] if r["action"] == "requantized"}
+    kinds = {r["gguf_type"] for r in report.tensors if r["action"] == "requantized"}
     assert kinds == {"Q4_1"}
     q = evaluate_quality(EvalConfig(model=str(tmp_path / "fp8"), reference="smollm2-135m", num_samples=2, seq_len=128))
     assert q["kl"] < 0.1, q  # FP8-dynamic of the dequantized Q4_1 weights vs those weights
@@ -63,7 +63,7 @@ def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path, recipe_export):
     transformers' bf16 dequantization)."""
     ct, gguf = recipe_export("w4a16-gguf")[0], tmp_path / "smol.Q4_0.gguf"
     report = convert(ConvertConfig(source=ct, output=gguf, to="gguf"))
-    s = report["summary"]
+    s = report.summary
     assert (s["exact"], s["exact_q4_0"], s["dequantized"]) == (210, 210, 0), s
     assert s["worst_scale_fp16_rel_err"] <= 2**-11, s  # 0 measured: fp8ptq stores bf16-valued scales
     # 2 x 128 tokens, as the other conversions here: measured relative differences 0.31% (2 x 128), 0.08%

@@ -74,7 +74,7 @@ def _check(run, check):
 
 def test_gguf_q4_0_converted_runs_in_vllm(converted):
     out, report, run, check = converted["gguf"]
-    assert report["summary"]["exact_int4"] == 210
+    assert report.summary["exact_int4"] == 210
     scale = read_tensors(out)["model.layers.0.mlp.down_proj.weight_scale"]
     assert 0.3 < float((scale < 0).float().mean()) < 0.7  # Q4_0's signed block scales, carried as they are
     _check(run, check)
@@ -82,7 +82,7 @@ def test_gguf_q4_0_converted_runs_in_vllm(converted):
 
 def test_gptq_converted_runs_in_vllm(converted, smol_dir):
     out, report, run, check = converted["gptq"]
-    assert (report["summary"]["exact"], report["summary"]["dequantized"]) == (210, 0)
+    assert (report.summary["exact"], report.summary["dequantized"]) == (210, 0)
     assert torch.equal(
         read_tensors(out)["model.embed_tokens.weight"], read_tensors(smol_dir)["model.embed_tokens.weight"]
     )
