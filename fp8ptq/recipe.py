@@ -21,7 +21,7 @@ from pydantic import (
 
 from fp8ptq.errors import RecipeError
 from fp8ptq.quantize.schemes import calibrated_inputs, handler
-from fp8ptq.quantize.schemes.pairing import check_linear_scheme, is_w4a8_fp8
+from fp8ptq.quantize.schemes.pairing import check_linear_scheme
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 
@@ -272,25 +272,8 @@ class Recipe(_Frozen):
         if self.smooth is not None and self.scheme.input_activations is None:
             raise ValueError("smooth migrates activation outliers into weights: it needs input_activations")
         w, a = self.scheme.weights, self.scheme.input_activations
-        if is_w4a8_fp8(w, a) and self.calibration.group_scales != "fp8":
-            raise ValueError(
-                "W4A8-FP8 needs calibration.group_scales: fp8 (vLLM's Hopper W4A8 kernel re-quantizes the group "
-                "scales to FP8 per row; fp8 scales make it compute exactly what is simulated)"
-            )
-        if self.calibration.group_scales == "fp8" and (w.type, w.num_bits, w.strategy, w.symmetric) != (
-            "int",
-            4,
-            "group",
-            True,
-        ):
-            raise ValueError("calibration.group_scales fp8 is for symmetric 4-bit integer group weights")
-        fp8_minmax_only = (w.type, w.num_bits) == ("float", 8) and w.strategy in ("tensor", "channel")
-        if self.calibration.weight_search[0] and self.mixed is None and fp8_minmax_only:
-            raise ValueError(
-                f"weight_observer {self.calibration.weight_observer} with FP8 {w.strategy} weights: the clip "
-                "search is for integer, FP4 and FP8 block weights (FP8 per-tensor / per-channel scales are "
-                "min-max; set weight_observer: minmax)"
-            )
+        # the weight search of a mixed recipe is its 4-bit part's, not the 8-bit main scheme's
+        handler(w).check_calibration(w, a, self.calibration, searched=self.mixed is None)
         return self
 
     @property

@@ -184,9 +184,10 @@ def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
     import torch
     from compressed_tensors.quantization import QuantizationConfig
 
-    from fp8ptq.eval.quality import _LINEAR_KEYS, group_scheme_for, load_simulated
+    from fp8ptq.eval.quality import group_scheme_for, load_simulated
     from fp8ptq.export.compressed_tensors import decompress_linear
     from fp8ptq.models.loader import open_hf_dir
+    from fp8ptq.quantize.schemes import stored_tensors
 
     src = open_hf_dir(out)
     qcfg = QuantizationConfig.model_validate(read_config(out)["quantization_config"])
@@ -197,8 +198,9 @@ def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
         if scheme is None:
             bad.append(f"{name}: quantized but no config group targets it")
             continue
-        local = {k: src.tensor(f"{name}.{k}") for k in _LINEAR_KEYS if src.has(f"{name}.{k}")}
-        if not torch.equal(decompress_linear(local, scheme, scheme.format or qcfg.format), fake.float()):
+        fmt = scheme.format or qcfg.format
+        local = {k: src.tensor(f"{name}.{k}") for k in stored_tensors(scheme, fmt)}  # each must be there
+        if not torch.equal(decompress_linear(local, scheme, fmt), fake.float()):
             bad.append(f"{name}: differs")
     return bad
 

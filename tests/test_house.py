@@ -5,7 +5,8 @@
 - files stay at most 400 lines;
 - no function outside the typer commands takes more than 6 positional parameters (use keywords);
 - every repository path the docs, BENCHMARKS.md and the sources name exists;
-- no module imports another module's private (`_name`) functions: what is shared is public.
+- no module imports another module's private (`_name`) functions: what is shared is public;
+- no compressed-tensors format name outside ops/ and quantize/schemes/: its scheme handler says what it means.
 """
 
 from __future__ import annotations
@@ -193,3 +194,29 @@ def test_no_private_imports_across_modules(tmp_path):
     (tmp_path / "fp8ptq").mkdir()
     (tmp_path / "fp8ptq" / "m.py").write_text("def f():\n    from fp8ptq.ops.gptq import _solve\n")
     assert private_imports(tmp_path / "fp8ptq") == ["fp8ptq/m.py:2 imports fp8ptq.ops.gptq._solve"]
+
+
+def format_literals(root: Path) -> list[str]:
+    """String constants naming a compressed-tensors format (`CompressionFormat`) in modules outside ops/
+    and quantize/schemes/ under root (a copy of the fp8ptq package): what a format means is its handler's
+    to say (`format`, `stored_tensors`, `vllm_cpu_refusal`, ...), so a new format touches no other file."""
+    from compressed_tensors.config import CompressionFormat
+
+    names = {f.value for f in CompressionFormat}
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith(("ops/", "quantize/schemes/")):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                bad.append(f"{root.name}/{rel}:{node.lineno} '{node.value}'")
+    return bad
+
+
+def test_no_format_names_outside_the_scheme_handlers(tmp_path):
+    assert format_literals(PACKAGE) == []
+    (tmp_path / "fp8ptq" / "ops").mkdir(parents=True)
+    (tmp_path / "fp8ptq" / "ops" / "ok.py").write_text("F = 'nvfp4-pack-quantized'\n")
+    (tmp_path / "fp8ptq" / "m.py").write_text("def f(fmt):\n    return fmt == 'pack-quantized'\n")
+    assert format_literals(tmp_path / "fp8ptq") == ["fp8ptq/m.py:2 'pack-quantized'"]

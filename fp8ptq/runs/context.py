@@ -23,6 +23,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.ops.precision import COMPUTE_DTYPES
+from fp8ptq.quantize.schemes import handler
 from fp8ptq.recipe import Recipe, load_recipe
 from fp8ptq.runs.config import DRAFT_KINDS, QuantizeConfig
 from fp8ptq.runs.overrides import recipe_overrides
@@ -305,8 +306,7 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
         f = recipe.flatten
         widths[arch.flatten.down] = flattened_width(widths[arch.flatten.down], f.extra_channels, f.multiple, f.tp)
     common = sorted(set.intersection(*(set(valid_group_sizes(w)) for w in widths.values())))
-    float_groups = [a for a in args if a.type == "float" and a.strategy in ("group", "tensor_group")]
-    fixed = {a.group_size for a in float_groups}  # the format fixes them: NVFP4 16, MXFP4 / MXFP8 32
+    fixed = {handler(a).fixed_group_size(a) for a in args}  # NVFP4 16, MXFP4 / MXFP8 32, or None
     for size in sizes:
         bad = sorted({f"{_EXPERT_INDEX.sub('.N.', n)} ({w})" for n, w in widths.items() if w % size})
         if bad:

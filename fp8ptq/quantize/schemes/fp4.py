@@ -74,3 +74,14 @@ class FP4(SchemeHandler):
 
     def format(self, weights, acts):
         return "mxfp4-pack-quantized" if weights.strategy == "group" else "nvfp4-pack-quantized"
+
+    def fixed_group_size(self, args):
+        return args.group_size  # NVFP4 16, MXFP4 32 (check_weights accepts no other)
+
+    def vllm_cpu_refusal(self, weights, acts):
+        if weights.strategy == "group":
+            return "MXFP4 runs on CUDA (capability >= 8.0), ROCm and XPU only; vLLM 0.32 lists no CPU MXFP4 kernel"
+        return (
+            "NVFP4 runs on CUDA GPUs only (vLLM 0.32: Blackwell natively, capability >= 7.5 through Marlin for "
+            "weight-only); vLLM-cpu has no NVFP4 kernel"
+        )

