@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8ptq.spec.draft_train import work_dir
+from fp8ptq.draft.train import work_dir
 
 
 def main() -> None:

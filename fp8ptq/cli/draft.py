@@ -22,8 +22,8 @@ def _echo_json(obj) -> None:
 def _eagle3_train(
     *, target, output, layer_ids, draft_vocab, ttt_steps, plain_texts, fc_norm, warm_start, json_out, **kw
 ):
+    from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
     from fp8ptq.spec import SpecError
-    from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train
 
     names = ("prompts", "text_field", "num_prompts", "gen_tokens", "gen_batch_size", "max_steps", "batch_size")
     names += ("lr", "topk", "checkpoint_every", "seed", "resume", "overwrite", "keep_work", "device")
@@ -134,7 +134,7 @@ def _draft_train(
             from fp8ptq.spec import SpecError
 
             raise SpecError(f"unknown --kind '{kind}'", fix="use model (a small draft LLM) or eagle3 (an EAGLE-3 head)")
-    from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
+    from fp8ptq.draft.train import DraftTrainConfig, draft_train
 
     cfg = DraftTrainConfig(
         target=target,
@@ -173,7 +173,7 @@ def _draft_train(
 
 def _draft_trim(draft, target, keep, output, overwrite, json_out):
     offline()
-    from fp8ptq.spec.draft_trim import DraftTrimConfig, draft_trim
+    from fp8ptq.draft.trim import DraftTrimConfig, draft_trim
 
     cfg = DraftTrimConfig(draft=draft, target=target, keep=keep, output=output, overwrite=overwrite)
     with user_errors(output), progress_bar(not json_out) as progress:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fp8ptq import data as data_mod
 
-# --draft value -> spec.auto.build_draft_bundle's kind ("none": no draft)
+# --draft value -> draft.auto.build_draft_bundle's kind ("none": no draft)
 DRAFT_KINDS = {"auto": "model", "eagle3": "eagle3"}
 
 

@@ -106,7 +106,7 @@ def write_metadata(ctx: RunContext, config_updates: dict, groups, kept: tuple[st
 
 
 def _draft(ctx: RunContext) -> dict:
-    from fp8ptq.spec.auto import build_draft_bundle
+    from fp8ptq.draft.auto import build_draft_bundle
 
     t = time.perf_counter()
     cfg = ctx.cfg

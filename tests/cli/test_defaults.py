@@ -10,9 +10,9 @@ import re
 import typer.main
 
 from fp8ptq.cli import app
+from fp8ptq.draft.eagle3_train import Eagle3TrainConfig
+from fp8ptq.draft.train import DraftTrainConfig
 from fp8ptq.runs.config import QuantizeConfig
-from fp8ptq.spec.draft_train import DraftTrainConfig
-from fp8ptq.spec.eagle3_train import Eagle3TrainConfig
 
 
 def _defaults(cls) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
 from fp8ptq.engine.vllm import vllm_python
-from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, recommend
 
 pytestmark = pytest.mark.slow

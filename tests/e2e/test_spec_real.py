@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from fp8ptq.draft.train import DraftTrainConfig, draft_train
 from fp8ptq.engine.vllm import vllm_python
-from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, recommend
 
 pytestmark = pytest.mark.slow

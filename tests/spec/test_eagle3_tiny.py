@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train, ttt_mask
+from fp8ptq.draft.eagle3_warm import linear_warm_start
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import ARCH, build_head, default_layer_ids, is_eagle3, load_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft, eagle3_generate, eagle3_replay
-from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train, ttt_mask
-from fp8ptq.spec.eagle3_warm import linear_warm_start
 from fp8ptq.spec.measure import SpecStats, plain_generate
 from fp8ptq.spec.models import load_target
 
@@ -167,9 +167,9 @@ def test_cli_bad_input_is_one_line(tmp_path, target4, extra, phrase):
 
 
 def test_draft_bundle_eagle3_writes_head_and_eagle3_configs(tmp_path, target4):
-    """`quantize --draft eagle3` (spec.auto.build_draft_bundle(kind="eagle3")): the head in draft/, trimmed to
+    """`quantize --draft eagle3` (draft.auto.build_draft_bundle(kind="eagle3")): the head in draft/, trimmed to
     --draft-trim rows, and configs that say method eagle3 (vLLM) / EAGLE3 (SGLang) for the relative path."""
-    from fp8ptq.spec.auto import build_draft_bundle
+    from fp8ptq.draft.auto import build_draft_bundle
 
     out = tmp_path / "bundle"
     s = build_draft_bundle(
@@ -208,7 +208,7 @@ def test_head_reads_lm_rows_through_the_targets_final_norm(target4):
 def test_lr_decays_by_whichever_bound_ends_the_run():
     from types import SimpleNamespace
 
-    from fp8ptq.spec.draft_train import lr_at
+    from fp8ptq.draft.train import lr_at
 
     cfg = SimpleNamespace(lr=1.0, warmup_steps=10, max_steps=1000, time_budget_s=None)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(10, cfg) == pytest.approx(1.0)

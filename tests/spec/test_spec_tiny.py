@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from fp8ptq.draft.train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
+from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.draft_train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
-from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
 from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
 from fp8ptq.spec.models import TRIM_META, NgramDraft, load_draft, load_target, parse_ngram
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
@@ -227,7 +227,7 @@ def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
 
 
 def test_build_draft_bundle(tmp_path, tiny_dir):
-    from fp8ptq.spec.auto import build_draft_bundle
+    from fp8ptq.draft.auto import build_draft_bundle
 
     out = tmp_path / "bundle"
     s = build_draft_bundle(
@@ -353,7 +353,7 @@ def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir)
 
 def test_generate_data_without_logits_gives_the_same_tokens(tiny_dir):
     """topk 0 (the EAGLE-3 trainer) keeps no logits; the greedy and the sampled batches are unchanged."""
-    from fp8ptq.spec.draft_train import generate_data
+    from fp8ptq.draft.train import generate_data
     from fp8ptq.spec.prompts import builtin_prompts, encode_prompts
 
     target, src = load_target(str(tiny_dir), "cpu")

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.draft.train import DATA_FILE
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.draft_train import DATA_FILE
 from fp8ptq.spec.models import TRIM_META
 
 TOKEN_MAP = "token_map.pt"
@@ -108,7 +108,7 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
     if data_path.is_file():
         data, source = load_file(str(data_path)), f"{DATA_FILE} (draft-train's target generations)"
     else:
-        from fp8ptq.spec.draft_train import generate_data
+        from fp8ptq.draft.train import generate_data
         from fp8ptq.spec.models import load_target
         from fp8ptq.spec.prompts import encode_prompts, load_prompts
 

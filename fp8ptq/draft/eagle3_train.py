@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.draft.eagle3_warm import linear_warm_start
+from fp8ptq.draft.train import lr_at, train_summary
 from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.draft_train import lr_at, train_summary
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
-from fp8ptq.spec.eagle3_warm import linear_warm_start
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Eagle3TrainConfig:
     topk: int = 32
     ttt_steps: int = 3
     fc_norm: bool = True  # an RMSNorm per aux layer before fc (vLLM's fc_norm)
-    warm_start: bool = True  # start from a closed-form linear predictor (fp8ptq.spec.eagle3_warm)
+    warm_start: bool = True  # start from a closed-form linear predictor (fp8ptq.draft.eagle3_warm)
     batch_size: int = 4  # sequences per step (= per shard)
     lr: float = 1e-3
     warmup_steps: int = 20
@@ -279,9 +279,9 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
 
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
     """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json)."""
+    from fp8ptq.draft.train import DATA_FILE, generate_data, work_dir
+    from fp8ptq.draft.trim import choose_kept, count_tokens
     from fp8ptq.io import atomic_output_dir, check_output
-    from fp8ptq.spec.draft_train import DATA_FILE, generate_data, work_dir
-    from fp8ptq.spec.draft_trim import choose_kept, count_tokens
     from fp8ptq.spec.models import load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
 

@@ -57,8 +57,8 @@ def build_draft_bundle(
     train: dict | None = None,
     kind: str = "model",
 ) -> dict:
-    from fp8ptq.spec.draft_train import DraftTrainConfig, draft_train
-    from fp8ptq.spec.draft_trim import TOKEN_MAP, DraftTrimConfig, draft_trim
+    from fp8ptq.draft.train import DraftTrainConfig, draft_train
+    from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, draft_trim
     from fp8ptq.spec.run import MeasureConfig, RecommendConfig, check_gammas, recommend
 
     check_gammas(gammas)
@@ -73,7 +73,7 @@ def build_draft_bundle(
         common["max_steps"] = max_steps
     common |= dict(seed=seed, device=device, **(train or {}))
     if kind == "eagle3":
-        from fp8ptq.spec.eagle3_train import Eagle3TrainConfig, eagle3_train
+        from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
 
         vocab = {} if trim_keep is None else {"draft_vocab": trim_keep}
         meta = eagle3_train(Eagle3TrainConfig(**common, **vocab), progress)
