@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -31,6 +32,9 @@ def convert(
     ),
     source_format: str = typer.Option(None, "--from", help=f"{', '.join(SOURCES)}: confirm the detected format"),
     overwrite: bool = typer.Option(False),
+    json_out: bool = typer.Option(
+        False, "--json", help="print the report (summary, every tensor's action) as JSON instead of the line"
+    ),
 ):
     """Convert between GGUF and Hugging Face checkpoints: a GGUF to float (--to hf) or to
     compressed-tensors with Q4_0/Q8_0 Linears carried bit-exactly as INT4/INT8 group-32 weights
@@ -50,6 +54,7 @@ def convert(
       fp8ptq convert ./Llama-3.2-1B-GPTQ --from gptq --to compressed-tensors -o out/llama-w4a16
       fp8ptq convert ./model-AWQ --to compressed-tensors -o out/model-w4a16-asym
       fp8ptq convert ./model-modelopt-fp8 --from modelopt --to compressed-tensors -o out/model-fp8
+      fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/w4 --json > out/w4.report.json
     """
     offline()
     from fp8ptq.api import ConvertConfig
@@ -70,6 +75,9 @@ def convert(
                     source_format=source_format,
                 )
             )
+    if json_out:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
     if report.line:
         out.print(report.line)
     out.print(f"wrote {report.output}")

@@ -3,6 +3,8 @@ bad input as one-line errors (exit 2) that leave no output."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -34,6 +36,14 @@ def test_convert_both_ways(gguf_file, tmp_path):
     assert "14 exact codes (Q4_0: 14, Q8_0: 0; worst fp16 scale rounding 0)" in out
     rc, out = _run("convert", tmp_path / "ct", "--to", "gguf", "-o", tmp_path / "back.gguf")
     assert rc == 2 and "already exists" in out
+    rc, out = _run("convert", tmp_path / "ct", "--to", "gguf", "-o", tmp_path / "b2.gguf", "--json")
+    report = json.loads(out)  # the typed report, whole: nothing else on stdout
+    assert (report["source_format"], report["target"], report["summary"]["exact_q4_0"]) == (
+        "compressed-tensors",
+        "gguf",
+        14,
+    )
+    assert len(report["tensors"]) == sum(report["summary"][k] for k in ("exact", "dequantized", "kept"))
 
 
 def _one_line_error(rc: int, out: str, text: str) -> None:
