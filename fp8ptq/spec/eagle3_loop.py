@@ -8,27 +8,28 @@
   emitted token last (set_inputs_first_pass), positions unchanged. Its KV entries are kept.
 - Draft steps 2..γ: position + 1, the drafted token, and the head's own pre-norm output as hidden
   state; those KV entries are speculative and are dropped when the step ends (vLLM overwrites them).
-- Counting is `measure.SpecStats`'s (vLLM's spec-decode counters).
+- The loop, the replay and the counting are `measure.py`'s over `proposers.Eagle3Proposer`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from fp8ptq.spec.eagle3 import Eagle3Head
-from fp8ptq.spec.models import LoadedModel, crop, new_cache
+from fp8ptq.spec.models import LoadedModel
 from fp8ptq.spec.sampling import probs as to_probs
 
 
 @dataclass
 class Eagle3Draft:
-    """The draft-model interface measure.py reads: a head, its target's decoder layers, and the path."""
+    """A loaded EAGLE-3 head: what proposers.Eagle3Proposer drafts with."""
 
     head: Eagle3Head
     label: str = ""
-    kept_ids = None  # the head maps its own vocabulary (d2t); measure's trimmed-draft path is not used
+    method: ClassVar[str] = "eagle3"  # vLLM's speculative method (proposers.PROPOSERS)
 
     @property
     def vocab_size(self) -> int:
@@ -156,76 +157,10 @@ def propose(draft: Eagle3Draft, st: HeadState, seq: list[int], aux: torch.Tensor
     return drafted, q_rows
 
 
-def eagle3_generate(
-    target: LoadedModel,
-    draft: Eagle3Draft,
-    prompt,
-    *,
-    gamma,
-    max_tokens,
-    temperature,
-    threshold,
-    generator,
-    stats,
-    device,
-):
-    """measure.speculative_generate for an EAGLE-3 head (same verification and counting)."""
-    from fp8ptq.spec.measure import pick_token
-    from fp8ptq.spec.sampling import verify_drafts
-
-    g = generator or torch.Generator().manual_seed(0)
-    tc, st = new_cache(target.model), HeadState(draft.head)
-    with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
-        logits, aux = target_step(target, prompt, tc, cap, device)
-        first, _ = pick_token(logits[-1], temperature, g)
-        seq = list(prompt) + [first]
-        pending = aux  # target rows not yet fed to the head (positions st.committed..len(seq)-2)
-        while len(seq) - len(prompt) < max_tokens:
-            base = len(seq)
-            drafted, q_rows = propose(
-                draft, st, seq, pending, gamma=gamma, temperature=temperature, g=g, threshold=threshold
-            )
-            k = len(drafted)
-            t_logits, t_aux = target_step(target, [seq[-1]] + drafted, tc, cap, device)
-            n, new = verify_drafts(t_logits, drafted, q_rows, temperature, g)
-            if stats is not None:
-                stats.add(k, n)
-            seq.extend(new)
-            crop(tc, base + n)
-            pending = t_aux[: n + 1]
-    return seq[len(prompt) :][:max_tokens]
-
-
-@torch.inference_mode()
-def eagle3_replay(
-    target: LoadedModel, draft: Eagle3Draft, prompt, stream, *, gamma, stats, max_tokens=None, device="cpu"
-):
-    """measure.replay_greedy for a head: acceptance against a fixed continuation (e.g. vLLM's output). The
-    target's hidden states come from ONE forward of fp8ptq's target over prompt + stream (its simulated
-    numerics, not the engine's kernels: the one source of difference left in the comparison)."""
-    full = list(prompt) + list(stream)
-    with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
-        target.model(input_ids=torch.tensor([full], device=device))
-        aux = cap.take()[0]
-    st = HeadState(draft.head)
-    seq = list(prompt) + [stream[0]]
-    while len(seq) - len(prompt) < (max_tokens or len(stream)):
-        base = len(seq)
-        drafted, _ = propose(
-            draft, st, seq, aux[st.committed : base - 1], gamma=gamma, temperature=0.0, g=None, threshold=None
-        )
-        truth = stream[base - len(prompt) :]
-        n = 0
-        while n < min(len(drafted), len(truth)) and drafted[n] == truth[n]:
-            n += 1
-        stats.add(len(drafted), n)
-        seq.extend(truth[: n + 1])
-
-
 @torch.inference_mode()
 def head_step_time(target: LoadedModel, draft: Eagle3Draft, context: list[int], repeats: int, device: str) -> float:
     """Median wall time of one head step (1 token after a KV cache of len(context) positions)."""
-    from fp8ptq.spec.measure import median_time
+    from fp8ptq.spec.steps import median_time
 
     with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
         target.model(input_ids=torch.tensor([context], device=device))

@@ -18,26 +18,21 @@ docs/speculative.md for costs measured in vLLM).
 
 from __future__ import annotations
 
-import statistics
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.models import (
-    LoadedModel,
-    NgramDraft,
-    check_pair,
-    crop,
-    draft_cache,
-    new_cache,
-    step_logits,
-    to_target_probs,
-)
+from fp8ptq.spec.eagle3_loop import AuxCapture, target_step
+from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
+from fp8ptq.spec.proposers import proposer_for
 from fp8ptq.spec.recommend import Costs
-from fp8ptq.spec.sampling import probs as to_probs
 from fp8ptq.spec.sampling import verify_drafts
+from fp8ptq.spec.steps import median_time, pick_token, probe_ids, timed_step
+
+__all__ = ["SpecStats", "speculative_generate", "plain_generate", "measure_acceptance", "replay_greedy"]
+__all__ += ["measure_costs", "pick_token", "median_time"]
 
 
 @dataclass
@@ -88,64 +83,17 @@ class SpecStats:
         }
 
 
-def pick_token(logits: torch.Tensor, temperature: float, g: torch.Generator) -> tuple[int, torch.Tensor | None]:
-    """The next token: argmax at temperature 0, else a sample from the tempered distribution (also returned)."""
-    if temperature == 0:
-        return int(logits.argmax()), None
-    p = to_probs(logits, temperature)
-    return int(torch.multinomial(p.cpu(), 1, generator=g)), p
-
-
-def _draft_next(
-    draft: LoadedModel, logits: torch.Tensor, temperature: float, V: int, g: torch.Generator
-) -> tuple[int, torch.Tensor | None]:
-    """A draft token in target ids, and q over the target vocabulary (None when greedy)."""
-    if draft.kept_ids is None:
-        return pick_token(logits, temperature, g)
-    if temperature == 0:
-        return int(draft.kept_ids[int(logits.argmax())]), None
-    q = to_target_probs(draft, to_probs(logits, temperature), V)
-    return int(torch.multinomial(q.cpu(), 1, generator=g)), q
-
-
-def _propose(
-    draft: LoadedModel | NgramDraft,
-    seq: list[int],
-    dlen: int,
-    dc,
-    *,
-    gamma: int,
-    temperature: float,
-    threshold: float | None,
-    V: int,
-    g: torch.Generator | None,
-    device: str,
-):
-    """Up to γ draft tokens after seq (the draft cache holds dlen positions): (tokens, q rows, cache length).
-    The n-gram proposer drafts 0..γ tokens from seq itself; its q rows are one-hot (None when greedy)."""
-    if isinstance(draft, NgramDraft):
-        drafted = draft.propose(seq, gamma)
-        q_rows = [
-            None if temperature == 0 else torch.nn.functional.one_hot(torch.tensor(t), V).double() for t in drafted
-        ]
-        return drafted, q_rows, len(seq)
-    drafted, q_rows = [], []
-    feed, dcache = seq[dlen:], dlen
-    for _ in range(gamma):
-        logits = step_logits(draft, feed, dc, device)[-1]
-        dcache += len(feed)
-        if threshold is not None and float(torch.softmax(logits, -1).max()) < threshold:
-            break
-        tok, q = _draft_next(draft, logits, temperature, V, g)
-        drafted.append(tok)
-        q_rows.append(q)
-        feed = [tok]
-    return drafted, q_rows, dcache
+def _target_pass(target: LoadedModel, ids: list[int], cache, cap, device: str):
+    """The target over `ids` after its cache: logits [len(ids), V] and, when a proposer reads them, its
+    hidden rows at the proposer's layers."""
+    if cap is None:
+        return step_logits(target, ids, cache, device), None
+    return target_step(target, ids, cache, cap, device)
 
 
 def speculative_generate(
     target: LoadedModel,
-    draft: LoadedModel | NgramDraft,
+    draft,
     prompt: list[int],
     *,
     gamma: int,
@@ -156,29 +104,29 @@ def speculative_generate(
     stats: SpecStats | None = None,
     device: str = "cpu",
 ) -> list[int]:
-    """Generate max_tokens tokens after `prompt` by speculative decoding; updates `stats` per step.
+    """Generate max_tokens tokens after `prompt` by speculative decoding with any proposer (`draft`: a
+    draft model, an n-gram proposer or an EAGLE-3 head; proposers.py); updates `stats` per step.
 
     threshold: dynamic draft length — stop drafting when the draft's max probability (at T = 1) < t."""
     g = generator or torch.Generator().manual_seed(0)
-    V = target.vocab_size
-    tc, dc = new_cache(target.model), draft_cache(draft)
-    first, _ = pick_token(step_logits(target, prompt, tc, device)[-1], temperature, g)
-    seq = list(prompt) + [first]  # the target cache holds len(seq) - 1 positions at each step start
-    dlen = 0  # positions of seq the draft cache holds
-    while len(seq) - len(prompt) < max_tokens:
-        base = len(seq)
-        drafted, q_rows, dcache = _propose(
-            draft, seq, dlen, dc, gamma=gamma, temperature=temperature, threshold=threshold, V=V, g=g, device=device
-        )
-        k = len(drafted)
-        t_logits = step_logits(target, [seq[-1]] + drafted, tc, device)  # [k+1, V]: p_1..p_{k+1}
-        n, new = verify_drafts(t_logits, drafted, q_rows, temperature, g)
-        if stats is not None:
-            stats.add(k, n)
-        seq.extend(new)
-        crop(tc, base + n)  # drop the rejected drafts' positions; the newest token is fed next step
-        dlen = min(dcache, base + n)
-        crop(dc, dlen)
+    prop = proposer_for(draft)
+    tc = new_cache(target.model)
+    with AuxCapture(target.model, list(prop.layer_ids)) if prop.layer_ids else nullcontext() as cap:
+        logits, aux = _target_pass(target, prompt, tc, cap, device)
+        first, _ = pick_token(logits[-1], temperature, g)
+        seq = list(prompt) + [first]  # the target cache holds len(seq) - 1 positions at each step start
+        prop.begin(target.vocab_size, aux, device)
+        while len(seq) - len(prompt) < max_tokens:
+            base = len(seq)
+            drafted, q_rows = prop.propose(seq, gamma=gamma, temperature=temperature, threshold=threshold, g=g)
+            k = len(drafted)
+            t_logits, t_aux = _target_pass(target, [seq[-1]] + drafted, tc, cap, device)  # [k+1, V]: p_1..p_{k+1}
+            n, new = verify_drafts(t_logits, drafted, q_rows, temperature, g)
+            if stats is not None:
+                stats.add(k, n)
+            seq.extend(new)
+            crop(tc, base + n)  # drop the rejected drafts' positions; the newest token is fed next step
+            prop.verified(base, n, t_aux)
     return seq[len(prompt) :][:max_tokens]
 
 
@@ -203,18 +151,9 @@ def plain_generate(
     return out
 
 
-def _generate_for(draft):
-    """The speculative loop for this kind of draft: an EAGLE-3 head reads the target's hidden states."""
-    if getattr(draft, "head", None) is not None:
-        from fp8ptq.spec.eagle3_loop import eagle3_generate
-
-        return eagle3_generate
-    return speculative_generate
-
-
 def measure_acceptance(
     target: LoadedModel,
-    draft: LoadedModel | NgramDraft,
+    draft,
     prompts: list[list[int]],
     *,
     gammas: list[int],
@@ -229,8 +168,9 @@ def measure_acceptance(
     """Run the speculative loop on every prompt for each γ (and each dynamic-length threshold at
     threshold_gamma, default max γ). Returns {'runs': [summary per γ], 'threshold_runs': [...],
     'outputs': {γ: token ids per prompt}, ...}. progress(stage, done, total) is called per prompt."""
-    check_pair(target, draft)
-    if thresholds and isinstance(draft, NgramDraft):
+    prop = proposer_for(draft)
+    prop.check(target)
+    if thresholds and not prop.has_probabilities:
         raise SpecError(
             "dynamic draft length (--thresholds) needs a draft model's probabilities",
             fix="drop --thresholds for an n-gram proposer",
@@ -245,7 +185,7 @@ def measure_acceptance(
         for i, ids in enumerate(prompts):
             g = torch.Generator().manual_seed(seed * 1_000_003 + i)
             outs.append(
-                _generate_for(draft)(
+                speculative_generate(
                     target,
                     draft,
                     ids,
@@ -280,13 +220,14 @@ def measure_acceptance(
 
 @torch.inference_mode()
 def replay_greedy(
-    draft: LoadedModel | NgramDraft,
+    draft,
     prompt: list[int],
     stream: list[int],
     *,
     gamma: int,
     stats: SpecStats,
     max_tokens: int | None = None,
+    target: LoadedModel | None = None,
     device: str = "cpu",
 ) -> None:
     """Greedy acceptance of `draft` against a fixed continuation `stream` of `prompt`: the steps and counting
@@ -294,39 +235,30 @@ def replay_greedy(
     greedy output of an engine (vLLM), this is what the engine's own spec-decode counters must show, with
     no difference between the engine's target numerics and fp8ptq's simulation entering the comparison
     (a single flipped argmax changes the rest of a greedy continuation). Generation stops at max_tokens
-    (default len(stream)); a longer stream lets the last step verify past it, as a real target does."""
-    dc = draft_cache(draft)
-    seq, dlen = list(prompt) + [stream[0]], 0
+    (default len(stream)); a longer stream lets the last step verify past it, as a real target does.
+    `target`: for a proposer that reads the target's hidden states (EAGLE-3), taken from one forward of it
+    over prompt + stream."""
+    prop = proposer_for(draft)
+    if prop.layer_ids and target is None:
+        raise SpecError(f"replaying a {prop.method} proposer needs its target", fix="pass target=")
+    prop.begin_replay(target, prompt, stream, device)
+    seq = list(prompt) + [stream[0]]
     while len(seq) - len(prompt) < (max_tokens or len(stream)):
         base = len(seq)
-        drafted, _, dcache = _propose(
-            draft, seq, dlen, dc, gamma=gamma, temperature=0.0, threshold=None, V=0, g=None, device=device
-        )
+        drafted, _ = prop.propose(seq, gamma=gamma, temperature=0.0, threshold=None, g=None)
         truth = stream[base - len(prompt) :]  # what the target emits at the k + 1 verified positions
         n = 0
         while n < min(len(drafted), len(truth)) and drafted[n] == truth[n]:
             n += 1
         stats.add(len(drafted), n)
         seq.extend(truth[: n + 1])
-        dlen = min(dcache, base + n)
-        crop(dc, dlen)
-
-
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of fn() over `repeats` calls, after one warm-up call."""
-    fn()  # warm-up: allocator, lazy init
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        prop.verified(base, n, None)
 
 
 @torch.inference_mode()
 def measure_costs(
     target: LoadedModel,
-    draft: LoadedModel | NgramDraft,
+    draft,
     context: list[int],
     *,
     max_k: int,
@@ -336,33 +268,14 @@ def measure_costs(
 ) -> Costs:
     """Median wall time of: one draft step (1 token), a target forward over k = 1..max_k tokens, each
     after a KV cache of len(context) tokens (rolled back after every timed call)."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     tc = new_cache(target.model)
     step_logits(target, context, tc, device)
     n = len(context)
-    probe = context[-max_k:] if len(context) >= max_k else (context * max_k)[:max_k]
-
-    def run(m, cache, ids):
-        def f():
-            step_logits(m, ids, cache, device)
-            sync()
-            crop(cache, n)
-
-        return f
-
-    if getattr(draft, "head", None) is not None:  # an EAGLE-3 head: one head step over its own KV cache
-        from fp8ptq.spec.eagle3_loop import head_step_time
-
-        t_draft = head_step_time(target, draft, context, repeats, device)
-    elif isinstance(draft, NgramDraft):  # one proposal of max_k - 1 tokens: the whole draft phase of a step
-        t_draft = median_time(lambda: draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
-    else:
-        dc = new_cache(draft.model)
-        step_logits(draft, context, dc, device)
-        t_draft = median_time(run(draft, dc, probe[:1]), repeats)
+    probe = probe_ids(context, max_k)
+    t_draft = proposer_for(draft).step_time(target, context, max_k=max_k, repeats=repeats, device=device)
     t_verify = {}
     for k in range(1, max_k + 1):
-        t_verify[k] = median_time(run(target, tc, probe[:k]), repeats)
+        t_verify[k] = median_time(timed_step(target, tc, probe[:k], n, device), repeats)
         if progress:
             progress("costs", k, max_k)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")

@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -29,6 +30,7 @@ class LoadedModel:
     vocab_size: int  # input vocabulary (embedding rows) = the target's token space
     kept_ids: torch.Tensor | None = None  # trimmed draft: target id of each lm_head row [N]
     label: str = ""
+    method: ClassVar[str] = "draft_model"  # as a draft: vLLM's speculative method (proposers.PROPOSERS)
 
 
 _NGRAM = re.compile(r"ngram(?::(\d+)-(\d+))?")
@@ -44,7 +46,7 @@ class NgramDraft:
 
     nmin: int = 2  # `ngram` alone means 2-4
     nmax: int = 4
-    kept_ids = None  # the draft-model interface the measuring loop reads
+    method: ClassVar[str] = "ngram"  # vLLM's speculative method (proposers.PROPOSERS)
 
     def propose(self, ctx: list[int], k: int) -> list[int]:
         size = len(ctx)
@@ -124,17 +126,6 @@ def _load_trimmed(src, device: str) -> LoadedModel:
     return LoadedModel(model.to(device).eval(), int(src.config.vocab_size), kept.to(device), str(src.path))
 
 
-def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
-    """The draft must read and write the target's token ids (an n-gram proposer copies them)."""
-    if isinstance(draft, NgramDraft):
-        return
-    if draft.vocab_size != target.vocab_size:
-        raise SpecError(
-            f"draft vocabulary size {draft.vocab_size} != target vocabulary size {target.vocab_size}",
-            fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)",
-        )
-
-
 def crop(cache, length: int) -> None:
     """Keep the first `length` positions of a transformers Cache (5.x: crop(-n) removes n); None: no-op."""
     if cache is None:
@@ -148,11 +139,6 @@ def new_cache(model):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
-
-
-def draft_cache(draft):
-    """A KV cache for a draft model; None for the n-gram proposer (it has no model)."""
-    return None if isinstance(draft, NgramDraft) else new_cache(draft.model)
 
 
 @torch.inference_mode()

@@ -67,8 +67,9 @@ def check_gammas(gammas) -> None:
 def measure(cfg: MeasureConfig, progress=None) -> dict:
     """Acceptance for each temperature and γ + HF costs. Returns a JSON-able dict (see MEASURE_FILE)."""
     from fp8ptq.spec.measure import measure_acceptance, measure_costs
-    from fp8ptq.spec.models import check_pair, load_target
+    from fp8ptq.spec.models import load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
+    from fp8ptq.spec.proposers import proposer_for
 
     check_gammas(cfg.gammas)
     if any(t < 0 for t in cfg.temperatures):
@@ -80,7 +81,8 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
     t0 = time.perf_counter()
     target, src = load_target(cfg.target, cfg.device)
     draft = load_any_draft(cfg.draft, target, cfg.device)
-    check_pair(target, draft)
+    proposer = proposer_for(draft)
+    proposer.check(target)
     if cfg.prompt_ids is not None:
         prompts = [list(p) for p in cfg.prompt_ids]
     else:
@@ -91,7 +93,7 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
         "target": str(cfg.target),
         "target_path": str(src.path),
         "draft": str(cfg.draft),
-        "trimmed": draft.kept_ids is not None,
+        "trimmed": proposer.vocab_trimmed,
         "config": {k: v for k, v in asdict(cfg).items() if k != "prompt_ids"},
         "prompt_ids": prompts,
         "by_temperature": {},
@@ -253,26 +255,18 @@ def engine_check(
     if temperature == 0:
         from fp8ptq.spec.eagle3 import is_eagle3
 
-        stats, same = SpecStats(gamma), 0
+        stats, same, tgt = SpecStats(gamma), 0, None
         if is_eagle3(draft):  # the head needs the target's hidden states (fp8ptq's simulation of it)
-            from fp8ptq.spec.eagle3_loop import eagle3_replay
             from fp8ptq.spec.models import load_target
 
             tgt, _ = load_target(target)
             model = load_any_draft(draft, tgt)
-
-            def replay(prompt, stream, **kw):
-                eagle3_replay(tgt, model, prompt, stream, **kw)
         else:
             model = load_draft(draft)
-
-            def replay(prompt, stream, **kw):
-                replay_greedy(model, prompt, stream, **kw)
-
         for prompt, stream, longer in zip(prompts, spec.token_ids, plain.token_ids):
             if longer[: len(stream)] == stream:
                 stream, same = longer, same + 1
-            replay(prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens)
+            replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens, target=tgt)
         s = stats.summary()
         out["fp8ptq_replay"] = {k: s[k] for k in ("drafts", "drafted", "accepted")} | {
             "per_pos_accepted": s["per_pos_accepted"],

@@ -13,8 +13,8 @@ from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train, ttt_mask
 from fp8ptq.draft.eagle3_warm import linear_warm_start
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import ARCH, build_head, default_layer_ids, is_eagle3, load_head
-from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft, eagle3_generate, eagle3_replay
-from fp8ptq.spec.measure import SpecStats, plain_generate
+from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft
+from fp8ptq.spec.measure import SpecStats, plain_generate, replay_greedy, speculative_generate
 from fp8ptq.spec.models import load_target
 
 pytestmark = pytest.mark.tiny
@@ -112,7 +112,7 @@ def test_greedy_speculative_equals_plain_and_replay_matches(trained, target4):
     prompt = src.tokenizer()("def main():", add_special_tokens=False)["input_ids"]
     plain = plain_generate(target, prompt, max_tokens=20)
     stats = SpecStats(3)
-    spec = eagle3_generate(
+    spec = speculative_generate(  # the one loop, over proposers.Eagle3Proposer
         target,
         draft,
         prompt,
@@ -127,7 +127,7 @@ def test_greedy_speculative_equals_plain_and_replay_matches(trained, target4):
     assert spec == plain  # greedy speculative decoding never changes the output
     replayed = SpecStats(3)
     longer = plain_generate(target, prompt, max_tokens=24)
-    eagle3_replay(target, draft, prompt, longer, gamma=3, stats=replayed, max_tokens=20)
+    replay_greedy(draft, prompt, longer, gamma=3, stats=replayed, max_tokens=20, target=target)
     assert (replayed.drafted, replayed.accepted) == (stats.drafted, stats.accepted)
     assert stats.per_pos == replayed.per_pos
 

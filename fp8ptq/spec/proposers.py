@@ -1,0 +1,173 @@
+"""Proposers: what drafts tokens for the one speculative loop (`measure.py`), keyed by vLLM's
+`speculative_config.method`.
+
+A proposer follows one sequence: `begin` (the target's prefill done; `aux` holds the target's hidden
+rows of the prompt when the proposer reads them), then per step `propose` (up to γ tokens after seq,
+with q rows over the target vocabulary, None when greedy) and `verified` (the target accepted n of
+them at base = len(seq) before the step; `aux` holds its rows of the k + 1 verified positions). The
+loop, the greedy replay against a fixed stream and the cost measurement are written once over this
+interface; a new proposer (MTP, suffix decoding, ...) is one class here and one line in PROPOSERS.
+
+    draft_model   a small causal LM (draft-train), full or VocabTrim vocabulary, with its own KV cache
+    ngram         vLLM's prompt-lookup proposer: no model, one-hot q
+    eagle3        an EAGLE-3 head on the target's residual stream at its aux layers (`eagle3_loop.py`)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8ptq.spec import SpecError
+from fp8ptq.spec.eagle3_loop import HeadState, head_step_time
+from fp8ptq.spec.eagle3_loop import propose as head_propose
+from fp8ptq.spec.models import crop, new_cache, step_logits, to_target_probs
+from fp8ptq.spec.sampling import probs as to_probs
+from fp8ptq.spec.steps import median_time, pick_token, probe_ids, timed_step
+
+
+class Proposer:
+    """The interface (see the module doc). `layer_ids`: target layers whose residual stream it reads."""
+
+    method = ""
+    layer_ids: tuple[int, ...] = ()
+    has_probabilities = True  # dynamic draft length (a confidence threshold) needs them
+    vocab_trimmed = False  # a VocabTrim draft model (measure.json's `trimmed`; an EAGLE-3 head's d2t is not)
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def check(self, target) -> None:
+        """The draft must read and write the target's token ids."""
+        if self.draft.vocab_size != target.vocab_size:
+            raise SpecError(
+                f"draft vocabulary size {self.draft.vocab_size} != target vocabulary size {target.vocab_size}",
+                fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)",
+            )
+
+    def begin(self, vocab: int, aux: torch.Tensor | None, device: str) -> None:
+        raise NotImplementedError
+
+    def begin_replay(self, target, prompt: list[int], stream: list[int], device: str) -> None:
+        """A replay against a fixed continuation: no target forwards per step (see measure.replay_greedy)."""
+        self.begin(0, None, device)
+
+    def propose(self, seq: list[int], *, gamma: int, temperature: float, threshold, g) -> tuple[list, list]:
+        raise NotImplementedError
+
+    def verified(self, base: int, n: int, aux: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def step_time(self, target, context: list[int], *, max_k: int, repeats: int, device: str) -> float:
+        """Median wall time of this proposer's work per drafted token."""
+        raise NotImplementedError
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    @property
+    def vocab_trimmed(self):
+        return self.draft.kept_ids is not None
+
+    def begin(self, vocab, aux, device):
+        self.vocab, self.device = vocab, device
+        self.cache, self.held, self.filled = new_cache(self.draft.model), 0, 0
+
+    def _next(self, logits, temperature, g):
+        """A draft token in target ids, and q over the target vocabulary (None when greedy)."""
+        d = self.draft
+        if d.kept_ids is None:
+            return pick_token(logits, temperature, g)
+        if temperature == 0:
+            return int(d.kept_ids[int(logits.argmax())]), None
+        q = to_target_probs(d, to_probs(logits, temperature), self.vocab)
+        return int(torch.multinomial(q.cpu(), 1, generator=g)), q
+
+    def propose(self, seq, *, gamma, temperature, threshold, g):
+        drafted, q_rows = [], []
+        feed, self.filled = seq[self.held :], self.held
+        for _ in range(gamma):
+            logits = step_logits(self.draft, feed, self.cache, self.device)[-1]
+            self.filled += len(feed)
+            if threshold is not None and float(torch.softmax(logits, -1).max()) < threshold:
+                break
+            tok, q = self._next(logits, temperature, g)
+            drafted.append(tok)
+            q_rows.append(q)
+            feed = [tok]
+        return drafted, q_rows
+
+    def verified(self, base, n, aux):
+        self.held = min(self.filled, base + n)  # positions of seq the draft cache holds
+        crop(self.cache, self.held)
+
+    def step_time(self, target, context, *, max_k, repeats, device):
+        cache = new_cache(self.draft.model)
+        step_logits(self.draft, context, cache, device)
+        probe = probe_ids(context, max_k)[:1]
+        return median_time(timed_step(self.draft, cache, probe, len(context), device), repeats)
+
+
+class NgramProposer(Proposer):
+    method = "ngram"
+    has_probabilities = False
+
+    def check(self, target):
+        pass  # it copies the target's own ids
+
+    def begin(self, vocab, aux, device):
+        self.vocab = vocab
+
+    def propose(self, seq, *, gamma, temperature, threshold, g):
+        drafted = self.draft.propose(seq, gamma)
+        one_hot = torch.nn.functional.one_hot
+        return drafted, [None if temperature == 0 else one_hot(torch.tensor(t), self.vocab).double() for t in drafted]
+
+    def verified(self, base, n, aux):
+        pass
+
+    def step_time(self, target, context, *, max_k, repeats, device):
+        # one proposal of max_k - 1 tokens: the whole draft phase of a step
+        return median_time(lambda: self.draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
+
+
+class Eagle3Proposer(Proposer):
+    method = "eagle3"
+
+    @property
+    def layer_ids(self):
+        return tuple(self.draft.head.s.layer_ids)
+
+    def begin(self, vocab, aux, device):
+        self.state, self.pending, self.full = HeadState(self.draft.head), aux, None
+
+    def begin_replay(self, target, prompt, stream, device):
+        """The target's hidden states from ONE forward of fp8ptq's target over prompt + stream (its
+        simulated numerics, not the engine's kernels: the one source of difference left in the comparison)."""
+        from fp8ptq.spec.eagle3_loop import AuxCapture
+
+        with AuxCapture(target.model, self.layer_ids) as cap, torch.inference_mode():
+            target.model(input_ids=torch.tensor([list(prompt) + list(stream)], device=device))
+            full = cap.take()[0]
+        self.begin(0, None, device)
+        self.full = full
+
+    def propose(self, seq, *, gamma, temperature, threshold, g):
+        st = self.state
+        aux = self.pending if self.full is None else self.full[st.committed : len(seq) - 1]
+        return head_propose(self.draft, st, seq, aux, gamma=gamma, temperature=temperature, g=g, threshold=threshold)
+
+    def verified(self, base, n, aux):
+        if self.full is None:
+            self.pending = aux[: n + 1]  # target rows not yet fed to the head
+
+    def step_time(self, target, context, *, max_k, repeats, device):
+        return head_step_time(target, self.draft, context, repeats, device)
+
+
+PROPOSERS: dict[str, type[Proposer]] = {p.method: p for p in (DraftModelProposer, NgramProposer, Eagle3Proposer)}
+
+
+def proposer_for(draft) -> Proposer:
+    """The proposer of a loaded draft (its `method`: LoadedModel draft_model, NgramDraft, Eagle3Draft)."""
+    return PROPOSERS[draft.method](draft)
