@@ -6,7 +6,8 @@
 - no function outside the typer commands takes more than 6 positional parameters (use keywords);
 - every repository path the docs, BENCHMARKS.md and the sources name exists;
 - no module imports another module's private (`_name`) functions: what is shared is public;
-- no compressed-tensors format name outside ops/ and quantize/schemes/: its scheme handler says what it means.
+- no compressed-tensors format name outside ops/ and quantize/schemes/: its scheme handler says what it means;
+- one speculative loop verifies drafts (spec/measure.py), whatever the proposer.
 """
 
 from __future__ import annotations
@@ -221,3 +222,20 @@ def test_no_format_names_outside_the_scheme_handlers(tmp_path):
     (tmp_path / "fp8ptq" / "ops" / "ok.py").write_text("F = 'nvfp4-pack-quantized'\n")
     (tmp_path / "fp8ptq" / "m.py").write_text("def f(fmt):\n    return fmt == 'pack-quantized'\n")
     assert format_literals(tmp_path / "fp8ptq") == ["fp8ptq/m.py:2 'pack-quantized'"]
+
+
+def verification_sites(root: Path) -> list[str]:
+    """Calls of `verify_drafts` (speculative verification) under root (a copy of the fp8ptq package)."""
+    return [
+        f"{f.relative_to(root.parent)}:{node.lineno}"
+        for f in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "verify_drafts"
+    ]
+
+
+def test_one_speculative_loop():
+    """One generation loop verifies drafts (spec/measure.py), whatever the proposer (spec/proposers.py):
+    a second loop for a new proposer is refused here."""
+    sites = verification_sites(PACKAGE)
+    assert len(sites) == 1 and sites[0].startswith("fp8ptq/spec/measure.py:"), sites
