@@ -278,7 +278,15 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
 
 
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
-    """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json)."""
+    """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json).
+    Locked like draft_train: one run per output and work directory."""
+    from fp8ptq.export.rundir import output_lock
+
+    with output_lock(Path(cfg.output)):
+        return _eagle3_train(cfg, progress)
+
+
+def _eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
     from fp8ptq.draft.train import DATA_FILE, generate_data, work_dir
     from fp8ptq.draft.trim import choose_kept, count_tokens
     from fp8ptq.io import atomic_output_dir, check_output

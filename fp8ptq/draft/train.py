@@ -324,7 +324,15 @@ def train_summary(step: int, start: int, stopped, t0: float, losses: list[float]
 
 
 def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
-    """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary."""
+    """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary.
+    Locked (export/rundir.py): a second run for the same output and work directory fails at once."""
+    from fp8ptq.export.rundir import output_lock
+
+    with output_lock(Path(cfg.output)):
+        return _draft_train(cfg, progress)
+
+
+def _draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
     from fp8ptq.io import atomic_output_dir, check_output
 
     check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))

@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from fp8ptq.errors import Fp8ptqError, OutputError
@@ -32,6 +33,38 @@ def _fresh_dir(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o777 & ~umask)
+
+
+def acquire_lock(out: Path):
+    """The open, exclusively locked `.NAME.lock` beside `out` (a one-line OutputError when another fp8ptq
+    run holds it: no waiting). Give it back with release_lock."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(out.parent / f".{out.name}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise OutputError(
+            f"another fp8ptq run is writing '{out}'", fix="wait for it, or choose another -o path"
+        ) from None
+    return lock
+
+
+def release_lock(lock) -> None:
+    Path(lock.name).unlink(missing_ok=True)  # safe: a second run never waits on the lock
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+
+
+@contextmanager
+def output_lock(out: Path):
+    """Hold the lock on writing `out` for the block (runs that keep their own work directory beside
+    the output, like draft training's, so two of them cannot share it)."""
+    lock = acquire_lock(Path(out))
+    try:
+        yield
+    finally:
+        release_lock(lock)
 
 
 class RunDir:
@@ -57,15 +90,7 @@ class RunDir:
     def __enter__(self) -> RunDir:
         check_output(self.out, self.overwrite, self.inputs)
         self.approved = path_identity(self.out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.out.parent / f".{self.out.name}.lock", "w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise OutputError(
-                f"another fp8ptq run is writing '{self.out}'", fix="wait for it, or choose another -o path"
-            ) from None
+        self._lock = acquire_lock(self.out)
         try:
             self._open()
         except BaseException:
@@ -132,9 +157,7 @@ class RunDir:
 
     def _release(self) -> None:
         if self._lock is not None:
-            Path(self._lock.name).unlink(missing_ok=True)  # safe: a second run never waits on the lock
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+            release_lock(self._lock)
             self._lock = None
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -68,6 +68,22 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_dir, drafted):
     assert second["losses"] == drafted[1]["losses"]
 
 
+def test_a_second_training_run_for_the_same_output_is_refused_at_once(tmp_path, tiny_dir):
+    """Both trainers keep a work directory beside the output: a run holding its lock (here the test, as
+    another process would) makes the second fail before it loads anything, and nothing is written."""
+    from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
+    from fp8ptq.errors import OutputError
+    from fp8ptq.export.rundir import output_lock
+
+    out = tmp_path / "d"
+    with output_lock(out):
+        with pytest.raises(OutputError, match="another fp8ptq run is writing"):
+            _train(tiny_dir, out, max_steps=1)
+        with pytest.raises(OutputError, match="another fp8ptq run is writing"):
+            eagle3_train(Eagle3TrainConfig(target=str(tiny_dir), output=out, max_steps=1))
+    assert list(tmp_path.iterdir()) == []  # the lock file went with the lock; no work directory
+
+
 def test_batch_order_is_a_function_of_step():
     seen = [i for s in range(4) for i in batch_indices(s, 3, 6, seed=1)]
     assert sorted(seen[:6]) == list(range(6)) and sorted(seen[6:]) == list(range(6))
