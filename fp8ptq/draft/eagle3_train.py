@@ -33,8 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.draft.eagle3_warm import linear_warm_start
-from fp8ptq.draft.train import lr_at, train_summary
-from fp8ptq.io import write_atomic, write_json_atomic
+from fp8ptq.draft.loop import fit, load_checkpoint, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
@@ -202,79 +201,28 @@ def step_rows(step: int, n_shards: int, seed: int) -> int:
     return int(torch.randperm(n_shards, generator=torch.Generator().manual_seed(seed * 7919 + epoch))[off])
 
 
-def trainable(head) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in head.named_parameters() if p.requires_grad]
-
-
-def save_checkpoint(path: Path, head, opt, step: int, losses: list[float], elapsed: float) -> None:
-    params = trainable(head)
-    tensors = {f"model.{n}": p.detach().cpu().contiguous() for n, p in params}
-    for n, p in params:
-        st = opt.state.get(p)
-        if st:
-            tensors[f"opt.{n}.exp_avg"] = st["exp_avg"].cpu().contiguous()
-            tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"].cpu().contiguous()
-            tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1).cpu()
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
-    write_json_atomic(path.with_suffix(".json"), {"step": step, "losses": losses, "elapsed_s": elapsed})
-
-
-def load_checkpoint(path: Path, head, opt, device: str) -> tuple[int, list[float], float]:
-    t = load_file(str(path))
-    params = dict(trainable(head))
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(t[f"model.{n}"])
-    for n, p in params.items():
-        if f"opt.{n}.exp_avg" in t:
-            opt.state[p] = {
-                "step": t[f"opt.{n}.step"].reshape(()).to(torch.float32),
-                "exp_avg": t[f"opt.{n}.exp_avg"].to(device),
-                "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].to(device),
-            }
-    meta = json.loads(path.with_suffix(".json").read_text())
-    return meta["step"], meta["losses"], meta["elapsed_s"]
-
-
 def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress=None) -> dict:
+    """The training loop (loop.fit) on the TTT loss, one capture shard per step."""
     params = trainable(head)
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.safetensors"
-    step, losses, elapsed = 0, [], 0.0
+    resumed = (0, [], 0.0)
     if cfg.resume and ckpt.is_file():
         with safe_open(str(ckpt), "pt") as f:
             saved = f.get_slice("model.lm_head.weight").get_shape()[0]
             same = saved == head.s.draft_vocab and all(f"model.{n}" in f.keys() for n, _ in params)
         if same:  # else: a head of another trim (or without fc_norm) on the same data, trained afresh
-            step, losses, elapsed = load_checkpoint(ckpt, head, opt, cfg.device)
+            resumed = load_checkpoint(ckpt, head, opt, cfg.device)
     warm = None
-    if cfg.warm_start and step == 0 and cfg.max_steps > 0:
+    if cfg.warm_start and resumed[0] == 0 and cfg.max_steps > 0:
         warm = linear_warm_start(head, work, n_shards, cfg.seed)
     t2d_rows = head.target_to_draft()
-    start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"
-    head.train()
-    while step < cfg.max_steps:
-        if cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s and step > start:
-            stopped = "time_budget"
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
-        shard = load_file(str(work / f"shard-{step_rows(step, n_shards, cfg.seed):05d}.safetensors"))
-        loss = ttt_loss(head, shard, list(range(shard["ids"].shape[0])), cfg.ttt_steps, t2d_rows, cfg.device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        step += 1
-        if progress:
-            progress("train", step, cfg.max_steps)
-        if step % cfg.checkpoint_every == 0:
-            save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
-    save_checkpoint(ckpt, head, opt, step, losses, time.perf_counter() - t0)
-    head.eval()
 
-    return train_summary(step, start, stopped, t0, losses) | {"warm_start": warm}
+    def loss_at(step: int) -> torch.Tensor:
+        shard = load_file(str(work / f"shard-{step_rows(step, n_shards, cfg.seed):05d}.safetensors"))
+        return ttt_loss(head, shard, list(range(shard["ids"].shape[0])), cfg.ttt_steps, t2d_rows, cfg.device)
+
+    return fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress) | {"warm_start": warm}
 
 
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:

@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fp8ptq.io import write_atomic, write_json_atomic
+from fp8ptq.draft.loop import fit, load_checkpoint, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.models import DRAFT_META, LoadedModel, load_target
 from fp8ptq.spec.prompts import encode_prompts, load_prompts
@@ -188,11 +187,6 @@ def init_draft(target: LoadedModel, layers: int) -> torch.nn.Module:
     return draft
 
 
-def trainable(draft) -> list[tuple[str, torch.nn.Parameter]]:
-    draft.model.embed_tokens.weight.requires_grad_(False)  # tied LM head: the target's, kept as is
-    return [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
-
-
 # ---------------------------------------------------------------- training
 
 
@@ -206,18 +200,6 @@ def batch_indices(step: int, batch: int, n: int, seed: int) -> list[int]:
         out += take
         pos += len(take)
     return out
-
-
-def lr_at(step: int, cfg, elapsed_s: float = 0.0) -> float:
-    """Linear warm-up, then a cosine from lr down to 0.1·lr over the run's progress: the larger of the
-    step fraction and, with a time budget, the fraction of the budget spent — so the rate decays by
-    whichever bound ends the run (the draft model's and the EAGLE-3 head's trainers)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    if cfg.time_budget_s:
-        t = max(t, elapsed_s / cfg.time_budget_s)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
 def kl_loss(draft, data: dict, idx: list[int], device: str) -> torch.Tensor:
@@ -239,85 +221,20 @@ def kl_loss(draft, data: dict, idx: list[int], device: str) -> torch.Tensor:
     return (logp.exp() * (logp - logq.gather(-1, ids))).sum(-1).mean()
 
 
-def _save_checkpoint(path: Path, draft, opt, step: int, losses: list[float], elapsed: float) -> None:
-    tensors = {f"model.{n}": p.detach().contiguous() for n, p in trainable(draft)}
-    names = {id(p): n for n, p in trainable(draft)}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if st:
-                n = names[id(p)]
-                tensors[f"opt.{n}.exp_avg"] = st["exp_avg"].contiguous()
-                tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-                tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1)
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
-    write_json_atomic(path.with_suffix(".json"), {"step": step, "losses": losses, "elapsed_s": elapsed})
-
-
-def _load_checkpoint(path: Path, draft, opt) -> tuple[int, list[float], float]:
-    t = load_file(str(path))
-    params = dict(trainable(draft))
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(t[f"model.{n}"])
-    for n, p in params.items():
-        if f"opt.{n}.exp_avg" in t:
-            opt.state[p] = {
-                "step": t[f"opt.{n}.step"].reshape(()).to(torch.float32),
-                "exp_avg": t[f"opt.{n}.exp_avg"].clone(),
-                "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].clone(),
-            }
-    meta = json.loads(path.with_suffix(".json").read_text())
-    return meta["step"], meta["losses"], meta["elapsed_s"]
-
-
 def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=None) -> dict:
-    """The training loop. Resumes from `ckpt` when cfg.resume and it exists. Returns a summary."""
+    """The training loop (loop.fit) on the KL loss. Resumes from `ckpt` when cfg.resume and it exists."""
+    draft.model.embed_tokens.weight.requires_grad_(False)  # tied LM head: the target's, kept as is
     params = trainable(draft)
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    step, losses, elapsed = 0, [], 0.0
+    resumed = (0, [], 0.0)
     if cfg.resume and ckpt is not None and ckpt.is_file():
-        step, losses, elapsed = _load_checkpoint(ckpt, draft, opt)
+        resumed = load_checkpoint(ckpt, draft, opt, cfg.device)
     n = data["tokens"].shape[0]
-    start_step, t0 = step, time.perf_counter() - elapsed
-    stopped = "max_steps"
-    draft.train()
-    while step < cfg.max_steps:
-        if cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s and step > start_step:
-            stopped = "time_budget"
-            break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
-        loss = kl_loss(draft, data, batch_indices(step, cfg.batch_size, n, cfg.seed), cfg.device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        step += 1
-        if progress:
-            progress("train", step, cfg.max_steps)
-        if ckpt is not None and step % cfg.checkpoint_every == 0:
-            _save_checkpoint(ckpt, draft, opt, step, losses, time.perf_counter() - t0)
-    if ckpt is not None:
-        _save_checkpoint(ckpt, draft, opt, step, losses, time.perf_counter() - t0)
-    draft.eval()
-    return train_summary(step, start_step, stopped, t0, losses)
 
+    def loss_at(step: int) -> torch.Tensor:
+        return kl_loss(draft, data, batch_indices(step, cfg.batch_size, n, cfg.seed), cfg.device)
 
-def train_summary(step: int, start: int, stopped, t0: float, losses: list[float]) -> dict:
-    """What a training run reports (draft-train and the EAGLE-3 head): steps, stop reason, time, loss
-    at the start and over the last 20 steps."""
-    k = max(1, min(20, len(losses)))
-    return {
-        "steps": step,
-        "resumed_from": start,
-        "stopped_by": stopped,
-        "train_s": time.perf_counter() - t0,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": sum(losses[-k:]) / k if losses else None,
-        "losses": losses,
-    }
+    return fit(draft, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress)
 
 
 # ---------------------------------------------------------------- entry point

@@ -208,7 +208,7 @@ def test_head_reads_lm_rows_through_the_targets_final_norm(target4):
 def test_lr_decays_by_whichever_bound_ends_the_run():
     from types import SimpleNamespace
 
-    from fp8ptq.draft.train import lr_at
+    from fp8ptq.draft.loop import lr_at
 
     cfg = SimpleNamespace(lr=1.0, warmup_steps=10, max_steps=1000, time_budget_s=None)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(10, cfg) == pytest.approx(1.0)

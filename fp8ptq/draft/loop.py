@@ -1,0 +1,119 @@
+"""The one training loop of both trainers (the draft model's distillation, `train.py`, and the EAGLE-3
+head's, `eagle3_train.py`): AdamW steps with the learning-rate schedule, gradient clipping, a time
+budget, resumable checkpoints (trainable weights + AdamW moments + step, safetensors, written
+atomically) and the summary both report. What differs, the loss of a step and its data, is the
+caller's `loss_at(step)`, a pure function of the step so a resumed run equals an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8ptq.io import write_atomic, write_json_atomic
+
+
+def trainable(module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def lr_at(step: int, cfg, elapsed_s: float = 0.0) -> float:
+    """Linear warm-up, then a cosine from lr down to 0.1·lr over the run's progress: the larger of the
+    step fraction and, with a time budget, the fraction of the budget spent — so the rate decays by
+    whichever bound ends the run."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.time_budget_s:
+        t = max(t, elapsed_s / cfg.time_budget_s)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def save_checkpoint(path: Path, module, opt, step: int, losses: list[float], elapsed: float) -> None:
+    params = trainable(module)
+    tensors = {f"model.{n}": p.detach().cpu().contiguous() for n, p in params}
+    for n, p in params:
+        st = opt.state.get(p)
+        if st:
+            tensors[f"opt.{n}.exp_avg"] = st["exp_avg"].cpu().contiguous()
+            tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"].cpu().contiguous()
+            tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1).cpu()
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+    write_json_atomic(path.with_suffix(".json"), {"step": step, "losses": losses, "elapsed_s": elapsed})
+
+
+def load_checkpoint(path: Path, module, opt, device: str) -> tuple[int, list[float], float]:
+    """Weights and AdamW moments back from a checkpoint; returns (step, losses, elapsed seconds)."""
+    t = load_file(str(path))
+    params = dict(trainable(module))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(t[f"model.{n}"])
+    for n, p in params.items():
+        if f"opt.{n}.exp_avg" in t:
+            opt.state[p] = {
+                "step": t[f"opt.{n}.step"].reshape(()).to(torch.float32),
+                "exp_avg": t[f"opt.{n}.exp_avg"].to(device),
+                "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].to(device),
+            }
+    meta = json.loads(path.with_suffix(".json").read_text())
+    return meta["step"], meta["losses"], meta["elapsed_s"]
+
+
+def train_summary(step: int, start: int, stopped, t0: float, losses: list[float]) -> dict:
+    """What a training run reports: steps, stop reason, time, loss at the start and over the last 20 steps."""
+    k = max(1, min(20, len(losses)))
+    return {
+        "steps": step,
+        "resumed_from": start,
+        "stopped_by": stopped,
+        "train_s": time.perf_counter() - t0,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": sum(losses[-k:]) / k if losses else None,
+        "losses": losses,
+    }
+
+
+def fit(
+    module,
+    opt,
+    cfg,
+    loss_at: Callable[[int], torch.Tensor],
+    *,
+    ckpt: Path | None,
+    resumed: tuple[int, list[float], float] = (0, [], 0.0),
+    progress=None,
+) -> dict:
+    """Train `module` until cfg.max_steps or cfg.time_budget_s (at least one step after a resume), from
+    `resumed` (step, losses, elapsed); checkpoints every cfg.checkpoint_every steps and at the end when
+    `ckpt` is given. Returns train_summary's dict."""
+    params = [p for _, p in trainable(module)]
+    step, losses, elapsed = resumed
+    start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"
+    module.train()
+    while step < cfg.max_steps:
+        if cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s and step > start:
+            stopped = "time_budget"
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
+        loss = loss_at(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        step += 1
+        if progress:
+            progress("train", step, cfg.max_steps)
+        if ckpt is not None and step % cfg.checkpoint_every == 0:
+            save_checkpoint(ckpt, module, opt, step, losses, time.perf_counter() - t0)
+    if ckpt is not None:
+        save_checkpoint(ckpt, module, opt, step, losses, time.perf_counter() - t0)
+    module.eval()
+    return train_summary(step, start, stopped, t0, losses)
