@@ -1,7 +1,7 @@
 """draft-train --kind eagle3: train an EAGLE-3 head for the (quantized) target it will serve.
 
 1. Data: the target (simulated engine numerics for an fp8ptq export) generates from the training prompts
-   (`draft_train.generate_data`: half greedy, half T = 1), plus `plain_texts` passages of plain built-in
+   (`train.generate_data`: half greedy, half T = 1), plus `plain_texts` passages of plain built-in
    text. Cached in the work dir.
 2. Vocabulary (VocabTrim): the `draft_vocab` target ids most frequent in the target's generations
    (special tokens forced in); d2t / t2d as vLLM reads them. draft_vocab 0 = the full vocabulary.
