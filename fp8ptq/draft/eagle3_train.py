@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.draft.eagle3_warm import linear_warm_start
-from fp8ptq.draft.loop import fit, load_checkpoint, trainable
+from fp8ptq.draft.loop import fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
@@ -225,16 +225,9 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     return fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress) | {"warm_start": warm}
 
 
+@locked_output
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
-    """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json).
-    Locked like draft_train: one run per output and work directory."""
-    from fp8ptq.export.rundir import output_lock
-
-    with output_lock(Path(cfg.output)):
-        return _eagle3_train(cfg, progress)
-
-
-def _eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
+    """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json)."""
     from fp8ptq.draft.train import DATA_FILE, generate_data, work_dir
     from fp8ptq.draft.trim import choose_kept, count_tokens
     from fp8ptq.io import atomic_output_dir, check_output

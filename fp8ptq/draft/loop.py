@@ -6,6 +6,7 @@ caller's `loss_at(step)`, a pure function of the step so a resumed run equals an
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.export.rundir import output_lock
 from fp8ptq.io import write_atomic, write_json_atomic
 
 
@@ -117,3 +119,16 @@ def fit(
         save_checkpoint(ckpt, module, opt, step, losses, time.perf_counter() - t0)
     module.eval()
     return train_summary(step, start, stopped, t0, losses)
+
+
+def locked_output(train):
+    """A trainer `train(cfg, progress=None)` run under the lock on writing cfg.output (export/rundir.py):
+    its work directory beside the output is this run's alone, and a second run for the same output fails
+    at once, before loading anything."""
+
+    @functools.wraps(train)
+    def run(cfg, progress=None):
+        with output_lock(Path(cfg.output)):
+            return train(cfg, progress)
+
+    return run

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fp8ptq.draft.loop import fit, load_checkpoint, trainable
+from fp8ptq.draft.loop import fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.models import DRAFT_META, LoadedModel, load_target
 from fp8ptq.spec.prompts import encode_prompts, load_prompts
@@ -240,16 +240,9 @@ def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=
 # ---------------------------------------------------------------- entry point
 
 
+@locked_output
 def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
-    """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary.
-    Locked (export/rundir.py): a second run for the same output and work directory fails at once."""
-    from fp8ptq.export.rundir import output_lock
-
-    with output_lock(Path(cfg.output)):
-        return _draft_train(cfg, progress)
-
-
-def _draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
+    """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary."""
     from fp8ptq.io import atomic_output_dir, check_output
 
     check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))

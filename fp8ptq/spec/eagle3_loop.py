@@ -35,10 +35,6 @@ class Eagle3Draft:
     def vocab_size(self) -> int:
         return self.head.s.vocab
 
-    @property
-    def trimmed(self) -> bool:
-        return self.head.s.draft_vocab != self.head.s.vocab
-
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     inner = getattr(model, "model", model)
@@ -89,14 +85,6 @@ class AuxCapture:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
-
-
-@torch.inference_mode()
-def target_step(target: LoadedModel, ids: list[int], cache, cap: AuxCapture, device: str):
-    """logits [n, V] fp32 and aux [n, 3H] of `ids` fed after the cache."""
-    x = torch.tensor([ids], dtype=torch.long, device=device)
-    logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0].float()
-    return logits, cap.take()[0]
 
 
 class HeadState:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.eagle3_loop import AuxCapture, target_step
+from fp8ptq.spec.eagle3_loop import AuxCapture
 from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
 from fp8ptq.spec.proposers import proposer_for
 from fp8ptq.spec.recommend import Costs
@@ -84,11 +84,10 @@ class SpecStats:
 
 
 def _target_pass(target: LoadedModel, ids: list[int], cache, cap, device: str):
-    """The target over `ids` after its cache: logits [len(ids), V] and, when a proposer reads them, its
-    hidden rows at the proposer's layers."""
-    if cap is None:
-        return step_logits(target, ids, cache, device), None
-    return target_step(target, ids, cache, cap, device)
+    """The target over `ids` after its cache: logits [len(ids), V] and, when a proposer reads them (cap:
+    eagle3_loop.AuxCapture), its hidden rows [len(ids), n * H] at the proposer's layers."""
+    logits = step_logits(target, ids, cache, device)
+    return logits, None if cap is None else cap.take()[0]
 
 
 def speculative_generate(

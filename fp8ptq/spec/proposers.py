@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.eagle3_loop import HeadState, head_step_time
+from fp8ptq.spec.eagle3_loop import AuxCapture, HeadState, head_step_time
 from fp8ptq.spec.eagle3_loop import propose as head_propose
 from fp8ptq.spec.models import crop, new_cache, step_logits, to_target_probs
 from fp8ptq.spec.sampling import probs as to_probs
@@ -144,8 +144,6 @@ class Eagle3Proposer(Proposer):
     def begin_replay(self, target, prompt, stream, device):
         """The target's hidden states from ONE forward of fp8ptq's target over prompt + stream (its
         simulated numerics, not the engine's kernels: the one source of difference left in the comparison)."""
-        from fp8ptq.spec.eagle3_loop import AuxCapture
-
         with AuxCapture(target.model, self.layer_ids) as cap, torch.inference_mode():
             target.model(input_ids=torch.tensor([list(prompt) + list(stream)], device=device))
             full = cap.take()[0]
