@@ -164,7 +164,7 @@ def run_recipe(src_dir: Path, out: Path, model_type: str, recipe: str) -> dict:
     row["experts"] = any(".experts." in m for m in fakes)
     row["decompress"] = _decompress_check(out, fakes)
     report = inspect(InspectConfig(path=out))
-    errors = [f for f in report["findings"] if f["level"] == "error"]
+    errors = [f for f in report.findings if f.level == "error"]
     row["inspect"] = "ok" if not errors else f"{errors[0]['code']}: {errors[0]['where']}"
     from fp8ptq.data import load_samples
     from fp8ptq.models.loader import open_hf_dir

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -109,7 +110,7 @@ def ngram_replay(prompts, streams, gamma, nmin, nmax, max_tokens) -> dict:
     for p, out in zip(prompts, streams):
         replay_greedy(NgramDraft(nmin, nmax), p, out, gamma=gamma, stats=stats, max_tokens=max_tokens)
     s = stats.summary()
-    return {**s, "drafted_per_step": s["drafted"] / s["target_forwards"]}
+    return {**asdict(s), "drafted_per_step": s.drafted / s.target_forwards}
 
 
 def ngram(target: str, num_prompts: int, max_tokens: int, vllm_prompts: int) -> None:

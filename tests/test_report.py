@@ -111,6 +111,11 @@ def test_eval_quality_is_recorded_in_the_report(tiny_q, tiny_dir):
     )
     assert r.exit_code == 0, r.output
     kl = json.loads(r.stdout)["kl"]
-    assert (out / "fp8ptq_evals" / "quality.json").is_file()
-    assert f"KL {kl:.5f} per token" in (out / "report.md").read_text()
+    from fp8ptq.eval.quality import QualityReport
+    from fp8ptq.results import read_json
+
+    recorded = read_json(out / "fp8ptq_evals" / "quality.json", QualityReport)  # typed, versioned, validated
+    assert recorded.kl == kl and recorded.off_domain is None and recorded.model == str(out)
+    text = (out / "report.md").read_text()
+    assert f"KL {kl:.5f} per token" in text and "Off-domain" not in text
     assert "Evaluation: quality" in dump_dom(out / "report.html")

@@ -191,11 +191,12 @@ def human(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
-def quality_rows(table: Table, q: dict) -> None:
-    table.add_row("PPL (reference → quantized)", f"{q['ppl_reference']:.3f} → {q['ppl']:.3f}")
-    table.add_row("KL(ref ‖ quant) / token", f"{q['kl']:.5f}")
-    table.add_row("top-1 agreement", f"{q['top1'] * 100:.2f}%")
-    table.add_row("eval tokens", str(q["tokens"]))
+def quality_rows(table: Table, q) -> None:
+    """The rows of a quality result (eval.quality.QualityMetrics, or the manifest's Quality)."""
+    table.add_row("PPL (reference → quantized)", f"{q.ppl_reference:.3f} → {q.ppl:.3f}")
+    table.add_row("KL(ref ‖ quant) / token", f"{q.kl:.5f}")
+    table.add_row("top-1 agreement", f"{q.top1 * 100:.2f}%")
+    table.add_row("eval tokens", str(q.tokens))
 
 
 EVAL_OPTS = dict(

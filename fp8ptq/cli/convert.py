@@ -76,7 +76,9 @@ def convert(
                 )
             )
     if json_out:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
+        from fp8ptq.results import to_json
+
+        typer.echo(json.dumps(to_json(report), indent=2))
         return
     if report.line:
         out.print(report.line)

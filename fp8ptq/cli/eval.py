@@ -66,29 +66,30 @@ def eval_quality(
     )
     with user_errors(), progress_bar(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
+    from fp8ptq.results import to_json
+
+    data = to_json(result)
     if not no_record:
-        record_eval(model, "quality", result)
+        record_eval(model, "quality", data)
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(json.dumps(data, indent=2))
         return
-    off = result.get("off_domain")
+    off = result.off_domain
     if off is not None:  # in-domain and off-domain side by side
         table = Table(title=f"quality of {model} vs {reference}")
         table.add_column("")
-        table.add_column(f"in-domain ({result['data']})", justify="right")
-        table.add_column(f"off-domain ({off['data']})", justify="right")
-        table.add_row(
-            "PPL (reference → quantized)", *(f"{q['ppl_reference']:.3f} → {q['ppl']:.3f}" for q in (result, off))
-        )
-        table.add_row("KL(ref ‖ quant) / token", *(f"{q['kl']:.5f}" for q in (result, off)))
-        table.add_row("top-1 agreement", *(f"{q['top1'] * 100:.2f}%" for q in (result, off)))
-        table.add_row("eval tokens", *(str(q["tokens"]) for q in (result, off)))
-        table.add_row("simulated numerics", json.dumps(result["numerics"]), "")
+        table.add_column(f"in-domain ({result.data})", justify="right")
+        table.add_column(f"off-domain ({off.data})", justify="right")
+        table.add_row("PPL (reference → quantized)", *(f"{q.ppl_reference:.3f} → {q.ppl:.3f}" for q in (result, off)))
+        table.add_row("KL(ref ‖ quant) / token", *(f"{q.kl:.5f}" for q in (result, off)))
+        table.add_row("top-1 agreement", *(f"{q.top1 * 100:.2f}%" for q in (result, off)))
+        table.add_row("eval tokens", *(str(q.tokens) for q in (result, off)))
+        table.add_row("simulated numerics", json.dumps(result.numerics), "")
         out.print(table)
         return
     table = Table(title=f"quality of {model} vs {reference}", show_header=False)
     quality_rows(table, result)
-    table.add_row("simulated numerics", json.dumps(result["numerics"]))
+    table.add_row("simulated numerics", json.dumps(result.numerics))
     out.print(table)
 
 

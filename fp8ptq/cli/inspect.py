@@ -31,22 +31,24 @@ def inspect(
     with user_errors():
         report = run(InspectConfig(path=path))
     if json_out:
-        typer.echo(json.dumps(report, indent=2))
+        from fp8ptq.results import to_json
+
+        typer.echo(json.dumps(to_json(report), indent=2))
     else:
-        bits = f"{report['bits_per_param']:.2f} bits/param, {report['size_bytes'] / 2**20:.1f} MiB"
-        out.print(f"{report['path']}: {report['format']}, {bits}", highlight=False)
-        for label, n in report.get("schemes", {}).items():
+        bits = f"{report.bits_per_param:.2f} bits/param, {report.size_bytes / 2**20:.1f} MiB"
+        out.print(f"{report.path}: {report.format}, {bits}", highlight=False)
+        for label, n in report.schemes.items():
             out.print(f"  {n} Linears {label}", highlight=False)
-        if report.get("linears_unquantized") is not None:
-            out.print(f"  {report['linears_unquantized']} Linears unquantized", highlight=False)
-        for kind, n in report.get("tensor_types", {}).items():
+        if report.linears_unquantized is not None:
+            out.print(f"  {report.linears_unquantized} Linears unquantized", highlight=False)
+        for kind, n in report.tensor_types.items():
             out.print(f"  {n} tensors {kind}", highlight=False)
-        for f in report["findings"]:
+        for f in report.findings:
             out.print(
-                f"{f['level']}: {f['where']}: {f['message']} [{f['code']}]",
+                f"{f.level}: {f.where}: {f.message} [{f.code}]",
                 highlight=False,
                 markup=False,
                 soft_wrap=True,
             )
-    if report["errors"]:
+    if report.errors:
         raise typer.Exit(1)

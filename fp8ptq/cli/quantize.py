@@ -194,7 +194,7 @@ def quantize(
     sz = manifest.size_bytes
     table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×)")
     if manifest.quality is not None:
-        quality_rows(table, manifest.quality.model_dump())
+        quality_rows(table, manifest.quality)
     if manifest.mixed:
         table.add_row("4-bit share of linear FLOPs", f"{manifest.mixed['int4_flop_share'] * 100:.1f}%")
     if manifest.speculative:

@@ -78,28 +78,29 @@ def _measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts
     )
 
 
-def _acceptance_table(measured: dict, costs: dict | None) -> None:
+def _acceptance_table(measured, costs: dict | None) -> None:
+    """The tables of a spec.run.Measurement: per temperature, a row per γ and per threshold."""
     from fp8ptq.spec.recommend import Costs, speedup_from_steps
 
     c = Costs.from_dict(costs) if costs else None
-    for temp, r in measured["by_temperature"].items():
+    for temp, r in measured.by_temperature.items():
         table = Table("γ", "τ", "α (all)", "α per position", "pred. speedup" if c else "", title=f"T = {temp}")
-        for run in r["runs"]:
-            s = speedup_from_steps({int(k): v for k, v in run["k_hist"].items()}, run["emitted"], c) if c else None
+        for run in r.runs:
+            s = speedup_from_steps(run.steps(), run.emitted, c) if c else None
             table.add_row(
-                str(run["gamma"]),
-                f"{run['tau']:.2f}",
-                f"{run['alpha']:.3f}",
-                " ".join(f"{a:.2f}" for a in run["alpha_per_pos"]),
+                str(run.gamma),
+                f"{run.tau:.2f}",
+                f"{run.alpha:.3f}",
+                " ".join(f"{a:.2f}" for a in run.alpha_per_pos),
                 f"{s:.2f}×" if s else "",
             )
-        for run in r.get("threshold_runs", []):
-            s = speedup_from_steps({int(k): v for k, v in run["k_hist"].items()}, run["emitted"], c) if c else None
+        for run in r.threshold_runs:
+            s = speedup_from_steps(run.steps(), run.emitted, c) if c else None
             table.add_row(
-                f"≤{run['gamma']}, t={run['threshold']}",
-                f"{run['tau']:.2f}",
-                f"{run['alpha']:.3f}",
-                "drafted/step " + f"{run['drafted'] / max(1, run['target_forwards']):.2f}",
+                f"≤{run.gamma}, t={run.threshold}",
+                f"{run.tau:.2f}",
+                f"{run.alpha:.3f}",
+                "drafted/step " + f"{run.drafted / max(1, run.target_forwards):.2f}",
                 f"{s:.2f}×" if s else "",
             )
         out.print(table)
@@ -160,11 +161,13 @@ def measure_cmd(
     check_save(save, (target, draft))
     with user_errors(), progress_bar(not json_out) as progress:
         result = measure(cfg, progress)
-    write_save(save, result, indent=1)
+    from fp8ptq.results import to_json
+
+    write_save(save, to_json(result), indent=1)
     if json_out:
-        _echo_json(result)
+        _echo_json(to_json(result))
         return
-    _acceptance_table(result, result["costs"])
+    _acceptance_table(result, result.costs)
 
 
 @spec_app.command("recommend")

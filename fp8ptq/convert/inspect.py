@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -52,6 +53,32 @@ class Finding:
     code: str
     where: str
     message: str
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    """What `inspect` says of a checkpoint (`--json`: results.to_json of it). Directory fields: model_type,
+    schemes (label -> Linears), linears, linears_unquantized (None unless compressed-tensors); GGUF
+    fields: architecture, tensor_types (GGUF type -> tensors)."""
+
+    SCHEMA: ClassVar[str] = "inspect"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    path: str
+    format: str
+    size_bytes: int
+    bits_per_param: float
+    findings: tuple[Finding, ...] = ()
+    model_type: str | None = None
+    schemes: dict[str, int] = field(default_factory=dict)
+    linears: int | None = None
+    linears_unquantized: int | None = None
+    architecture: str | None = None
+    tensor_types: dict[str, int] = field(default_factory=dict)
+    errors: int = field(init=False, default=0)  # findings at level error (inspect exits 1 when > 0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "errors", sum(f.level == "error" for f in self.findings))
 
 
 def _format(path: Path, config: dict) -> str:
@@ -242,7 +269,7 @@ def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]
         out.append(Finding("error", "missing-head", "lm_head", "the config is untied but no lm_head tensor is stored"))
 
 
-def _inspect_gguf(path: Path) -> dict:
+def _inspect_gguf(path: Path) -> InspectReport:
     from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, gguf_architecture, open_reader
 
     reader = open_reader(path)
@@ -266,17 +293,18 @@ def _inspect_gguf(path: Path) -> dict:
         except ModelError as err:
             findings.append(Finding("error", "gguf-incomplete", str(path), err.message))
     size = path.stat().st_size
-    return {
-        "format": "gguf",
-        "architecture": gguf_architecture(reader),
-        "tensor_types": types,
-        "size_bytes": size,
-        "bits_per_param": 8 * size / max(params, 1),
-        "findings": findings,
-    }
+    return InspectReport(
+        path=str(path),
+        format="gguf",
+        architecture=gguf_architecture(reader),
+        tensor_types=types,
+        size_bytes=size,
+        bits_per_param=8 * size / max(params, 1),
+        findings=tuple(findings),
+    )
 
 
-def inspect_checkpoint(path: Path) -> dict:
+def inspect_checkpoint(path: Path) -> InspectReport:
     """Format, schemes, size and lint findings of a checkpoint directory or .gguf file."""
     from fp8ptq.models.loader import read_weight_map
 
@@ -286,17 +314,11 @@ def inspect_checkpoint(path: Path) -> dict:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a checkpoint directory or a .gguf file")
-        report = _inspect_gguf(path)
-    else:
-        report = _inspect_dir(path, read_weight_map(path))
-    findings = report.pop("findings")
-    report["findings"] = [asdict(f) for f in findings]
-    report["errors"] = sum(f.level == "error" for f in findings)
-    report["path"] = str(path)
-    return report
+        return _inspect_gguf(path)
+    return _inspect_dir(path, read_weight_map(path))
 
 
-def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
+def _inspect_dir(path: Path, weight_map: dict[str, str]) -> InspectReport:
     from fp8ptq.models.loader import ModelSource
 
     if not (path / "config.json").is_file():
@@ -324,13 +346,14 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> dict:
     linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
     quantized = sum(schemes.values())
     src.close()
-    return {
-        "format": fmt,
-        "model_type": config.get("model_type"),
-        "schemes": schemes,
-        "linears": len(linears),
-        "linears_unquantized": len(linears) - quantized if fmt == "compressed-tensors" else None,
-        "size_bytes": size,
-        "bits_per_param": 8 * size / max(params, 1),
-        "findings": findings,
-    }
+    return InspectReport(
+        path=str(path),
+        format=fmt,
+        model_type=config.get("model_type"),
+        schemes=schemes,
+        linears=len(linears),
+        linears_unquantized=len(linears) - quantized if fmt == "compressed-tensors" else None,
+        size_bytes=size,
+        bits_per_param=8 * size / max(params, 1),
+        findings=tuple(findings),
+    )

@@ -16,7 +16,8 @@ module, one line in CONVERTERS, its test (docs/DESIGN.md, "How to add a converte
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from fp8ptq.errors import ModelError, OptionError, OutputError
@@ -62,7 +63,11 @@ TARGETS = tuple(dict.fromkeys(c.target for c in CONVERTERS))
 @dataclass(frozen=True)
 class ConversionReport:
     """What a conversion did. `summary` and `tensors` are the converter's own records (for a directory
-    target also written to OUT/conversion.json); `line` is its one-line account."""
+    target also written to OUT/conversion.json); `line` is its one-line account. `convert --json`:
+    results.to_json of it."""
+
+    SCHEMA: ClassVar[str] = "conversion"
+    SCHEMA_VERSION: ClassVar[int] = 1
 
     output: str
     source_format: str
@@ -71,9 +76,6 @@ class ConversionReport:
     tensors: list = field(default_factory=list)
     dropped: list = field(default_factory=list)  # source tensors the target has no place for
     line: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _targets_from(fmt: str) -> list[str]:

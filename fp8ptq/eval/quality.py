@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,34 @@ from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
 from fp8ptq.quantize.schemes import dynamic_inputs, handler, stored_tensors
+
+
+@dataclass(frozen=True)
+class QualityMetrics:
+    """One text's numbers: mean KL(reference || candidate) and top-1 agreement per scored token, and both
+    perplexities, over `tokens` next-token predictions of `data`."""
+
+    tokens: int
+    ppl_reference: float
+    ppl: float
+    kl: float
+    top1: float
+    data: str
+
+
+@dataclass(frozen=True)
+class QualityReport(QualityMetrics):
+    """`fp8ptq eval quality` / api.evaluate_quality: the in-domain numbers, the simulated numerics, the
+    config as run, and the off-domain text's numbers when one was given (`--eval-data`)."""
+
+    SCHEMA: ClassVar[str] = "quality"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    model: str
+    reference: str
+    numerics: dict  # load_simulated's account of what was simulated
+    config: dict[str, str]
+    off_domain: QualityMetrics | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8ptq.spec import SpecError
+from fp8ptq.spec.acceptance import Acceptance, RunSummary
 from fp8ptq.spec.eagle3_loop import AuxCapture
 from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
 from fp8ptq.spec.proposers import proposer_for
@@ -65,22 +66,23 @@ class SpecStats:
         for i in range(n):
             self.per_pos[i] += 1
 
-    def summary(self) -> dict:
+    def summary(self, threshold: float | None = None) -> RunSummary:
         alphas = [a / r if r else 0.0 for a, r in zip(self.per_pos, self.reached)]
-        return {
-            "gamma": self.gamma,
-            "drafts": self.drafts,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "per_pos_accepted": self.per_pos,
-            "per_pos_reached": self.reached,
-            "alpha_per_pos": alphas,
-            "alpha": self.accepted / self.drafted if self.drafted else 0.0,
-            "tau": self.emitted / self.target_forwards if self.target_forwards else 1.0,
-            "emitted": self.emitted,
-            "target_forwards": self.target_forwards,
-            "k_hist": {str(k): v for k, v in sorted(self.k_hist.items())},
-        }
+        return RunSummary(
+            gamma=self.gamma,
+            drafts=self.drafts,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            per_pos_accepted=list(self.per_pos),
+            per_pos_reached=list(self.reached),
+            alpha_per_pos=alphas,
+            alpha=self.accepted / self.drafted if self.drafted else 0.0,
+            tau=self.emitted / self.target_forwards if self.target_forwards else 1.0,
+            emitted=self.emitted,
+            target_forwards=self.target_forwards,
+            k_hist={str(k): v for k, v in sorted(self.k_hist.items())},
+            threshold=threshold,
+        )
 
 
 def _target_pass(target: LoadedModel, ids: list[int], cache, cap, device: str):
@@ -163,10 +165,10 @@ def measure_acceptance(
     seed: int = 0,
     device: str = "cpu",
     progress=None,
-) -> dict:
+) -> tuple[Acceptance, dict[int, list[list[int]]]]:
     """Run the speculative loop on every prompt for each γ (and each dynamic-length threshold at
-    threshold_gamma, default max γ). Returns {'runs': [summary per γ], 'threshold_runs': [...],
-    'outputs': {γ: token ids per prompt}, ...}. progress(stage, done, total) is called per prompt."""
+    threshold_gamma, default max γ). Returns the counters (a RunSummary per γ and per threshold) and
+    the outputs, γ -> token ids per prompt. progress(stage, done, total) is called per prompt."""
     prop = proposer_for(draft)
     prop.check(target)
     if thresholds and not prop.has_probabilities:
@@ -200,21 +202,13 @@ def measure_acceptance(
             done += 1
             if progress:
                 progress("measure", done, total)
-        summary = stats.summary()
         if thr is None:
-            runs.append(summary)
+            runs.append(stats.summary())
             outputs[gamma] = outs
         else:
-            thr_runs.append({**summary, "threshold": thr})
-    return {
-        "runs": runs,
-        "threshold_runs": thr_runs,
-        "outputs": outputs,
-        "temperature": temperature,
-        "max_tokens": max_tokens,
-        "prompts": len(prompts),
-        "seed": seed,
-    }
+            thr_runs.append(stats.summary(thr))
+    acceptance = Acceptance(tuple(runs), tuple(thr_runs), temperature, max_tokens, len(prompts), seed)
+    return acceptance, outputs
 
 
 @torch.inference_mode()

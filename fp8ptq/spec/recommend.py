@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fp8ptq.spec import SpecError
+from fp8ptq.spec.acceptance import Acceptance
 
 MAX_GAMMA = 16
 
@@ -110,33 +111,32 @@ class Recommendation:
         return asdict(self)
 
 
-def choose(measured: dict, costs: Costs, gamma_range: tuple[int, int] | None = None) -> Recommendation:
-    """measured: the dict `measure.measure_acceptance` returns ('runs': one per γ, each with gamma, tau,
-    alpha, k_hist, emitted; optional 'threshold_runs'). Picks the γ with the highest predicted speedup."""
-    runs = [r for r in measured["runs"] if gamma_range is None or gamma_range[0] <= r["gamma"] <= gamma_range[1]]
+def choose(measured: Acceptance, costs: Costs, gamma_range: tuple[int, int] | None = None) -> Recommendation:
+    """Picks the γ with the highest predicted speedup over the measured runs (a dynamic-length threshold
+    is reported when one beats it)."""
+    runs = [r for r in measured.runs if gamma_range is None or gamma_range[0] <= r.gamma <= gamma_range[1]]
     if not runs:
         raise SpecError(
-            f"no measured γ in the range {gamma_range}", fix=f"measured: {[r['gamma'] for r in measured['runs']]}"
+            f"no measured γ in the range {gamma_range}", fix=f"measured: {[r.gamma for r in measured.runs]}"
         )
     table = []
-    for r in sorted(runs, key=lambda r: r["gamma"]):
-        s = speedup_from_steps({int(k): v for k, v in r["k_hist"].items()}, r["emitted"], costs)
+    for r in sorted(runs, key=lambda r: r.gamma):
+        s = speedup_from_steps(r.steps(), r.emitted, costs)
         table.append(
             {
-                "gamma": r["gamma"],
-                "tau": r["tau"],
-                "alpha": r["alpha"],
+                "gamma": r.gamma,
+                "tau": r.tau,
+                "alpha": r.alpha,
                 "speedup": s,
-                "speedup_formula": speedup(r["tau"], r["gamma"], costs),
+                "speedup_formula": speedup(r.tau, r.gamma, costs),
             }
         )
     best = max(table, key=lambda t: t["speedup"])
     thr, thr_s = None, None
-    for r in measured.get("threshold_runs", []):
-        s = speedup_from_steps({int(k): v for k, v in r["k_hist"].items()}, r["emitted"], costs)
-        r["speedup"] = s
+    for r in measured.threshold_runs:
+        s = speedup_from_steps(r.steps(), r.emitted, costs)
         if s > best["speedup"] and (thr_s is None or s > thr_s):
-            thr, thr_s = r["threshold"], s
+            thr, thr_s = r.threshold, s
     return Recommendation(
         gamma=best["gamma"],
         tau=best["tau"],

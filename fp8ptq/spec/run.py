@@ -18,8 +18,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fp8ptq.errors import check_option
+from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.recommend import MAX_GAMMA, Costs, choose, sglang_flags, vllm_config, write_outputs
+from fp8ptq.spec.acceptance import Measurement, read_measurement
+from fp8ptq.spec.recommend import (
+    MAX_GAMMA,
+    Costs,
+    choose,
+    sglang_flags,
+    speedup_from_steps,
+    vllm_config,
+    write_outputs,
+)
 
 MEASURE_FILE = "measure.json"
 
@@ -64,8 +74,8 @@ def check_gammas(gammas) -> None:
         raise SpecError(f"γ values {list(gammas)} must be in 1..{MAX_GAMMA}", fix="e.g. --gammas 1,2,3,4,5,6,7,8")
 
 
-def measure(cfg: MeasureConfig, progress=None) -> dict:
-    """Acceptance for each temperature and γ + HF costs. Returns a JSON-able dict (see MEASURE_FILE)."""
+def measure(cfg: MeasureConfig, progress=None) -> Measurement:
+    """Acceptance for each temperature and γ + HF costs."""
     from fp8ptq.spec.measure import measure_acceptance, measure_costs
     from fp8ptq.spec.models import load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
@@ -89,17 +99,9 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
         texts = load_prompts(cfg.prompts, "evaluation", cfg.num_prompts, cfg.seed, cfg.text_field)
         prompts = encode_prompts(src.tokenizer(), texts, max_tokens=cfg.max_prompt_tokens)
     load_s = time.perf_counter() - t0
-    result = {
-        "target": str(cfg.target),
-        "target_path": str(src.path),
-        "draft": str(cfg.draft),
-        "trimmed": proposer.vocab_trimmed,
-        "config": {k: v for k, v in asdict(cfg).items() if k != "prompt_ids"},
-        "prompt_ids": prompts,
-        "by_temperature": {},
-    }
+    by_temperature = {}
     for temp in cfg.temperatures:
-        r = measure_acceptance(
+        by_temperature[str(temp)], _ = measure_acceptance(
             target,
             draft,
             prompts,
@@ -111,8 +113,6 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
             device=cfg.device,
             progress=progress,
         )
-        r.pop("outputs")
-        result["by_temperature"][str(temp)] = r
     context = prompts[0] + prompts[0][: cfg.max_tokens // 2]  # a typical decode position
     costs = measure_costs(
         target,
@@ -123,9 +123,17 @@ def measure(cfg: MeasureConfig, progress=None) -> dict:
         device=cfg.device,
         progress=progress,
     )
-    result["costs"] = costs.as_dict()
-    result["timings"] = {"load_s": load_s, "total_s": time.perf_counter() - t0}
-    return result
+    return Measurement(
+        target=str(cfg.target),
+        target_path=str(src.path),
+        draft=str(cfg.draft),
+        trimmed=proposer.vocab_trimmed,
+        config={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items() if k != "prompt_ids"},
+        prompt_ids=prompts,
+        by_temperature=by_temperature,
+        costs=costs.as_dict(),
+        timings={"load_s": load_s, "total_s": time.perf_counter() - t0},
+    )
 
 
 @dataclass(frozen=True)
@@ -268,11 +276,14 @@ def engine_check(
                 stream, same = longer, same + 1
             replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens, target=tgt)
         s = stats.summary()
-        out["fp8ptq_replay"] = {k: s[k] for k in ("drafts", "drafted", "accepted")} | {
-            "per_pos_accepted": s["per_pos_accepted"],
-            "acceptance": s["alpha"],
+        out["fp8ptq_replay"] = {
+            "drafts": s.drafts,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "per_pos_accepted": s.per_pos_accepted,
+            "acceptance": s.alpha,
         }
-        out["acceptance_gap"] = (out["vllm"]["acceptance"] - s["alpha"]) / s["alpha"] if s["alpha"] else None
+        out["acceptance_gap"] = (out["vllm"]["acceptance"] - s.alpha) / s.alpha if s.alpha else None
         out["outputs_equal_plain"] = same  # prompts whose speculative output == plain greedy output
     return out
 
@@ -300,41 +311,36 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
     if cfg.engine_check and cfg.measure is not None:
         check_engine_ready(cfg.measure.draft, cfg.vllm_python)  # before minutes of measuring
     if cfg.measured is not None:
-        try:
-            measured = json.loads(Path(cfg.measured).read_text())
-        except (OSError, ValueError) as err:
-            raise SpecError(
-                f"cannot read measurements '{cfg.measured}' ({err})",
-                fix="pass the file written by `fp8ptq spec measure --save FILE`",
-            ) from None
+        measured = read_measurement(Path(cfg.measured))
     elif cfg.measure is not None:
         measured = measure(cfg.measure, progress)
     else:
         raise SpecError("nothing to recommend from", fix="pass TARGET and DRAFT, or --measured FILE")
     key = str(float(cfg.temperature))
-    if key not in measured["by_temperature"]:
+    if key not in measured.by_temperature:
         raise SpecError(
-            f"temperature {cfg.temperature} was not measured (have {sorted(measured['by_temperature'])})",
+            f"temperature {cfg.temperature} was not measured (have {sorted(measured.by_temperature)})",
             fix="measure it with --temperatures, or pick a measured one",
         )
-    costs = Costs.from_dict(cfg.costs or measured["costs"])
-    rec = choose(measured["by_temperature"][key], costs)
-    draft = cfg.draft_for_engine or measured["draft"]
+    costs = Costs.from_dict(cfg.costs or measured.costs)
+    acc = measured.by_temperature[key]
+    rec = choose(acc, costs)
+    draft = cfg.draft_for_engine or measured.draft
     engine = None
     if cfg.engine_check:  # the measured draft's real path: draft_for_engine may be relative to a bundle
         engine = engine_check(
-            measured["target_path"],
-            measured["draft"],
-            vllm_config(measured["draft"], rec.gamma),
-            measured["prompt_ids"],
-            int(measured["by_temperature"][key]["max_tokens"]),
+            measured.target_path,
+            measured.draft,
+            vllm_config(measured.draft, rec.gamma),
+            measured.prompt_ids,
+            acc.max_tokens,
             temperature=cfg.temperature,
-            seed=int(measured["config"].get("seed", 0)),
+            seed=int(measured.config.get("seed", 0)),
             python=cfg.vllm_python,
         )
     sglang = None
     if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
-        flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=is_eagle3(measured["draft"]))
+        flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=is_eagle3(measured.draft))
         sglang = sglang_check(flags)
     plan = None
     if cfg.device_memory:
@@ -343,7 +349,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
         from fp8ptq.spec.models import parse_ngram
 
         plan = memory_plan(
-            model_shape(Path(measured["target_path"]), cfg.kv_dtype),
+            model_shape(Path(measured.target_path), cfg.kv_dtype),
             None if parse_ngram(draft) else model_shape(Path(draft)),
             parse_size(cfg.device_memory),
             context=cfg.context,
@@ -351,11 +357,13 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
             gamma=rec.gamma,
         ).as_dict()
     extra = {
-        "target": measured["target"],
+        "target": measured.target,
         "draft": draft,
         "temperature": cfg.temperature,
         "memory_plan": plan,
-        "threshold_runs": measured["by_temperature"][key].get("threshold_runs", []),
+        "threshold_runs": [  # each with its predicted speedup under these costs
+            {**asdict(r), "speedup": speedup_from_steps(r.steps(), r.emitted, costs)} for r in acc.threshold_runs
+        ],
         "engine_check": engine,
         "sglang_check": sglang,
         "token_map": cfg.token_map,  # a trimmed draft's map: recorded, not in the SGLang flags (sglang_flags)
@@ -369,9 +377,9 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
             rec,
             draft=draft,
             token_map=cfg.token_map,
-            title=f"{Path(str(measured['target'])).name} + {Path(draft).name}, T={cfg.temperature}",
+            title=f"{Path(measured.target).name} + {Path(draft).name}, T={cfg.temperature}",
             extra=extra,
-            eagle3=is_eagle3(measured["draft"]),  # the measured path: draft_for_engine may be relative
+            eagle3=is_eagle3(measured.draft),  # the measured path: draft_for_engine may be relative
         )
-        (tmp / MEASURE_FILE).write_text(json.dumps(measured, indent=1) + "\n")
+        (tmp / MEASURE_FILE).write_text(json.dumps(to_json(measured), indent=1) + "\n")
     return {**rec.as_dict(), **extra, "files": {k: str(Path(cfg.output) / v.name) for k, v in files.items()}}

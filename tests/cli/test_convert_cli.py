@@ -44,6 +44,11 @@ def test_convert_both_ways(gguf_file, tmp_path):
         14,
     )
     assert len(report["tensors"]) == sum(report["summary"][k] for k in ("exact", "dequantized", "kept"))
+    from fp8ptq.convert.registry import ConversionReport
+    from fp8ptq.results import from_json
+
+    assert (report["schema"], report["schema_version"]) == ("conversion", 1)
+    assert from_json(report, ConversionReport, where="stdout").output == str(tmp_path / "b2.gguf")
 
 
 def _one_line_error(rc: int, out: str, text: str) -> None:

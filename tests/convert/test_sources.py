@@ -48,7 +48,7 @@ def _check_config(out):
 )
 def test_gptq_carried_exactly(tiny_dir, tmp_path, kw):
     ref = write_gptq(tiny_dir, tmp_path / "gptq", **kw)
-    assert inspect(InspectConfig(path=tmp_path / "gptq"))["format"] == "gptq"
+    assert inspect(InspectConfig(path=tmp_path / "gptq")).format == "gptq"
     report = _to_ct(tmp_path / "gptq", tmp_path / "ct", source_format="gptq")
     assert (report.summary["exact"], report.summary["dequantized"]) == (14, 0), report.summary
     sim = _decompressed(tmp_path / "ct")
@@ -61,7 +61,7 @@ def test_gptq_carried_exactly(tiny_dir, tmp_path, kw):
     assert ("model.layers.0.mlp.up_proj.weight_zero_point" in t) == (not kw["sym"])
     assert not [n for n in t if n.endswith(("qweight", "qzeros", "g_idx"))]
     r = inspect(InspectConfig(path=tmp_path / "ct"))
-    assert r["errors"] == 0 and r["linears_unquantized"] == 1, r["findings"]  # lm_head
+    assert r.errors == 0 and r.linears_unquantized == 1, r.findings  # lm_head
 
 
 def test_gptq_act_order_is_dequantized(tiny_dir, tmp_path):
@@ -79,7 +79,7 @@ def test_gptq_act_order_is_dequantized(tiny_dir, tmp_path):
 
 def test_awq_carried_exactly(tiny_dir, tmp_path):
     ref = write_awq(tiny_dir, tmp_path / "awq")
-    assert inspect(InspectConfig(path=tmp_path / "awq"))["format"] == "awq"
+    assert inspect(InspectConfig(path=tmp_path / "awq")).format == "awq"
     report = _to_ct(tmp_path / "awq", tmp_path / "ct")
     assert report.source_format == "awq" and report.summary["exact"] == 14
     sim = _decompressed(tmp_path / "ct")
@@ -87,13 +87,13 @@ def test_awq_carried_exactly(tiny_dir, tmp_path):
         assert torch.equal(sim[f"{name}.weight"], want), name
     w = _check_config(tmp_path / "ct")["config_groups"]["group_0"]["weights"]
     assert (w["num_bits"], w["group_size"], w["symmetric"]) == (4, 32, False)
-    assert inspect(InspectConfig(path=tmp_path / "ct"))["errors"] == 0
+    assert inspect(InspectConfig(path=tmp_path / "ct")).errors == 0
 
 
 @pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
 def test_modelopt_fp8_carried_exactly(tiny_dir, tmp_path, algo):
     ref = write_modelopt(tiny_dir, tmp_path / "mo", algo=algo, kv=algo == "FP8")
-    assert inspect(InspectConfig(path=tmp_path / "mo"))["format"] == "modelopt"
+    assert inspect(InspectConfig(path=tmp_path / "mo")).format == "modelopt"
     report = _to_ct(tmp_path / "mo", tmp_path / "ct", source_format="modelopt")
     assert report.summary["exact"] == 14 and report.summary["kv_scales"] == (4 if algo == "FP8" else 0)
     a, b = read_tensors(tmp_path / "mo"), read_tensors(tmp_path / "ct")
@@ -111,10 +111,10 @@ def test_modelopt_fp8_carried_exactly(tiny_dir, tmp_path, algo):
     else:
         assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
     r = inspect(InspectConfig(path=tmp_path / "ct"))
-    warnings = [f["message"] for f in r["findings"] if f["level"] == "warning"]
-    assert r["errors"] == 0 and all("weight_scale" in m for m in warnings), r["findings"]
+    warnings = [f.message for f in r.findings if f.level == "warning"]
+    assert r.errors == 0 and all("weight_scale" in m for m in warnings), r.findings
     if algo == "FP8":  # ModelOpt leaves q/k/v's weight scales apart; vLLM re-quantizes them to the max
-        assert "fused-scales" in {f["code"] for f in r["findings"]}
+        assert "fused-scales" in {f.code for f in r.findings}
 
 
 def test_modelopt_nvfp4_same_codes_reciprocal_global_scales(tiny_dir, tmp_path):
@@ -133,7 +133,7 @@ def test_modelopt_nvfp4_same_codes_reciprocal_global_scales(tiny_dir, tmp_path):
         torch.testing.assert_close(sim[f"{name}.weight"], want, rtol=2**-8, atol=0)
     assert _check_config(tmp_path / "ct")["format"] == "nvfp4-pack-quantized"
     r = inspect(InspectConfig(path=tmp_path / "ct"))
-    assert r["errors"] == 0 and not [f for f in r["findings"] if f["level"] == "warning"], r["findings"]
+    assert r.errors == 0 and not [f for f in r.findings if f.level == "warning"], r.findings
 
 
 def test_bad_sources_fail_cleanly(tiny_dir, tmp_path):

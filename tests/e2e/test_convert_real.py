@@ -27,7 +27,7 @@ def test_real_q4_0_gguf_to_ct_and_back_is_exact(smol_q4_0, tmp_path):
     assert read_config(ct)["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
     # the same numbers as transformers' dequantization of the GGUF (in bf16, as `convert --to hf` writes it)
     q = evaluate_quality(EvalConfig(model=str(ct), reference=str(gguf), num_samples=2, seq_len=128))
-    assert q["kl"] < 1e-3 and q["top1"] > 0.98, q
+    assert q.kl < 1e-3 and q.top1 > 0.98, q
     back = tmp_path / "back.gguf"
     report = convert(ConvertConfig(source=ct, output=back, to="gguf"))
     assert report.summary["exact_q4_0"] == 210 and report.summary["worst_scale_fp16_rel_err"] == 0.0
@@ -52,8 +52,8 @@ def test_real_q4_1_gguf_is_requantized_with_a_recipe(tmp_path):
     kinds = {r["gguf_type"] for r in report.tensors if r["action"] == "requantized"}
     assert kinds == {"Q4_1"}
     q = evaluate_quality(EvalConfig(model=str(tmp_path / "fp8"), reference="smollm2-135m", num_samples=2, seq_len=128))
-    assert q["kl"] < 0.1, q  # FP8-dynamic of the dequantized Q4_1 weights vs those weights
-    assert torch.isfinite(torch.tensor(q["kl"]))
+    assert q.kl < 0.1, q  # FP8-dynamic of the dequantized Q4_1 weights vs those weights
+    assert torch.isfinite(torch.tensor(q.kl))
 
 
 def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path, recipe_export):
@@ -70,4 +70,4 @@ def test_real_w4a16_gguf_recipe_to_gguf_keeps_quality(tmp_path, recipe_export):
     # (4 x 256) against the 2% allowed; the time is mostly transformers reading the GGUF, not the tokens
     q_ct = evaluate_quality(EvalConfig(model=str(ct), reference="smollm2-135m", num_samples=2, seq_len=128))
     q_gguf = evaluate_quality(EvalConfig(model=str(gguf), reference="smollm2-135m", num_samples=2, seq_len=128))
-    assert abs(q_gguf["kl"] - q_ct["kl"]) <= 0.02 * q_ct["kl"], (q_ct["kl"], q_gguf["kl"])
+    assert abs(q_gguf.kl - q_ct.kl) <= 0.02 * q_ct.kl, (q_ct.kl, q_gguf.kl)

@@ -17,6 +17,7 @@ import pytest
 
 from fp8ptq.draft.train import DraftTrainConfig, draft_train
 from fp8ptq.engine.vllm import vllm_python
+from fp8ptq.spec.acceptance import read_measurement
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, recommend
 
 pytestmark = pytest.mark.slow
@@ -95,8 +96,8 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     )
     spec_cfg = json.loads((tmp_path / "spec" / "speculative_config.json").read_text())
     assert spec_cfg == {"method": "draft_model", "model": draft, "num_speculative_tokens": rec["gamma"]}
-    measured = json.loads((tmp_path / "spec" / "measure.json").read_text())
-    ours = next(r for r in measured["by_temperature"]["0.0"]["runs"] if r["gamma"] == rec["gamma"])
+    measured = read_measurement(tmp_path / "spec" / "measure.json")
+    ours = next(r for r in measured.by_temperature["0.0"].runs if r.gamma == rec["gamma"])
     written = json.loads((tmp_path / "spec" / "recommendation.json").read_text())["engine_check"]
 
     # The engine check ran the written config in vLLM (and plain decoding) on the measured prompts.
@@ -116,7 +117,7 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
         f"γ={rec['gamma']} vLLM: {v['accepted']}/{v['drafted']} = {v['acceptance']:.3f} per-pos "
         f"{v['per_pos_accepted']} drafts {v['drafts']}; replay: {replay['accepted']}/{replay['drafted']} = "
         f"{replay['acceptance']:.3f} per-pos {replay['per_pos_accepted']} drafts {replay['drafts']}; fp8ptq "
-        f"measured on its simulated target: {ours['accepted']}/{ours['drafted']}; vLLM tokens/s plain "
+        f"measured on its simulated target: {ours.accepted}/{ours.drafted}; vLLM tokens/s plain "
         f"{e['plain_tokens_per_s']:.1f}, speculative {e['speculative_tokens_per_s']:.1f} ({e['speedup']:.2f}×)"
     )
     print(report)

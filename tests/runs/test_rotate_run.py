@@ -44,12 +44,12 @@ def test_rotated_fp8_kv8_run(tiny_dir, tmp_path, cache, prose):
     r = evaluate_quality(
         EvalConfig(model=str(out), reference=str(tiny_dir), num_samples=2, seq_len=48, eval_data=str(prose))
     )
-    assert r["off_domain"]["data"] == str(prose) and r["off_domain"]["tokens"] == r["tokens"] == 2 * 47
-    assert 0 < r["kl"] < 0.5 and 0 < r["off_domain"]["kl"] < 0.5 and r["off_domain"]["kl"] != r["kl"]
+    assert r.off_domain.data == str(prose) and r.off_domain.tokens == r.tokens == 2 * 47
+    assert 0 < r.kl < 0.5 and 0 < r.off_domain.kl < 0.5 and r.off_domain.kl != r.kl
     # the rotated float model alone is the original model up to its bf16 storage (the evaluator agrees)
     rotated = next((cache / "rotated").iterdir())
     same = evaluate_quality(EvalConfig(model=str(rotated), reference=str(tiny_dir), num_samples=2, seq_len=48))
-    assert same["kl"] < 1e-6 and same["top1"] > 0.97  # (near-ties of a random model's logits flip)
+    assert same.kl < 1e-6 and same.top1 > 0.97  # (near-ties of a random model's logits flip)
 
 
 def test_rotated_w4a16_data_free_and_cli(tiny_dir, tmp_path, cache, prose):

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8ptq.spec import SpecError
+from fp8ptq.spec.acceptance import Acceptance, RunSummary
 from fp8ptq.spec.memory import ModelShape, kv_bytes_per_token, model_shape, parse_size, plan, safetensors_bytes
 from fp8ptq.spec.recommend import (
     Costs,
@@ -100,12 +101,27 @@ def test_tau_formulas():
         tau_from_positions([0.5], 2)
 
 
-def _synthetic(alpha: float, gammas, steps: int = 1000) -> dict:
+def _synthetic(alpha: float, gammas, steps: int = 1000) -> Acceptance:
     runs = []
     for g in gammas:
         tau = tau_closed_form(alpha, g)
-        runs.append({"gamma": g, "tau": tau, "alpha": alpha, "k_hist": {str(g): steps}, "emitted": tau * steps})
-    return {"runs": runs}
+        runs.append(
+            RunSummary(
+                gamma=g,
+                drafts=steps,
+                drafted=g * steps,
+                accepted=round((tau - 1) * steps),
+                per_pos_accepted=[],
+                per_pos_reached=[],
+                alpha_per_pos=[],
+                alpha=alpha,
+                tau=tau,
+                emitted=tau * steps,
+                target_forwards=steps,
+                k_hist={str(g): steps},
+            )
+        )
+    return Acceptance(tuple(runs), (), 0.0, 64, 8, 0)
 
 
 def test_choose_gamma_matches_the_formula():

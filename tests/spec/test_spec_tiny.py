@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 
 from fp8ptq.draft.train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
 from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
+from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
+from fp8ptq.spec.acceptance import read_measurement
 from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
 from fp8ptq.spec.models import TRIM_META, NgramDraft, load_draft, load_target, parse_ngram
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
@@ -138,15 +140,15 @@ def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
     replay_greedy(draft, prompt, ids[0, len(prompt) :].tolist(), gamma=3, stats=replay, max_tokens=20)
     assert replay.summary() == stats.summary() and stats.accepted > 0
     s = stats.summary()
-    assert s["drafted"] == 3 * s["drafts"] and s["accepted"] == sum(s["per_pos_accepted"])
-    assert all(a >= b for a, b in zip(s["per_pos_accepted"], s["per_pos_accepted"][1:]))
-    assert s["emitted"] >= 19  # the first token comes from the prefill
+    assert s.drafted == 3 * s.drafts and s.accepted == sum(s.per_pos_accepted)
+    assert all(a >= b for a, b in zip(s.per_pos_accepted, s.per_pos_accepted[1:]))
+    assert s.emitted >= 19  # the first token comes from the prefill
     # the draft as its own target accepts everything
     self_stats = SpecStats(4)
     speculative_generate(draft, draft, prompt, gamma=4, max_tokens=15, stats=self_stats, temperature=1.0)
-    assert self_stats.summary()["alpha"] == 1.0
-    r = measure_acceptance(target, draft, [prompt], gammas=[2], max_tokens=10, temperature=1.0, thresholds=[0.99])
-    assert r["threshold_runs"][0]["drafted"] <= r["runs"][0]["drafted"]
+    assert self_stats.summary().alpha == 1.0
+    r, _ = measure_acceptance(target, draft, [prompt], gammas=[2], max_tokens=10, temperature=1.0, thresholds=[0.99])
+    assert r.threshold_runs[0].drafted <= r.runs[0].drafted and r.threshold_runs[0].threshold == 0.99
 
 
 def test_ngram_proposer_follows_vllms_rule():
@@ -179,7 +181,7 @@ def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
     replay = SpecStats(3)
     replay_greedy(ngram, prompt, ids[0, len(prompt) :].tolist(), gamma=3, stats=replay, max_tokens=24)
     assert replay.summary() == stats.summary() and stats.drafts > 0
-    assert "0" in stats.summary()["k_hist"] or stats.drafts == stats.target_forwards  # steps may draft nothing
+    assert "0" in stats.summary().k_hist or stats.drafts == stats.target_forwards  # steps may draft nothing
     sampled = SpecStats(3)  # T = 1: one-hot q, exact sampling still produces max_tokens tokens
     assert (
         len(speculative_generate(target, ngram, prompt, gamma=3, max_tokens=12, stats=sampled, temperature=1.0)) == 12
@@ -220,11 +222,12 @@ def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
         thresholds=(0.5,),
     )
     result = measure(m)
-    assert set(result["by_temperature"]) == {"0.0", "1.0"}
-    assert [r["gamma"] for r in result["by_temperature"]["0.0"]["runs"]] == [1, 2, 3]
-    assert set(result["costs"]["t_verify_s"]) == {"1", "2", "3", "4"}
+    assert set(result.by_temperature) == {"0.0", "1.0"}
+    assert [r.gamma for r in result.by_temperature["0.0"].runs] == [1, 2, 3]
+    assert set(result.costs["t_verify_s"]) == {"1", "2", "3", "4"}
     saved = tmp_path / "m.json"
-    saved.write_text(json.dumps(result))
+    saved.write_text(json.dumps(to_json(result)))
+    assert read_measurement(saved) == result  # what --save writes reads back typed and equal
     rec = recommend(
         RecommendConfig(
             output=tmp_path / "rec", measured=saved, temperature=1.0, device_memory="1GiB", token_map="tm.pt"
@@ -240,6 +243,13 @@ def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
         recommend(RecommendConfig(output=tmp_path / "rec2", measured=saved, temperature=0.5))
     with pytest.raises(SpecError, match="memory size"):
         recommend(RecommendConfig(output=tmp_path / "rec3", measured=saved, device_memory="lots"))
+    # a file with a renamed key fails at once, naming the file and the field (not a KeyError mid-way)
+    bad = json.loads(saved.read_text())
+    bad["by_temperature"]["1.0"]["runs"][0]["t"] = bad["by_temperature"]["1.0"]["runs"][0].pop("tau")
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(SpecError, match=r"bad.json' is not a valid 'spec-measure' file: by_temperature.1.0.runs.0.tau"):
+        recommend(RecommendConfig(output=tmp_path / "rec4", measured=tmp_path / "bad.json", temperature=1.0))
+    assert not (tmp_path / "rec4").exists()
 
 
 def test_build_draft_bundle(tmp_path, tiny_dir):

@@ -1,0 +1,75 @@
+"""What measuring speculative decoding yields, typed: one γ's counters (`RunSummary`), one temperature's
+runs (`Acceptance`), a whole `spec measure` (`Measurement`: what measure.json holds). spec/measure.py
+produces them, spec/recommend.py chooses from them, spec/run.py writes measure.json and reads it back
+through validation (fp8ptq/results.py).
+The counters follow vLLM's spec-decode metrics (measure.py's docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from fp8ptq.results import read_json
+from fp8ptq.spec import SpecError
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The counters of one γ (or one dynamic-length threshold at γ) over every prompt."""
+
+    gamma: int
+    drafts: int  # verification steps with at least one drafted token
+    drafted: int
+    accepted: int
+    per_pos_accepted: list[int]  # accepted count per draft position
+    per_pos_reached: list[int]  # drafts that proposed a token at position i
+    alpha_per_pos: list[float]  # per_pos_accepted / per_pos_reached
+    alpha: float  # accepted / drafted
+    tau: float  # emitted / target_forwards: tokens per target forward
+    emitted: int  # tokens emitted by verification steps (the prefill token excluded)
+    target_forwards: int
+    k_hist: dict[str, int]  # drafted tokens k (as a string: a JSON key) -> steps that drafted k
+    threshold: float | None = None  # the dynamic draft length's confidence threshold, if any
+
+    def steps(self) -> dict[int, int]:
+        """k_hist with integer keys (recommend.speedup_from_steps)."""
+        return {int(k): v for k, v in self.k_hist.items()}
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """measure.measure_acceptance at one temperature: a RunSummary per γ, and per threshold."""
+
+    runs: tuple[RunSummary, ...]
+    threshold_runs: tuple[RunSummary, ...]
+    temperature: float
+    max_tokens: int
+    prompts: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """`spec measure`'s result, written by `--save` (and into a recommendation's folder as run.MEASURE_FILE)
+    and read back by `spec recommend --measured` through validation (fp8ptq/results.py)."""
+
+    SCHEMA: ClassVar[str] = "spec-measure"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    target: str
+    target_path: str  # the target's resolved directory (an alias resolved to the cache)
+    draft: str
+    trimmed: bool  # a VocabTrim draft model (proposers.Proposer.vocab_trimmed)
+    config: dict  # the MeasureConfig as run, prompt_ids left out
+    prompt_ids: list[list[int]]  # the prompts as token ids (chat template applied)
+    by_temperature: dict[str, Acceptance]  # str(temperature) -> its runs
+    costs: dict  # recommend.Costs.as_dict()
+    timings: dict[str, float]
+
+
+def read_measurement(path: Path) -> Measurement:
+    """A `spec measure --save` file, validated (a SpecError naming the file and the bad field otherwise)."""
+    return read_json(
+        path, Measurement, error=SpecError, fix="pass the file written by `fp8ptq spec measure --save FILE`"
+    )
