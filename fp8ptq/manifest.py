@@ -7,14 +7,15 @@ calibration produced (errors, input abs-max, clip ratio, scheme, transforms), wh
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from fp8ptq.errors import Fp8ptqError
 from fp8ptq.gates import GateResult
 from fp8ptq.io import write_json_atomic
+from fp8ptq.results import read_json
 
 MANIFEST = "fp8ptq_manifest.json"
 
@@ -86,6 +87,8 @@ _OMITTED_WHEN_NONE = ("mixed", "lm_head", "speculative", "quality")
 
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    SCHEMA: ClassVar[str] = "manifest"  # on disk with schema_version first (fp8ptq/results.py)
+    SCHEMA_VERSION: ClassVar[int] = 1
 
     model: str
     recipe: dict  # the recipe as run, command-line overrides applied (Recipe.model_dump(mode="json"))
@@ -115,7 +118,7 @@ class Manifest(BaseModel):
         return out
 
     def as_json(self) -> dict:
-        data = self.model_dump(mode="json")
+        data = {"schema": self.SCHEMA, "schema_version": self.SCHEMA_VERSION, **self.model_dump(mode="json")}
         for key in _OMITTED_WHEN_NONE:
             if data[key] is None:
                 del data[key]
@@ -132,11 +135,7 @@ class Manifest(BaseModel):
 
     @classmethod
     def load(cls, out_dir: Path) -> Manifest:
-        path = Path(out_dir) / MANIFEST
-        try:
-            return cls.model_validate(json.loads(path.read_text()))
-        except (OSError, ValueError) as err:
-            raise Fp8ptqError(
-                f"'{path}' is not a readable fp8ptq manifest ({type(err).__name__})",
-                fix="pass a directory written by `fp8ptq quantize`",
-            ) from None
+        """The manifest of an fp8ptq output, validated: a typed error naming the file and the bad field."""
+        return read_json(
+            Path(out_dir) / MANIFEST, cls, error=Fp8ptqError, fix="pass a directory written by `fp8ptq quantize`"
+        )
