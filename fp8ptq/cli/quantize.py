@@ -23,6 +23,7 @@ from fp8ptq.cli.common import (
     return_freed_memory,
     user_errors,
 )
+from fp8ptq.draft.auto import DRAFT_TIME_BUDGET_S
 
 
 @app.command()
@@ -99,7 +100,9 @@ def quantize(
     draft_steps: Optional[int] = typer.Option(
         None, help="with --draft: training steps at most (default: draft-train's, 400; eagle3 2000)"
     ),
-    draft_time_budget: Optional[float] = typer.Option(900.0, help="with --draft auto: training seconds at most"),
+    draft_time_budget: Optional[float] = typer.Option(
+        DRAFT_TIME_BUDGET_S, help="with --draft auto: training seconds at most"
+    ),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):
     """Calibrate, quantize and export a compressed-tensors checkpoint.

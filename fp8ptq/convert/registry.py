@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 from fp8ptq.errors import ModelError, OptionError, OutputError
 

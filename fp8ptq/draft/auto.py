@@ -2,10 +2,7 @@
 
 Contract (for fp8ptq.api.quantize, which owns the output directory):
 
-    build_draft_bundle(target_dir, out_dir, *, layers=2, max_steps=None, time_budget_s=900.0,
-                       trim_keep=None, gammas=(1..8), temperature=0.0, num_prompts=8, max_tokens=64,
-                       device_memory=None, seed=0, device="cpu", progress=None, train=None,
-                       kind="model") -> dict
+    build_draft_bundle(target_dir, out_dir, cfg: DraftBundleConfig, *, device="cpu", progress=None) -> dict
 
 - target_dir: the FINISHED quantized checkpoint (any compressed-tensors dir or plain HF dir); it is
   read, never written. The draft is distilled from it under simulated engine numerics.
@@ -24,7 +21,8 @@ Contract (for fp8ptq.api.quantize, which owns the output directory):
 - Returns a JSON-able summary for the manifest: {"draft": {...draft-train meta without losses},
   "trimmed": {...} | None, "recommendation": {gamma, tau, speedup, c, worth_it, table},
   "speculative_config": {...}, "sglang_flags": [...], "files": {...relative paths}, "timings": {...}}.
-- train: extra DraftTrainConfig (kind="eagle3": Eagle3TrainConfig) fields (e.g. {"num_prompts": 64}).
+- cfg: the draft settings as one object (DraftBundleConfig); cfg.train: extra DraftTrainConfig
+  (kind="eagle3": Eagle3TrainConfig) fields (e.g. {"num_prompts": 64}).
 - progress(stage, done, total) as everywhere else (stages: generate, train, measure, costs).
 """
 
@@ -32,53 +30,61 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.recommend import sglang_flags, vllm_config
 
+KINDS = ("model", "eagle3")  # DraftBundleConfig.kind
+DRAFT_TIME_BUDGET_S = 900.0  # `quantize --draft`'s training budget (QuantizeConfig and the CLI read it here)
+
+
+@dataclass(frozen=True)
+class DraftBundleConfig:
+    """The draft settings of `quantize --draft`, one object (runs/finish.py builds it from the command)."""
+
+    kind: str = "model"  # model (a small draft LLM) | eagle3 (an EAGLE-3 head)
+    layers: int = 2  # kind model: the draft's decoder layers
+    max_steps: int | None = None  # None: the kind's trainer default (DraftTrainConfig / Eagle3TrainConfig)
+    time_budget_s: float | None = DRAFT_TIME_BUDGET_S  # training seconds at most (None: no budget)
+    trim_keep: int | None = None  # model: also a VocabTrim draft keeping N tokens; eagle3: the head's vocabulary
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    temperature: float = 0.0  # the temperature the recommendation is for
+    num_prompts: int = 8  # held-out prompts measured
+    max_tokens: int = 64  # tokens generated per measured prompt
+    device_memory: str | None = None  # add a memory plan for a device this size
+    seed: int = 0
+    train: dict = field(default_factory=dict)  # extra trainer fields
+
 
 def build_draft_bundle(
-    target_dir: Path,
-    out_dir: Path,
-    *,
-    layers: int = 2,
-    max_steps: int | None = None,  # None: the kind's trainer default (DraftTrainConfig / Eagle3TrainConfig)
-    time_budget_s: float | None = 900.0,
-    trim_keep: int | None = None,
-    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
-    temperature: float = 0.0,
-    num_prompts: int = 8,
-    max_tokens: int = 64,
-    device_memory: str | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    progress=None,
-    train: dict | None = None,
-    kind: str = "model",
+    target_dir: Path, out_dir: Path, cfg: DraftBundleConfig | None = None, *, device: str = "cpu", progress=None
 ) -> dict:
+    cfg = cfg or DraftBundleConfig()
     from fp8ptq.draft.train import DraftTrainConfig, draft_train
     from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, draft_trim
     from fp8ptq.spec.run import MeasureConfig, RecommendConfig, check_gammas, recommend
 
-    check_gammas(gammas)
-    if kind not in ("model", "eagle3"):
+    check_gammas(cfg.gammas)
+    kind, trim_keep, seed = cfg.kind, cfg.trim_keep, cfg.seed
+    if kind not in KINDS:
         raise SpecError(f"unknown draft kind '{kind}'", fix="use model (a small draft LLM) or eagle3 (an EAGLE-3 head)")
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     draft_dir = out_dir / "draft"
-    common = dict(target=str(target_dir), output=draft_dir, time_budget_s=time_budget_s)
-    if max_steps is not None:
-        common["max_steps"] = max_steps
-    common |= dict(seed=seed, device=device, **(train or {}))
+    common = dict(target=str(target_dir), output=draft_dir, time_budget_s=cfg.time_budget_s)
+    if cfg.max_steps is not None:
+        common["max_steps"] = cfg.max_steps
+    common |= dict(seed=seed, device=device, **cfg.train)
     if kind == "eagle3":
         from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
 
         vocab = {} if trim_keep is None else {"draft_vocab": trim_keep}
         meta = eagle3_train(Eagle3TrainConfig(**common, **vocab), progress)
     else:
-        meta = draft_train(DraftTrainConfig(**common, layers=layers), progress)
+        meta = draft_train(DraftTrainConfig(**common, layers=cfg.layers), progress)
     eagle3 = kind == "eagle3"
     timings = {"draft_train_s": time.perf_counter() - t0}
     trimmed = None
@@ -100,17 +106,17 @@ def build_draft_bundle(
     rec = recommend(
         RecommendConfig(
             output=out_dir / "speculative",
-            temperature=temperature,
+            temperature=cfg.temperature,
             draft_for_engine="draft",
             token_map=f"draft-trimmed/{TOKEN_MAP}" if trimmed else None,
-            device_memory=device_memory,
+            device_memory=cfg.device_memory,
             measure=MeasureConfig(
                 target=str(target_dir),
                 draft=str(draft_dir),
-                gammas=tuple(gammas),
-                temperatures=(float(temperature),),
-                num_prompts=num_prompts,
-                max_tokens=max_tokens,
+                gammas=tuple(cfg.gammas),
+                temperatures=(float(cfg.temperature),),
+                num_prompts=cfg.num_prompts,
+                max_tokens=cfg.max_tokens,
                 seed=seed,
                 device=device,
             ),

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8ptq import data as data_mod
+from fp8ptq.draft.auto import DRAFT_TIME_BUDGET_S
 
-# --draft value -> draft.auto.build_draft_bundle's kind ("none": no draft)
+# --draft value -> draft.auto.DraftBundleConfig's kind ("none": no draft)
 DRAFT_KINDS = {"auto": "model", "eagle3": "eagle3"}
 
 
@@ -38,7 +39,7 @@ class QuantizeConfig:
     draft: str = "none"  # "auto" (a draft LLM) | "eagle3" (an EAGLE-3 head): also train it, measure, write the config
     draft_trim: int | None = None  # draft=auto: also a VocabTrim draft keeping N tokens; eagle3: the head's vocabulary
     draft_steps: int | None = None  # None: the draft kind's default (DraftTrainConfig / Eagle3TrainConfig)
-    draft_time_budget_s: float | None = 900.0
+    draft_time_budget_s: float | None = DRAFT_TIME_BUDGET_S
     tp: int | None = None  # flatten recipes: override the tensor-parallel size
     block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
     group_size: int | None = None  # group-weight recipes: override the weights' group_size

@@ -106,20 +106,17 @@ def write_metadata(ctx: RunContext, config_updates: dict, groups, kept: tuple[st
 
 
 def _draft(ctx: RunContext) -> dict:
-    from fp8ptq.draft.auto import build_draft_bundle
+    from fp8ptq.draft.auto import DraftBundleConfig, build_draft_bundle
 
     t = time.perf_counter()
     cfg = ctx.cfg
-    bundle = build_draft_bundle(
-        ctx.path,
-        ctx.path,
+    settings = DraftBundleConfig(
+        kind=DRAFT_KINDS[cfg.draft],
         trim_keep=cfg.draft_trim,
         max_steps=cfg.draft_steps,
         time_budget_s=cfg.draft_time_budget_s,
-        device=ctx.device,
-        progress=ctx.progress,
-        kind=DRAFT_KINDS[cfg.draft],
     )
+    bundle = build_draft_bundle(ctx.path, ctx.path, settings, device=ctx.device, progress=ctx.progress)
     ctx.timings["draft_s"] = time.perf_counter() - t
     return bundle
 

@@ -169,12 +169,12 @@ def test_cli_bad_input_is_one_line(tmp_path, target4, extra, phrase):
 def test_draft_bundle_eagle3_writes_head_and_eagle3_configs(tmp_path, target4):
     """`quantize --draft eagle3` (draft.auto.build_draft_bundle(kind="eagle3")): the head in draft/, trimmed to
     --draft-trim rows, and configs that say method eagle3 (vLLM) / EAGLE3 (SGLang) for the relative path."""
-    from fp8ptq.draft.auto import build_draft_bundle
+    from fp8ptq.draft.auto import DraftBundleConfig, build_draft_bundle
 
     out = tmp_path / "bundle"
     s = build_draft_bundle(
-        target4, out, kind="eagle3", trim_keep=256, max_steps=2, time_budget_s=None, gammas=(1, 2), num_prompts=2,
-        max_tokens=6, train=dict(SMALL),
+        target4, out, DraftBundleConfig(kind="eagle3", trim_keep=256, max_steps=2, time_budget_s=None, gammas=(1, 2),
+        num_prompts=2, max_tokens=6, train=dict(SMALL)),
     )  # fmt: skip
     assert s["kind"] == "eagle3" and s["trimmed"] is None and s["draft"]["steps"] == 2
     gamma = s["recommendation"]["gamma"]
@@ -185,7 +185,7 @@ def test_draft_bundle_eagle3_writes_head_and_eagle3_configs(tmp_path, target4):
     flags = (out / "sglang_flags.txt").read_text().split()
     assert flags[flags.index("--speculative-algorithm") + 1] == "EAGLE3" and "--speculative-token-map" not in flags
     with pytest.raises(SpecError, match="unknown draft kind"):
-        build_draft_bundle(target4, tmp_path / "x", kind="medusa")
+        build_draft_bundle(target4, tmp_path / "x", DraftBundleConfig(kind="medusa"))
     assert not (tmp_path / "x").exists()
 
 

@@ -253,12 +253,10 @@ def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
 
 
 def test_build_draft_bundle(tmp_path, tiny_dir):
-    from fp8ptq.draft.auto import build_draft_bundle
+    from fp8ptq.draft.auto import DraftBundleConfig, build_draft_bundle
 
     out = tmp_path / "bundle"
-    s = build_draft_bundle(
-        tiny_dir,
-        out,
+    settings = DraftBundleConfig(
         layers=1,
         max_steps=2,
         time_budget_s=None,
@@ -268,6 +266,7 @@ def test_build_draft_bundle(tmp_path, tiny_dir):
         max_tokens=6,
         train=dict(SMALL),
     )
+    s = build_draft_bundle(tiny_dir, out, settings)
     assert (out / "draft" / "config.json").is_file() and (out / "draft-trimmed" / TOKEN_MAP).is_file()
     assert json.loads((out / "speculative_config.json").read_text()) == s["speculative_config"]
     assert s["speculative_config"]["model"] == "draft" and s["recommendation"]["gamma"] in (1, 2)
