@@ -45,3 +45,32 @@ def test_readme_option_table_names_every_quantize_option_and_no_other():
     cmd = typer.main.get_command(app).commands["quantize"]
     options = {o for p in cmd.params for o in p.opts if o.startswith("--")} - {"--help"}
     assert documented == options, (sorted(options - documented), sorted(documented - options))
+
+
+def test_readme_option_table_states_the_commands_defaults():
+    """Where README's quantize table gives a literal default (a number, `name`, off), it is the command's."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("| option | default | meaning |")
+    rows = readme[start:].split("\n\n")[0].splitlines()[2:]
+    cmd = typer.main.get_command(app).commands["quantize"]
+    by_opt = {o: p for p in cmd.params for o in p.opts}
+    checked = 0
+    for row in rows:
+        cells = row.split(" | ")
+        opts, stated = re.findall(r"`(--[\w-]+)", cells[0]), cells[1].strip()
+        if len(opts) != 1:
+            continue
+        default = by_opt[opts[0]].default
+        if stated == "off":
+            assert default is False, opts
+        elif re.fullmatch(r"`?[\w.-]+`?", stated) and stated not in ("main", "—"):
+            literal = stated.strip("`")
+            want = float(literal) if re.fullmatch(r"[\d.]+", literal) else literal
+            got = default[0] if isinstance(default, (list, tuple)) and len(default) == 1 else default
+            assert (float(got) if isinstance(want, float) else got) == want, (opts, stated, default)
+        else:
+            continue
+        checked += 1
+    assert checked >= 15  # the table's literal defaults are all compared, not skipped
