@@ -20,7 +20,7 @@ import torch
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3_loop import AuxCapture, HeadState, head_step_time
 from fp8ptq.spec.eagle3_loop import propose as head_propose
-from fp8ptq.spec.models import crop, new_cache, step_logits, to_target_probs
+from fp8ptq.spec.models import crop, new_cache, parse_ngram, step_logits, to_target_probs
 from fp8ptq.spec.sampling import probs as to_probs
 from fp8ptq.spec.steps import median_time, pick_token, probe_ids, timed_step
 
@@ -61,9 +61,34 @@ class Proposer:
         """Median wall time of this proposer's work per drafted token."""
         raise NotImplementedError
 
+    # The engines' configs for serving it (recommend.vllm_config / sglang_flags pick the class by the path).
+    sglang_algorithm = ""
+
+    @classmethod
+    def vllm_config(cls, draft: str, gamma: int) -> dict:
+        """vLLM's --speculative-config (vLLM 0.32 SpeculativeConfig) for the draft at `draft`."""
+        return {"method": cls.method, "model": str(draft), "num_speculative_tokens": gamma}
+
+    @classmethod
+    def sglang_flags(cls, draft: str, gamma: int) -> list[str]:
+        """SGLang (0.5.23) server flags: sequence drafting (topk 1) of γ steps by the draft at `draft`."""
+        return [
+            "--speculative-algorithm",
+            cls.sglang_algorithm,
+            "--speculative-draft-model-path",
+            str(draft),
+            "--speculative-num-steps",
+            str(gamma),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(gamma + 1),
+        ]
+
 
 class DraftModelProposer(Proposer):
     method = "draft_model"
+    sglang_algorithm = "STANDALONE"  # a small LLM as the draft
 
     @property
     def vocab_trimmed(self):
@@ -112,6 +137,39 @@ class NgramProposer(Proposer):
     method = "ngram"
     has_probabilities = False
 
+    @classmethod
+    def vllm_config(cls, draft, gamma):
+        """Both prompt-lookup sizes explicit (`ngram[:MIN-MAX]`, default 2-4)."""
+        ngram = parse_ngram(draft)
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": gamma,
+            "prompt_lookup_min": ngram.nmin,
+            "prompt_lookup_max": ngram.nmax,
+        }
+
+    @classmethod
+    def sglang_flags(cls, draft, gamma):
+        """SGLang's NGRAM algorithm (CUDA only), one branch (BFS breadth 1), its trie deep enough for the
+        longest match plus the γ drafted tokens. Its matcher is a trie of earlier n-grams (the deepest
+        matching suffix wins; there is no minimum match length), not vLLM's prompt lookup, so the measured τ
+        is vLLM's. SGLang 0.5.23 refuses the older `--speculative-ngram-{min,max}-match-window-size`."""
+        ngram = parse_ngram(draft)
+        return [
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-num-draft-tokens",
+            str(gamma + 1),
+            "--speculative-ngram-max-trie-depth",
+            str(ngram.nmax + gamma),
+            "--speculative-ngram-match-type",
+            "BFS",
+            "--speculative-ngram-min-bfs-breadth",
+            "1",
+            "--speculative-ngram-max-bfs-breadth",
+            "1",
+        ]
+
     def check(self, target):
         pass  # it copies the target's own ids
 
@@ -133,6 +191,7 @@ class NgramProposer(Proposer):
 
 class Eagle3Proposer(Proposer):
     method = "eagle3"
+    sglang_algorithm = "EAGLE3"  # the head's d2t maps its draft vocabulary: no token map
 
     @property
     def layer_ids(self):
@@ -169,3 +228,15 @@ PROPOSERS: dict[str, type[Proposer]] = {p.method: p for p in (DraftModelProposer
 def proposer_for(draft) -> Proposer:
     """The proposer of a loaded draft (its `method`: LoadedModel draft_model, NgramDraft, Eagle3Draft)."""
     return PROPOSERS[draft.method](draft)
+
+
+def proposer_class(draft: str, eagle3: bool | None = None) -> type[Proposer]:
+    """The proposer a DRAFT argument names, without loading it: `ngram[:MIN-MAX]`, an EAGLE-3 head (eagle3
+    None: read its config.json, which a path relative to a bundle cannot), else a draft model."""
+    if parse_ngram(draft) is not None:
+        return NgramProposer
+    if eagle3 is None:
+        from fp8ptq.spec.eagle3 import is_eagle3
+
+        eagle3 = is_eagle3(draft)
+    return Eagle3Proposer if eagle3 else DraftModelProposer

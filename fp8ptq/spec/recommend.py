@@ -150,72 +150,27 @@ def choose(measured: Acceptance, costs: Costs, gamma_range: tuple[int, int] | No
 
 
 def vllm_config(draft: str, gamma: int, *, eagle3: bool | None = None) -> dict:
-    """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) (vLLM 0.32 SpeculativeConfig):
-    a draft model, or `ngram[:MIN-MAX]` → method ngram with both prompt-lookup sizes explicit. eagle3: the
-    draft is an EAGLE-3 head (None: read its config.json, which a path relative to a bundle cannot)."""
-    from fp8ptq.spec.models import parse_ngram
+    """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) for the proposer DRAFT names
+    (its class's own `vllm_config`, spec/proposers.py): a draft model, `ngram[:MIN-MAX]`, or (eagle3) an
+    EAGLE-3 head (None: read its config.json, which a path relative to a bundle cannot)."""
+    from fp8ptq.spec.proposers import proposer_class
 
     if not 1 <= gamma <= MAX_GAMMA:
         raise SpecError(f"γ={gamma} is out of range", fix=f"use 1..{MAX_GAMMA}")
-    ngram = parse_ngram(draft)
-    if ngram is not None:
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": gamma,
-            "prompt_lookup_min": ngram.nmin,
-            "prompt_lookup_max": ngram.nmax,
-        }
-    if eagle3 is None:
-        from fp8ptq.spec.eagle3 import is_eagle3
-
-        eagle3 = is_eagle3(draft)
-    method = "eagle3" if eagle3 else "draft_model"
-    return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
+    return proposer_class(draft, eagle3).vllm_config(draft, gamma)
 
 
 def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3: bool = False) -> list[str]:
-    """SGLang (0.5.23) server flags for a standalone (small LLM) draft or (eagle3) an EAGLE-3 head (algorithm
-    EAGLE3; its d2t is in the head), sequence drafting (topk 1). For `ngram`: SGLang's NGRAM algorithm (CUDA
-    only), one branch (BFS breadth 1), its trie deep enough for the longest match plus the γ drafted tokens.
-    Its matcher is a trie of earlier n-grams (the deepest matching suffix wins; there is no minimum match
-    length), not vLLM's prompt lookup, so the measured τ is vLLM's. SGLang 0.5.23 refuses the older
-    `--speculative-ngram-{min,max}-match-window-size`; tests/engine/test_sglang_args.py parses every set
-    with SGLang's own parser."""
-    from fp8ptq.spec.models import parse_ngram
+    """SGLang (0.5.23) server flags for the proposer DRAFT names (its class's own `sglang_flags`):
+    STANDALONE for a small LLM, EAGLE3 for a head (eagle3), NGRAM for `ngram[:MIN-MAX]`;
+    tests/engine/test_sglang_args.py parses every set with SGLang's own parser.
+    No --speculative-token-map (token_map is accepted and left out): SGLang 0.5.23's STANDALONE worker loads
+    it but keeps the draft's full LM head and indexes the map with full-vocabulary ids (out of range, or
+    wrong tokens), and EAGLE3 reads the head's own d2t. The full draft serves correctly without it."""
+    from fp8ptq.spec.proposers import proposer_class
 
-    ngram = parse_ngram(draft)
-    if ngram is not None:
-        return [
-            "--speculative-algorithm",
-            "NGRAM",
-            "--speculative-num-draft-tokens",
-            str(gamma + 1),
-            "--speculative-ngram-max-trie-depth",
-            str(ngram.nmax + gamma),
-            "--speculative-ngram-match-type",
-            "BFS",
-            "--speculative-ngram-min-bfs-breadth",
-            "1",
-            "--speculative-ngram-max-bfs-breadth",
-            "1",
-        ]
-    flags = [
-        "--speculative-algorithm",
-        "EAGLE3" if eagle3 else "STANDALONE",
-        "--speculative-draft-model-path",
-        str(draft),
-        "--speculative-num-steps",
-        str(gamma),
-        "--speculative-eagle-topk",
-        "1",
-        "--speculative-num-draft-tokens",
-        str(gamma + 1),
-    ]
-    # No --speculative-token-map (token_map is accepted and left out): SGLang 0.5.23's STANDALONE worker loads
-    # it but keeps the draft's full LM head and indexes the map with full-vocabulary ids (out of range, or
-    # wrong tokens), and EAGLE3 reads the head's own d2t. The full draft serves correctly without it.
     del token_map
-    return flags
+    return proposer_class(draft, eagle3).sglang_flags(draft, gamma)
 
 
 def plot(path: Path, rec: Recommendation, title: str) -> Path:
