@@ -258,42 +258,44 @@ def recommend_cmd(
     with user_errors(output), progress_bar(not json_out) as progress:
         rec = recommend(cfg, progress)
     if json_out:
-        _echo_json(rec)
+        from fp8ptq.results import to_json
+
+        _echo_json(to_json(rec))
         return
     table = Table("γ", "τ", "α", "predicted speedup", title=f"recommendation (T = {temperature})")
-    for row in rec["table"]:
+    for row in rec.table:
         table.add_row(
             str(row["gamma"]),
             f"{row['tau']:.2f}",
             f"{row['alpha']:.3f}",
             f"{row['speedup']:.2f}×",
-            style="bold green" if row["gamma"] == rec["gamma"] else None,
+            style="bold green" if row["gamma"] == rec.gamma else None,
         )
     out.print(table)
-    c = rec["costs"]
+    c = rec.costs
     console.print(
-        f"c = {c['c']:.3f} ({c['source']}); chosen γ = {rec['gamma']}, predicted {rec['speedup']:.2f}×"
-        + ("" if rec["worth_it"] else " — no γ beats plain decoding with these costs"),
+        f"c = {c['c']:.3f} ({c['source']}); chosen γ = {rec.gamma}, predicted {rec.speedup:.2f}×"
+        + ("" if rec.worth_it else " — no γ beats plain decoding with these costs"),
         highlight=False,
     )
-    if rec["threshold"] is not None:
+    if rec.threshold is not None:
         console.print(
-            f"dynamic draft length t={rec['threshold']} measured {rec['threshold_speedup']:.2f}× "
+            f"dynamic draft length t={rec.threshold} measured {rec.threshold_speedup:.2f}× "
             "(not expressible in vLLM 0.32's draft_model config)",
             highlight=False,
         )
-    if rec["engine_check"]:
-        _engine_line(rec["engine_check"])
-    if rec["memory_plan"]:
-        _memory_table(rec["memory_plan"])
-    for k, p in rec["files"].items():
+    if rec.engine_check:
+        _engine_line(rec.engine_check)
+    if rec.memory_plan:
+        _memory_table(rec.memory_plan)
+    for k, p in rec.files.items():
         out.print(f"{k:>15}: {p}")
     out.print(
         "vLLM:   vllm serve TARGET --speculative-config "
-        + Path(rec["files"]["vllm"]).read_text().strip().replace("\n", "")
+        + Path(rec.files["vllm"]).read_text().strip().replace("\n", "")
     )
     out.print(
-        "SGLang: python -m sglang.launch_server --model-path TARGET " + Path(rec["files"]["sglang"]).read_text().strip()
+        "SGLang: python -m sglang.launch_server --model-path TARGET " + Path(rec.files["sglang"]).read_text().strip()
     )
 
 

@@ -131,18 +131,18 @@ def build_draft_bundle(
         "draft": {k: v for k, v in meta.items() if k != "losses"},
         "trimmed": trimmed,
         "recommendation": {
-            "gamma": rec["gamma"],
-            "tau": rec["tau"],
-            "speedup": rec["speedup"],
-            "c": rec["costs"]["c"],
-            "costs_source": rec["costs"]["source"],
-            "worth_it": rec["worth_it"],
-            "table": rec["table"],
+            "gamma": rec.gamma,
+            "tau": rec.tau,
+            "speedup": rec.speedup,
+            "c": rec.costs["c"],
+            "costs_source": rec.costs["source"],
+            "worth_it": rec.worth_it,
+            "table": rec.table,
         },
         "kind": kind,
-        "speculative_config": vllm_config("draft", rec["gamma"], eagle3=eagle3),
+        "speculative_config": vllm_config("draft", rec.gamma, eagle3=eagle3),
         "sglang_flags": sglang_flags(
-            "draft", rec["gamma"], f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, eagle3=eagle3
+            "draft", rec.gamma, f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, eagle3=eagle3
         ),
         "files": {
             "draft": "draft",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import Acceptance
@@ -109,6 +110,34 @@ class Recommendation:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RecommendReport(Recommendation):
+    """`spec recommend`'s result (spec/run.py): the Recommendation and what came with it; written whole to
+    recommendation.json (results.to_json) and returned to the CLI / `quantize --draft`."""
+
+    SCHEMA: ClassVar[str] = "spec-recommend"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    target: str = ""
+    draft: str = ""  # the path written into the configs
+    temperature: float = 0.0
+    memory_plan: dict | None = None  # memory.MemoryPlan.as_dict() with --device-memory
+    threshold_runs: list[dict] = field(default_factory=list)  # acceptance.RunSummary fields + predicted speedup
+    engine_check: dict | None = None  # run.engine_check: vLLM vs plain decoding (--engine-check)
+    sglang_check: dict | None = None  # SGLang's parser over the flags (--engine-check)
+    token_map: str | None = None  # a trimmed draft's map: recorded, not in the SGLang flags
+    note: str | None = None
+    files: dict[str, str] = field(default_factory=dict)  # vllm, sglang, recommendation, plot -> path
+
+
+OUTPUT_FILES = {
+    "vllm": "speculative_config.json",
+    "sglang": "sglang_flags.txt",
+    "recommendation": "recommendation.json",
+    "plot": "speculative.png",
+}
 
 
 def choose(measured: Acceptance, costs: Costs, gamma_range: tuple[int, int] | None = None) -> Recommendation:
@@ -207,18 +236,17 @@ def write_outputs(
     extra: dict | None = None,
     eagle3: bool | None = None,
 ) -> dict[str, Path]:
-    """speculative_config.json (vLLM), sglang_flags.txt, recommendation.json, speculative.png in out_dir."""
+    """speculative_config.json (vLLM), sglang_flags.txt, recommendation.json, speculative.png in out_dir
+    (OUTPUT_FILES); a RecommendReport is written whole, with its schema keys."""
+    from fp8ptq.results import to_json
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {
-        "vllm": out_dir / "speculative_config.json",
-        "sglang": out_dir / "sglang_flags.txt",
-        "recommendation": out_dir / "recommendation.json",
-        "plot": out_dir / "speculative.png",
-    }
+    files = {k: out_dir / name for k, name in OUTPUT_FILES.items()}
     config = vllm_config(draft, rec.gamma, eagle3=eagle3)  # eagle3 None: read from the draft's config
     files["vllm"].write_text(json.dumps(config, indent=2) + "\n")
     flags = sglang_flags(draft, rec.gamma, token_map, eagle3=config["method"] == "eagle3")
     files["sglang"].write_text(" ".join(flags) + "\n")
-    files["recommendation"].write_text(json.dumps({**rec.as_dict(), **(extra or {})}, indent=2) + "\n")
+    data = to_json(rec) if isinstance(rec, RecommendReport) else rec.as_dict()
+    files["recommendation"].write_text(json.dumps({**data, **(extra or {})}, indent=2) + "\n")
     plot(files["plot"], rec, title)
     return files

@@ -23,7 +23,9 @@ from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import Measurement, read_measurement
 from fp8ptq.spec.recommend import (
     MAX_GAMMA,
+    OUTPUT_FILES,
     Costs,
+    RecommendReport,
     choose,
     sglang_flags,
     speedup_from_steps,
@@ -294,8 +296,8 @@ def _inputs(cfg: RecommendConfig) -> tuple:
     return (cfg.measured, cfg.token_map, cfg.draft_for_engine) + (() if m is None else (m.target, m.draft, m.prompts))
 
 
-def recommend(cfg: RecommendConfig, progress=None) -> dict:
-    """Choose γ and write the configs into cfg.output (atomically). Returns the summary dict."""
+def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
+    """Choose γ and write the configs into cfg.output (atomically)."""
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.spec.eagle3 import is_eagle3
 
@@ -356,30 +358,31 @@ def recommend(cfg: RecommendConfig, progress=None) -> dict:
             batch=cfg.batch,
             gamma=rec.gamma,
         ).as_dict()
-    extra = {
-        "target": measured.target,
-        "draft": draft,
-        "temperature": cfg.temperature,
-        "memory_plan": plan,
-        "threshold_runs": [  # each with its predicted speedup under these costs
+    report = RecommendReport(
+        **asdict(rec),
+        target=measured.target,
+        draft=draft,
+        temperature=cfg.temperature,
+        memory_plan=plan,
+        threshold_runs=[  # each with its predicted speedup under these costs
             {**asdict(r), "speedup": speedup_from_steps(r.steps(), r.emitted, costs)} for r in acc.threshold_runs
         ],
-        "engine_check": engine,
-        "sglang_check": sglang,
-        "token_map": cfg.token_map,  # a trimmed draft's map: recorded, not in the SGLang flags (sglang_flags)
-        "note": None
+        engine_check=engine,
+        sglang_check=sglang,
+        token_map=cfg.token_map,  # a trimmed draft's map: recorded, not in the SGLang flags (sglang_flags)
+        note=None
         if rec.threshold is None
         else "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ",
-    }
+        files={k: str(Path(cfg.output) / name) for k, name in OUTPUT_FILES.items()},
+    )
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
-        files = write_outputs(
+        write_outputs(
             tmp,
-            rec,
+            report,
             draft=draft,
             token_map=cfg.token_map,
             title=f"{Path(measured.target).name} + {Path(draft).name}, T={cfg.temperature}",
-            extra=extra,
             eagle3=is_eagle3(measured.draft),  # the measured path: draft_for_engine may be relative
         )
         (tmp / MEASURE_FILE).write_text(json.dumps(to_json(measured), indent=1) + "\n")
-    return {**rec.as_dict(), **extra, "files": {k: str(Path(cfg.output) / v.name) for k, v in files.items()}}
+    return report

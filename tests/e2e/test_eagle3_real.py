@@ -92,16 +92,16 @@ def test_vllm_runs_the_head_and_agrees_with_fp8ptq(tmp_path, head, target_dir, p
         )
     )
     spec_cfg = json.loads((tmp_path / "spec" / "speculative_config.json").read_text())
-    assert spec_cfg == {"method": "eagle3", "model": path, "num_speculative_tokens": rec["gamma"]}
-    e = rec["engine_check"]
+    assert spec_cfg == {"method": "eagle3", "model": path, "num_speculative_tokens": rec.gamma}
+    e = rec.engine_check
     assert e["ok"], e
     resolved = e["vllm_config"]  # vLLM's own SpeculativeConfig over the written config
-    assert (resolved["method"], resolved["num_speculative_tokens"]) == ("eagle3", rec["gamma"]), resolved
-    assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # SGLang's parser took EAGLE3
+    assert (resolved["method"], resolved["num_speculative_tokens"]) == ("eagle3", rec.gamma), resolved
+    assert rec.sglang_check == {"version": "0.5.23", "ok": True, "error": None}  # SGLang's parser took EAGLE3
     assert e["tokens"] == PROMPTS * MAX_TOKENS and e["speculative_tokens_per_s"] > 0
     v, replay = e["vllm"], e["fp8ptq_replay"]
     report = (
-        f"γ={rec['gamma']} vLLM: {v['accepted']}/{v['drafted']} = {v['acceptance']:.3f} per-pos "
+        f"γ={rec.gamma} vLLM: {v['accepted']}/{v['drafted']} = {v['acceptance']:.3f} per-pos "
         f"{v['per_pos_accepted']} drafts {v['drafts']}; replay: {replay['accepted']}/{replay['drafted']} = "
         f"{replay['acceptance']:.3f} per-pos {replay['per_pos_accepted']} drafts {replay['drafts']}; "
         f"outputs equal to plain greedy: {e['outputs_equal_plain']}/{PROMPTS}; vLLM tokens/s plain "

@@ -95,17 +95,17 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
         )
     )
     spec_cfg = json.loads((tmp_path / "spec" / "speculative_config.json").read_text())
-    assert spec_cfg == {"method": "draft_model", "model": draft, "num_speculative_tokens": rec["gamma"]}
+    assert spec_cfg == {"method": "draft_model", "model": draft, "num_speculative_tokens": rec.gamma}
     measured = read_measurement(tmp_path / "spec" / "measure.json")
-    ours = next(r for r in measured.by_temperature["0.0"].runs if r.gamma == rec["gamma"])
+    ours = next(r for r in measured.by_temperature["0.0"].runs if r.gamma == rec.gamma)
     written = json.loads((tmp_path / "spec" / "recommendation.json").read_text())["engine_check"]
 
     # The engine check ran the written config in vLLM (and plain decoding) on the measured prompts.
-    e = rec["engine_check"]
+    e = rec.engine_check
     assert e == written and e["ok"], e
     resolved = e["vllm_config"]  # vLLM's own SpeculativeConfig over the written config
-    assert (resolved["method"], resolved["num_speculative_tokens"]) == ("draft_model", rec["gamma"]), resolved
-    assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # SGLang's parser took the flags
+    assert (resolved["method"], resolved["num_speculative_tokens"]) == ("draft_model", rec.gamma), resolved
+    assert rec.sglang_check == {"version": "0.5.23", "ok": True, "error": None}  # SGLang's parser took the flags
     assert e["tokens"] == PROMPTS * MAX_TOKENS and e["plain_tokens_per_s"] > 0 and e["speculative_tokens_per_s"] > 0
     assert e["speedup"] == pytest.approx(e["speculative_tokens_per_s"] / e["plain_tokens_per_s"])
     # vLLM's own counters vs fp8ptq's accounting replayed on vLLM's greedy output. A comparison with
@@ -114,7 +114,7 @@ def test_vllm_runs_recommended_config_and_agrees_with_fp8ptq(tmp_path, real_draf
     # 0.118 in vLLM vs 0.395 measured, while the replay gave 73/636 [39, 20, 14] for vLLM's 75/633 [40, 20, 15]).
     v, replay = e["vllm"], e["fp8ptq_replay"]
     report = (
-        f"γ={rec['gamma']} vLLM: {v['accepted']}/{v['drafted']} = {v['acceptance']:.3f} per-pos "
+        f"γ={rec.gamma} vLLM: {v['accepted']}/{v['drafted']} = {v['acceptance']:.3f} per-pos "
         f"{v['per_pos_accepted']} drafts {v['drafts']}; replay: {replay['accepted']}/{replay['drafted']} = "
         f"{replay['acceptance']:.3f} per-pos {replay['per_pos_accepted']} drafts {replay['drafts']}; fp8ptq "
         f"measured on its simulated target: {ours.accepted}/{ours.drafted}; vLLM tokens/s plain "
@@ -147,17 +147,17 @@ def test_vllm_ngram_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_fi
     cfg = json.loads((tmp_path / "ngram" / "speculative_config.json").read_text())
     assert cfg == {
         "method": "ngram",
-        "num_speculative_tokens": rec["gamma"],
+        "num_speculative_tokens": rec.gamma,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 4,
     }
-    e = rec["engine_check"]
+    e = rec.engine_check
     assert e["ok"], e
     assert {k: e["vllm_config"][k] for k in cfg} == cfg  # vLLM's SpeculativeConfig kept every written value
-    assert rec["sglang_check"] == {"version": "0.5.23", "ok": True, "error": None}  # the n-gram flags SGLang refused
+    assert rec.sglang_check == {"version": "0.5.23", "ok": True, "error": None}  # the n-gram flags SGLang refused
     v, replay = e["vllm"], e["fp8ptq_replay"]
     print(
-        f"ngram γ={rec['gamma']}: vLLM {v}, replay {replay}; tokens/s plain {e['plain_tokens_per_s']:.1f}, "
+        f"ngram γ={rec.gamma}: vLLM {v}, replay {replay}; tokens/s plain {e['plain_tokens_per_s']:.1f}, "
         f"speculative {e['speculative_tokens_per_s']:.1f} ({e['speedup']:.2f}×)"
     )
     assert v["drafted"] > 0 and e["tokens"] == PROMPTS * MAX_TOKENS

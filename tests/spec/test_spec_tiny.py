@@ -200,14 +200,14 @@ def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
     cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
     assert cfg == {
         "method": "ngram",
-        "num_speculative_tokens": rec["gamma"],
+        "num_speculative_tokens": rec.gamma,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
     }
     flags = (tmp_path / "rec" / "sglang_flags.txt").read_text()
-    depth = f"--speculative-ngram-max-trie-depth {3 + rec['gamma']}"  # the longest match + the drafted tokens
+    depth = f"--speculative-ngram-max-trie-depth {3 + rec.gamma}"  # the longest match + the drafted tokens
     assert "--speculative-algorithm NGRAM" in flags and depth in flags
-    assert rec["costs"]["c"] < 0.05 and rec["memory_plan"]["draft_weight_bytes"] == 0
+    assert rec.costs["c"] < 0.05 and rec.memory_plan["draft_weight_bytes"] == 0
 
 
 def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
@@ -234,11 +234,15 @@ def test_measure_and_recommend_files(tmp_path, tiny_dir, drafted):
         )
     )
     cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
-    assert cfg == {"method": "draft_model", "model": str(drafted[0]), "num_speculative_tokens": rec["gamma"]}
+    assert cfg == {"method": "draft_model", "model": str(drafted[0]), "num_speculative_tokens": rec.gamma}
     assert "--speculative-token-map" not in (tmp_path / "rec" / "sglang_flags.txt").read_text()  # SGLang 0.5.23
-    assert rec["token_map"] == "tm.pt"  # recorded, not served
+    assert rec.token_map == "tm.pt"  # recorded, not served
+    from fp8ptq.results import read_json
+    from fp8ptq.spec.recommend import RecommendReport
+
+    assert read_json(tmp_path / "rec" / "recommendation.json", RecommendReport) == rec  # the file is the result
     assert (tmp_path / "rec" / "speculative.png").stat().st_size > 1000
-    assert rec["memory_plan"]["fits_spec"] and rec["memory_plan"]["draft_weight_bytes"] > 0
+    assert rec.memory_plan["fits_spec"] and rec.memory_plan["draft_weight_bytes"] > 0
     with pytest.raises(SpecError, match="temperature 0.5 was not measured"):
         recommend(RecommendConfig(output=tmp_path / "rec2", measured=saved, temperature=0.5))
     with pytest.raises(SpecError, match="memory size"):
