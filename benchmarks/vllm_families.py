@@ -75,17 +75,17 @@ def main() -> None:
             if not (out / "config.json").is_file():
                 quantize(QuantizeConfig(model=str(src), recipe=recipe, output=out, num_samples=8, seq_len=128))
             res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16", reference=str(src)))
-            if not res["ok"]:
-                print(f"| {family} | {recipe} | refused: {res['vllm']['error'][:90]} | | | | |")
+            if not res.ok:
+                print(f"| {family} | {recipe} | refused: {res.vllm['error'][:90]} | | | | |")
                 continue
-            probed = [v for v in (res.get("weight_rel_err") or {}).values() if v is not None]
-            w = f"{max(probed):.1e}" if probed else f"n/a ({res['vllm'].get('probe_error') or 'nothing probed'})"[:60]
-            layer = res.get("layer_rel_err") or [{}]
+            probed = [v for v in (res.weight_rel_err or {}).values() if v is not None]
+            w = f"{max(probed):.1e}" if probed else f"n/a ({res.vllm.get('probe_error') or 'nothing probed'})"[:60]
+            layer = res.layer_rel_err or [{}]
             layer0 = f"{layer[0]['median']:.1e}" if "median" in layer[0] else "n/a"
-            d = res["logprob_delta"]
+            d = res.logprob_delta
             print(
                 f"| {family} | {recipe} | runs | {w} | {layer0} | "
-                f"{res['agreement']['teacher_forced_agreement']:.2f} | {d['simulated']:.4f} / {d.get('reference', float('nan')):.4f} |",
+                f"{res.agreement['teacher_forced_agreement']:.2f} | {d['simulated']:.4f} / {d.get('reference', float('nan')):.4f} |",
                 flush=True,
             )
 

@@ -24,6 +24,7 @@ from fp8ptq.runs.config import QuantizeConfig
 if TYPE_CHECKING:
     from fp8ptq.calibrate.state import Progress
     from fp8ptq.convert.inspect import InspectReport
+    from fp8ptq.eval.engine_check import EngineCheckResult
     from fp8ptq.eval.quality import QualityReport
     from fp8ptq.manifest import Manifest
 
@@ -193,7 +194,7 @@ def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
     return report
 
 
-def verify(cfg: VerifyConfig) -> dict:
+def verify(cfg: VerifyConfig) -> EngineCheckResult:
     """Run a checkpoint in vLLM and compare it with fp8ptq's simulation (eval/engine_check.py)."""
     from fp8ptq.eval.engine_check import EngineCheck, check_engine
     from fp8ptq.manifest import MANIFEST, Manifest

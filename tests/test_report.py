@@ -119,3 +119,40 @@ def test_eval_quality_is_recorded_in_the_report(tiny_q, tiny_dir):
     text = (out / "report.md").read_text()
     assert f"KL {kl:.5f} per token" in text and "Off-domain" not in text
     assert "Evaluation: quality" in dump_dom(out / "report.html")
+
+
+def test_engine_check_records_render_beside_quality_ones(tiny_q, tmp_path):
+    """`fp8ptq verify` records its typed result in fp8ptq_evals/engine.json; the report renders it (it used
+    to fail: the template read every non-lm-eval record as a quality one, 'dict object' has no attribute
+    'reference', and every later render of that checkpoint failed with it)."""
+    import shutil
+
+    from fp8ptq.eval.engine_check import EngineCheckResult
+    from fp8ptq.report import save_eval
+    from fp8ptq.results import read_json, to_json
+
+    out = tmp_path / "q"
+    shutil.copytree(tiny_q[0], out)
+    ok = EngineCheckResult(
+        model=str(out),
+        engine="vllm",
+        ok=True,
+        vllm={"platform": "cpu"},
+        dtype="bfloat16",
+        agreement={"prefix_match_mean": 5.5, "tokens_per_prompt": 8, "teacher_forced_agreement": 0.875},
+        logprob_delta={"simulated": 0.0123, "reference": 0.0456},
+    )
+    assert save_eval(out, "engine", to_json(ok)) == out / "report.html"
+    assert read_json(out / "fp8ptq_evals" / "engine.json", EngineCheckResult) == ok
+    text = (out / "report.md").read_text()
+    assert "## Evaluation: engine (vllm vs fp8ptq's simulation, bfloat16)" in text
+    assert "identical prefix 5.5 of 8 tokens, teacher-forced top-1 agreement 87.5%" in text
+    assert "simulated 0.0123, reference 0.0456" in text
+    failed = EngineCheckResult(model=str(out), engine="vllm", ok=False, vllm={"stage": "load", "error": "no kernel"})
+    save_eval(out, "engine", to_json(failed))
+    assert "vllm could not run it (load): no kernel" in (out / "report.md").read_text()
+    assert "Evaluation: engine" in dump_dom(out / "report.html")
+    # a quality record from before the schema keys (no off_domain key) still renders
+    old = {"model": "m", "reference": "r", "tokens": 10, "ppl_reference": 10.0, "ppl": 11.0, "kl": 0.01, "top1": 0.9}
+    save_eval(out, "quality", {**old, "numerics": {}, "data": "d", "config": {}})
+    assert "PPL 10.000 → 11.000, KL 0.01000 per token" in (out / "report.md").read_text()

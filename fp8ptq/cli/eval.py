@@ -249,21 +249,23 @@ def verify(
     with user_errors():
         with console.status(f"running {model} in vLLM"):
             res = run(cfg)
+    from fp8ptq.results import to_json
+
     if not no_record:
-        record_eval(model, "engine", res)
+        record_eval(model, "engine", to_json(res))
     if json_out:
-        typer.echo(json.dumps(res, indent=2))
-    elif res["ok"]:
-        a = res["agreement"]
-        table = Table(title=f"vLLM ({res['dtype']}) vs fp8ptq simulation: {model}", show_header=False)
-        werr = {k: v for k, v in res.get("weight_rel_err", {}).items()}
+        typer.echo(json.dumps(to_json(res), indent=2))
+    elif res.ok:
+        a = res.agreement
+        table = Table(title=f"vLLM ({res.dtype}) vs fp8ptq simulation: {model}", show_header=False)
+        werr = res.weight_rel_err or {}
         if werr:
             worst = max(werr, key=lambda k: float("inf") if werr[k] is None else werr[k])
             table.add_row(
                 "layer-0 weights as vLLM applies them (worst rel. error)",
                 f"{worst}: {'not comparable' if werr[worst] is None else format(werr[worst], '.2e')}",
             )
-        for i, e in enumerate(res.get("layer_rel_err", [])):
+        for i, e in enumerate(res.layer_rel_err or []):
             table.add_row(
                 f"layer {i} output rel. error (median / max over tokens)", f"{e['median']:.2e} / {e['max']:.2e}"
             )
@@ -271,11 +273,11 @@ def verify(
             "greedy: identical prefix (mean tokens)", f"{a['prefix_match_mean']:.1f} of {a['tokens_per_prompt']}"
         )
         table.add_row("greedy: teacher-forced top-1 agreement", f"{a['teacher_forced_agreement'] * 100:.1f}%")
-        d = res["logprob_delta"]
+        d = res.logprob_delta
         table.add_row("mean |log p| difference to vLLM", ", ".join(f"{k} {v:.4f}" for k, v in d.items()))
         out.print(table)
-    if not res["ok"]:
-        v = res["vllm"]
+    if not res.ok:
+        v = res.vllm
         console.print(f"[bold red]vLLM could not run {model}[/] ({v.get('stage')}): {v.get('error')}", highlight=False)
         if v.get("why"):
             console.print(f"why: {v['why']}", highlight=False)

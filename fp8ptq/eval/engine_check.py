@@ -18,8 +18,9 @@ so layer outputs there agree only to a few percent even when every weight is rig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -40,6 +41,27 @@ class EngineCheck:
     capture_layers: int = 4  # compare the first N decoder layers' outputs exactly
     probe_layers: int = 1  # compare the effective weights of the first N layers' Linears
     vllm_python: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineCheckResult:
+    """`fp8ptq verify` / api.verify: the checkpoint in the engine against fp8ptq's simulation (check_engine).
+    ok False: the engine could not run it; `vllm` holds its stage and root-cause error (and `why`, a
+    GPU-only format's reason), and the comparison fields stay None."""
+
+    SCHEMA: ClassVar[str] = "engine-check"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    model: str
+    engine: str
+    ok: bool
+    vllm: dict  # engine.vllm.VllmRun.as_dict(): the run as the worker reported it
+    numerics: dict | None = None  # what the simulation simulated
+    dtype: str | None = None
+    weight_rel_err: dict[str, float | None] | None = None  # layer-0 Linears as the engine applies them
+    agreement: dict | None = None  # greedy prefix match and teacher-forced top-1
+    layer_rel_err: list[dict] | None = None  # the first decoder layers' outputs (median / max)
+    logprob_delta: dict[str, float] | None = None  # mean |log p| to the engine: simulated (and reference)
 
 
 @torch.inference_mode()
@@ -163,13 +185,13 @@ def engine_job(cfg: EngineCheck) -> dict:
     )
 
 
-def check_engines(cfgs: list[EngineCheck], python: str | None = None) -> list[dict]:
+def check_engines(cfgs: list[EngineCheck], python: str | None = None) -> list[EngineCheckResult]:
     """check_engine for several checkpoints with one vLLM process (engine.vllm.run_vllm_jobs)."""
     runs = run_vllm_jobs([engine_job(c) for c in cfgs], python=python or (cfgs[0].vllm_python if cfgs else None))
     return [check_engine(c, run) for c, run in zip(cfgs, runs)]
 
 
-def check_engine(cfg: EngineCheck, run: VllmRun | None = None) -> dict:
+def check_engine(cfg: EngineCheck, run: VllmRun | None = None) -> EngineCheckResult:
     """Run the checkpoint in vLLM and score it against fp8ptq's simulation of the same checkpoint:
     - `weight_rel_err`: the first layers' Linears as vLLM applies them to unit vectors (see module doc);
     - `layer_rel_err`: the first decoder layers' outputs (prompt 0), where the two implementations must
@@ -184,21 +206,20 @@ def check_engine(cfg: EngineCheck, run: VllmRun | None = None) -> dict:
     src = resolve_model(cfg.model)
     if run is None:
         run = run_vllm_jobs([engine_job(cfg)], python=cfg.vllm_python)[0]
-    out = {"model": cfg.model, "engine": "vllm", "ok": run.ok, "vllm": run.as_dict()}
+    out = EngineCheckResult(model=cfg.model, engine="vllm", ok=run.ok, vllm=run.as_dict())
     if not run.ok:
         why = gpu_only_reason(Path(cfg.model))
         if why:  # vLLM's own error names the layer and args, not that the format needs a GPU
-            out["vllm"]["why"] = why
+            out = replace(out, vllm={**out.vllm, "why": why})
         return out
     engine = cpu_engine_numerics() if run.platform == "cpu" else {}
     sim = load_simulated(src, simulate=True, kv=cfg.simulate_kv, engine=engine)
-    out["numerics"] = sim.numerics
-    out["dtype"] = cfg.dtype
+    found = {"numerics": sim.numerics, "dtype": cfg.dtype}
     if run.probed:
-        out["weight_rel_err"] = weight_errors(sim.model, src.arch, run.probed)
-    out["agreement"] = agreement(run.token_ids, sim.model, cfg.prompts, cfg.max_tokens)
+        found["weight_rel_err"] = weight_errors(sim.model, src.arch, run.probed)
+    found["agreement"] = agreement(run.token_ids, sim.model, cfg.prompts, cfg.max_tokens)
     if run.layer_outputs:
-        out["layer_rel_err"] = layer_errors(sim.model, prompts[0], run.layer_outputs)
+        found["layer_rel_err"] = layer_errors(sim.model, prompts[0], run.layer_outputs)
     engine_lp = [torch.tensor(lp[1:]) for lp in run.prompt_logprobs]
     delta = {
         "simulated": float(
@@ -211,5 +232,4 @@ def check_engine(cfg: EngineCheck, run: VllmRun | None = None) -> dict:
         delta["reference"] = float(
             torch.cat([(prompt_logprobs(ref, p) - e).abs() for p, e in zip(prompts, engine_lp)]).mean()
         )
-    out["logprob_delta"] = delta
-    return out
+    return replace(out, **found, logprob_delta=delta)

@@ -59,15 +59,15 @@ def _check(run, check):
         assert_no_w4a16_kernel(run)
         return None
     res = check_engine(check, run)
-    assert res["ok"], res["vllm"]
-    print("weights:", res["weight_rel_err"])
-    print("layers:", [(f"{e['median']:.1e}", f"{e['max']:.1e}") for e in res["layer_rel_err"]])
-    print("agreement:", {k: v for k, v in res["agreement"].items() if k != "per_prompt"}, res["logprob_delta"])
+    assert res.ok, res.vllm
+    print("weights:", res.weight_rel_err)
+    print("layers:", [(f"{e['median']:.1e}", f"{e['max']:.1e}") for e in res.layer_rel_err])
+    print("agreement:", {k: v for k, v in res.agreement.items() if k != "per_prompt"}, res.logprob_delta)
     # vLLM applies the converted weights as compressed-tensors decompresses them (unit-vector probe; bf16)
-    assert res["weight_rel_err"] and all(v is not None and v < 5e-3 for v in res["weight_rel_err"].values())
-    assert res["layer_rel_err"][0]["median"] < 0.1
-    assert res["agreement"]["teacher_forced_agreement"] >= 0.8
-    d = res["logprob_delta"]
+    assert res.weight_rel_err and all(v is not None and v < 5e-3 for v in res.weight_rel_err.values())
+    assert res.layer_rel_err[0]["median"] < 0.1
+    assert res.agreement["teacher_forced_agreement"] >= 0.8
+    d = res.logprob_delta
     assert d["simulated"] < 1.05 * d["reference"]
     return res
 

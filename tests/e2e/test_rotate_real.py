@@ -58,9 +58,9 @@ def test_rotated_export_runs_in_vllm(tmp_path, monkeypatch, smol_dir):
         tuple(p) for p in load_samples("builtin", open_hf_dir(out).tokenizer(), 2, 64, "evaluation", 0).tolist()
     )
     res = check_engine(EngineCheck(str(out), prompts, reference="smollm2-135m", max_tokens=16, dtype=engine_dtype(out)))
-    assert res["ok"], res["vllm"]
-    print(recipe, "weights:", res["weight_rel_err"], "agreement:", res["agreement"])
-    print("logprob delta:", res["logprob_delta"])
-    assert res["weight_rel_err"] and all(v is not None and v < 5e-3 for v in res["weight_rel_err"].values())
-    assert res["agreement"]["teacher_forced_agreement"] >= 0.8
-    assert res["logprob_delta"]["simulated"] < 1.05 * res["logprob_delta"]["reference"]
+    assert res.ok, res.vllm
+    print(recipe, "weights:", res.weight_rel_err, "agreement:", res.agreement)
+    print("logprob delta:", res.logprob_delta)
+    assert res.weight_rel_err and all(v is not None and v < 5e-3 for v in res.weight_rel_err.values())
+    assert res.agreement["teacher_forced_agreement"] >= 0.8
+    assert res.logprob_delta["simulated"] < 1.05 * res.logprob_delta["reference"]

