@@ -96,6 +96,64 @@ def test_a_planted_upward_import_is_caught(tmp_path):
     assert found == ["fp8ptq/ops/planted:2 imports fp8ptq.cli (layer 10) from layer 0"], found
 
 
+def import_cycles(root: Path) -> list[list[str]]:
+    """Cycles of imports (function-level ones included: they hide a cycle, they do not remove it) among the
+    modules under `root` (a copy of the fp8ptq package). A package's `__init__` importing its own
+    submodules (a registry: models/arch/) is not an edge; everything else is."""
+    mods = {}
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root.parent).with_suffix("").parts
+        mods[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = f
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for me, f in mods.items():
+        is_pkg = f.name == "__init__.py"
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t in mods and t != me and not (is_pkg and t.startswith(me + ".")):
+                    graph[me].add(t)
+    cycles, done = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                cycle = path[path.index(nxt) :]
+                if frozenset(cycle) not in done:
+                    done.add(frozenset(cycle))
+                    cycles.append(cycle + [nxt])
+            elif nxt not in seen:
+                seen.add(nxt)
+                walk(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        seen = {start}
+        walk(start, [start])
+    return cycles
+
+
+def test_no_import_cycles():
+    """The layer order inside packages too: modules import each other one way (spec/ once hid a cycle
+    behind function-level imports; models/ had loader -> gguf -> skeleton -> loader)."""
+    assert import_cycles(PACKAGE) == []
+
+
+def test_a_planted_cycle_is_caught(tmp_path):
+    import shutil
+
+    copy = tmp_path / "fp8ptq"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "spec" / "steps.py").write_text(
+        (copy / "spec" / "steps.py").read_text() + "\n\ndef f():\n    from fp8ptq.spec.measure import measure_costs\n"
+    )
+    found = import_cycles(copy)
+    assert found and all({"fp8ptq.spec.steps", "fp8ptq.spec.measure"} <= set(c) for c in found), found
+
+
 def test_files_stay_small():
     long = {
         str(f.relative_to(PACKAGE)): n

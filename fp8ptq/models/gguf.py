@@ -162,7 +162,7 @@ def check_complete(path: Path, skeleton: torch.nn.Module, tensors: list[GgufTens
     it declares and none beyond, the embedding, the final norm and an untied head, and every tensor that
     maps onto a module in that module's shape. transformers would initialise a missing block at random.
     (Per-block tensor sets are not compared: some architectures vary them, e.g. dense-then-MoE.)"""
-    from fp8ptq.models.skeleton import stored_names
+    from fp8ptq.models.tensors import stored_names
 
     blocks = getattr(skeleton.config, "num_hidden_layers", None)
     held = {int(t.gguf_name.split(".")[1]) for t in tensors if re.match(r"blk\.\d+\.", t.gguf_name)}

@@ -10,6 +10,7 @@ from fp8ptq.io import trim_heap
 from fp8ptq.models.arch import arch_for
 from fp8ptq.models.arch.generic import GenericArch, build_model
 from fp8ptq.models.loader import ModelSource, check_finite
+from fp8ptq.models.tensors import stored_names
 
 
 def plain_config(config):
@@ -98,17 +99,6 @@ def source_name(src: ModelSource, name: str) -> str:
 
 
 _MAPPED_BYTES = 256 << 20  # source bytes read between closing the shards' memory maps
-
-
-def stored_names(module: torch.nn.Module, recurse: bool = True) -> list[str]:
-    """What a checkpoint holds for a module: its parameters and persistent buffers (e.g. DeepSeek's
-    router score-correction bias)."""
-    names = [n for n, _ in module.named_parameters(recurse=recurse)]
-    for owner_name, owner in module.named_modules() if recurse else [("", module)]:
-        for b in owner._buffers:
-            if b not in owner._non_persistent_buffers_set and owner._buffers[b] is not None:
-                names.append(f"{owner_name}.{b}" if owner_name else b)
-    return names
 
 
 def stored_sources(module: torch.nn.Module, prefix: str, src: ModelSource) -> dict[str, str]:
