@@ -25,8 +25,10 @@ import torch
 
 from fp8ptq.ops import gptq as G
 from fp8ptq.ops import gptq_kernel
+from fp8ptq.ops.fp8 import fp8_block_grid, fp8_grid
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, group
 from fp8ptq.ops.hessian import hessian_partial
+from fp8ptq.ops.intq import int_grid
 
 # [out, in] of Llama-3-8B's Linears (q/k/v fused, gate/up fused, o, down)
 SHAPES = "6144x4096,28672x4096,4096x4096,4096x14336"
@@ -35,12 +37,12 @@ GRIDS = ("fp8-tensor", "fp8-channel", "int4-g128-actorder", "fp8-block128")
 
 def _grid(name: str):
     if name == "fp8-tensor":
-        return G.fp8_grid(TENSOR), {}
+        return fp8_grid(TENSOR), {}
     if name == "fp8-channel":
-        return G.fp8_grid(CHANNEL), {}
+        return fp8_grid(CHANNEL), {}
     if name == "int4-g128-actorder":
-        return G.int_grid(4, False, group(128)), {"act_order": True}
-    return G.fp8_block_grid(128, 128), {"static_groups": True}
+        return int_grid(4, False, group(128)), {"act_order": True}
+    return fp8_block_grid(128, 128), {"static_groups": True}
 
 
 def _timed(fn, device, repeats: int) -> tuple[float, object]:

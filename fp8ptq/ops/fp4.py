@@ -23,8 +23,8 @@ import torch
 
 from fp8ptq.ops.fp8 import FP8_DTYPE, FP8_MAX, best_row_scale
 from fp8ptq.ops.granularity import finite_values
-from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID
-from fp8ptq.ops.mx import MX_GROUP, choose_mx_scale  # noqa: F401  (MX_GROUP: re-exported for MXFP4)
+from fp8ptq.ops.mx import MX_GROUP, choose_mx_scale, mx_grid  # noqa: F401  (MX_GROUP: re-exported for MXFP4)
+from fp8ptq.ops.weight_grid import DEFAULT_SHRINK_GRID, WeightGrid
 
 FP4_MAX = 6.0
 NVFP4_GROUP = 16
@@ -129,3 +129,27 @@ def choose_mxfp4_scale(x: torch.Tensor, mse: bool = False, weight: torch.Tensor 
     of the two exponents around the OCP one (saturate the top vs halve the resolution), the one with
     the smaller squared error on x (weight: x-shaped weights on each element's error, e.g. diag(H))."""
     return choose_mx_scale(x, _MX_OFFSET, fake_quant_mxfp4, mse, weight)
+
+
+# --- GPTQ / RTN grids (ops/weight_grid.py) ---------------------------------------------------
+
+
+def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = False) -> WeightGrid:
+    """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
+    input columns, per-row params eff = FP8 group scale / global scale [R, 1]. mse: each group's FP8
+    scale from `nvfp4_search_scale` over NVFP4_SCALE_SEARCH (hessian: the error weighted by diag(H) per
+    column, through `choose_weighted`); the scales stay FP8 values, so the export is as exact as
+    min-max's."""
+    gs = global_scale.float().reshape(1)
+    factors = NVFP4_SCALE_SEARCH if mse else ()
+    return WeightGrid(
+        lambda w: (nvfp4_search_scale(w, gs, factors), None),
+        lambda w, p: fake_quant_nvfp4(w, p[0]),
+        NVFP4_GROUP,
+        choose_weighted=(lambda w, d: (nvfp4_search_scale(w, gs, factors, d), None)) if mse and hessian else None,
+    )
+
+
+def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
+    """MXFP4 (ops.fp4): E2M1 values; the eager solver only."""
+    return mx_grid(choose_mxfp4_scale, fake_quant_mxfp4, mse, hessian)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.granularity import CHANNEL, Granularity, block, expand_scale, finite_values, reduce_amax
+from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, block, expand_scale, finite_values, reduce_amax
+from fp8ptq.ops.weight_grid import DEFAULT_SHRINK_GRID, WeightGrid
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -174,3 +175,33 @@ def pack_fp8_rows(
         err += float(torch.dot(q.view(-1), q.view(-1)))  # fp32 within a chunk, summed across chunks
         norm += float(torch.dot(x.view(-1), x.view(-1)))
     return codes, scales if per_row else scale.float().reshape(1), err, norm
+
+
+# --- GPTQ / RTN grids (ops/weight_grid.py) ---------------------------------------------------
+
+
+def fp8_grid(
+    g: Granularity = TENSOR, scale: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None
+) -> WeightGrid:
+    """FP8 E4M3 grid, per-tensor or per-channel. scale: a fixed scale (e.g. shared by fused shards);
+    None chooses the min-max scale of W, rounded up to scale_dtype when the engine loads it in one."""
+    assert g in (TENSOR, CHANNEL), g
+    if scale is None:
+        choose = lambda w: (scale_up_to(choose_fp8_scale(w, g), scale_dtype), None)  # noqa: E731
+    else:
+        fixed = scale.float().reshape(-1, 1) if g == CHANNEL else scale.float().reshape(1)
+        choose = lambda w: (fixed, None)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g), fused=("fp8",))
+
+
+def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
+    """FP8 E4M3 with one scale per (rows x cols) block of W, as a group grid over `cols` input
+    columns whose per-row params are shared by each `rows` consecutive rows (`block_row_scale`): RTN
+    and GPTQ (lazy or static groups, so act-order too) then need no block-specific solver. W's row
+    count must be a multiple of `rows`; the per-row scales [out, in / cols] reduce to the block scales
+    by taking every rows-th row. mse: each block's scale from a clip search (`mse_block_row_scale`)."""
+    if mse:
+        choose = lambda w: (mse_block_row_scale(w, rows, DEFAULT_SHRINK_GRID), None)  # noqa: E731
+    else:
+        choose = lambda w: (block_row_scale(w, rows), None)  # noqa: E731
+    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols, row_separable=False, fused=("fp8",))

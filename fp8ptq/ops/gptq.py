@@ -2,8 +2,10 @@
 rounding error onto the not-yet-quantized columns through the inverse Hessian of the layer inputs.
 Minimises ||W X^T - Q X^T||^2 for the inputs X whose Hessian H = 2 X^T X was accumulated.
 
-The grid is a value (`WeightGrid`: choose params, fake-quantize), so one solver serves FP8 per-tensor /
-per-channel scales and integer grids, including per-group integer grids whose params are chosen
+The grid is a value (`ops/weight_grid.WeightGrid`: choose params, fake-quantize), built next to each
+format's math (`fp8_grid` / `fp8_block_grid` in ops/fp8.py, `int_grid` in ops/intq.py, `nvfp4_grid` /
+`mxfp4_grid` in ops/fp4.py, `mxfp8_grid` in ops/mx.py), so this module is the solver only: it serves FP8
+per-tensor / per-channel scales and integer grids, including per-group integer grids whose params are chosen
 either lazily from the error-updated weights (standard GPTQ) or up front in original column order
 ("static groups", required with act-order so the checkpoint needs no g_idx).
 """
@@ -12,173 +14,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from fp8ptq.ops import gptq_kernel
-from fp8ptq.ops.fp4 import (
-    MX_GROUP,
-    NVFP4_GROUP,
-    NVFP4_SCALE_SEARCH,
-    choose_mxfp4_scale,
-    fake_quant_mxfp4,
-    fake_quant_nvfp4,
-    nvfp4_search_scale,
-)
-from fp8ptq.ops.fp8 import block_row_scale, choose_fp8_scale, fake_quant_fp8, mse_block_row_scale, scale_up_to
-from fp8ptq.ops.granularity import CHANNEL, TENSOR, Granularity, finite_values
-from fp8ptq.ops.intq import DEFAULT_SHRINK_GRID, choose_int_qparams, fake_quant_int, int_range, mse_int_qparams
-from fp8ptq.ops.mx import choose_mxfp8_scale, fake_quant_mxfp8
-
-# (scale, zero_point | None) at a grid's granularity; x ~= (q - zero_point) * scale.
-Params = tuple[torch.Tensor, torch.Tensor | None]
-
-
-# --- Grids ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WeightGrid:
-    """A quantization grid for GPTQ, as two pure functions.
-
-    choose(W [out, k]) -> Params for those columns: per-tensor ([1]) or per-row ([out, 1]).
-    fake_quant(W [out, k], params) -> [out, k] fp32 on the grid the params define.
-    group_size None: one Params for the whole W, chosen once before solving (FP8/INT8 per-tensor or
-    per-channel). group_size n: one Params per n consecutive input columns; `choose` must then be
-    per-row ([out, 1]), and the result stacks them into [out, in / n].
-    refine: optional, for group grids whose params depend on a whole row of groups (e.g. group scales
-    an engine re-quantizes per row): all groups' params [out, in / n] -> the params to use. GPTQ then
-    chooses every group up front (static groups).
-    row_separable: `choose` treats every row alone, so static groups may be chosen in one call over
-    W viewed as [(out x in / n), n]. False (block grids: rows share a block's params): one call per
-    [out, n] column slab.
-    """
-
-    choose: Callable[[torch.Tensor], Params]
-    fake_quant: Callable[[torch.Tensor, Params], torch.Tensor]
-    group_size: int | None = None
-    refine: Callable[[Params], Params] | None = None
-    row_separable: bool = True
-    # choose_weighted(W rows [R, n], d [R, n]) -> Params: like choose, but each column's error weighted
-    # by d (GPTQ passes the Hessian diagonal: the output error a column's rounding causes on its own)
-    choose_weighted: Callable[[torch.Tensor, torch.Tensor], Params] | None = None
-    # what the fused block kernel (ops.gptq_kernel) applies for this fake_quant: ("fp8",) or ("int", qmin,
-    # qmax); None: the eager loop only (FP4 grids)
-    fused: tuple | None = None
-
-
-def fp8_grid(
-    g: Granularity = TENSOR, scale: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None
-) -> WeightGrid:
-    """FP8 E4M3 grid, per-tensor or per-channel. scale: a fixed scale (e.g. shared by fused shards);
-    None chooses the min-max scale of W, rounded up to scale_dtype when the engine loads it in one."""
-    assert g in (TENSOR, CHANNEL), g
-    if scale is None:
-        choose = lambda w: (scale_up_to(choose_fp8_scale(w, g), scale_dtype), None)  # noqa: E731
-    else:
-        fixed = scale.float().reshape(-1, 1) if g == CHANNEL else scale.float().reshape(1)
-        choose = lambda w: (fixed, None)  # noqa: E731
-    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], g), fused=("fp8",))
-
-
-def fp8_block_grid(rows: int, cols: int, mse: bool = False) -> WeightGrid:
-    """FP8 E4M3 with one scale per (rows x cols) block of W, as a group grid over `cols` input
-    columns whose per-row params are shared by each `rows` consecutive rows (`block_row_scale`): RTN
-    and GPTQ (lazy or static groups, so act-order too) then need no block-specific solver. W's row
-    count must be a multiple of `rows`; the per-row scales [out, in / cols] reduce to the block scales
-    by taking every rows-th row. mse: each block's scale from a clip search (`mse_block_row_scale`)."""
-    if mse:
-        choose = lambda w: (mse_block_row_scale(w, rows, DEFAULT_SHRINK_GRID), None)  # noqa: E731
-    else:
-        choose = lambda w: (block_row_scale(w, rows), None)  # noqa: E731
-    return WeightGrid(choose, lambda w, p: fake_quant_fp8(w, p[0], CHANNEL), cols, row_separable=False, fused=("fp8",))
-
-
-def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = False) -> WeightGrid:
-    """NVFP4 (ops.fp4) with a fixed per-tensor global scale (of the whole, fused, weight): groups of 16
-    input columns, per-row params eff = FP8 group scale / global scale [R, 1]. mse: each group's FP8
-    scale from `nvfp4_search_scale` over NVFP4_SCALE_SEARCH (hessian: the error weighted by diag(H) per
-    column, through `choose_weighted`); the scales stay FP8 values, so the export is as exact as
-    min-max's."""
-    gs = global_scale.float().reshape(1)
-    factors = NVFP4_SCALE_SEARCH if mse else ()
-    return WeightGrid(
-        lambda w: (nvfp4_search_scale(w, gs, factors), None),
-        lambda w, p: fake_quant_nvfp4(w, p[0]),
-        NVFP4_GROUP,
-        choose_weighted=(lambda w, d: (nvfp4_search_scale(w, gs, factors, d), None)) if mse and hessian else None,
-    )
-
-
-def _mx_grid(choose_scale, fake_quant, mse: bool, hessian: bool, fused: tuple | None = None) -> WeightGrid:
-    """An MX grid (ops.mx): groups of 32 input columns, per-row power-of-two scales [R, 1] from
-    choose_scale(w, mse[, d]) (hessian: the mse choice weighted by diag(H) per column in GPTQ's static
-    groups), values by fake_quant(w, scale)."""
-    weighted = (lambda w, d: (choose_scale(w, True, d), None)) if mse and hessian else None
-    return WeightGrid(
-        lambda w: (choose_scale(w, mse), None),
-        lambda w, p: fake_quant(w, p[0]),
-        MX_GROUP,
-        choose_weighted=weighted,
-        fused=fused,
-    )
-
-
-def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
-    """MXFP4 (ops.fp4): E2M1 values; the eager solver only."""
-    return _mx_grid(choose_mxfp4_scale, fake_quant_mxfp4, mse, hessian)
-
-
-def mxfp8_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
-    """MXFP8 (ops.mx): E4M3 values, so the fused block kernel's FP8 rounding applies (the same bits per row)."""
-    return _mx_grid(choose_mxfp8_scale, fake_quant_mxfp8, mse, hessian, fused=("fp8",))
-
-
-def int_grid(
-    bits: int,
-    symmetric: bool,
-    g: Granularity,
-    *,
-    mse: bool = False,
-    shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
-    scale_dtype: torch.dtype | None = None,
-    params: Params | None = None,
-    refine: Callable[[Params], Params] | None = None,
-    hessian: bool = False,
-) -> WeightGrid:
-    """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
-
-    mse: choose each scale (per row, per group) by the clipping search of `mse_int_qparams`
-    instead of plain min-max; hessian: GPTQ's static groups weight that search's error by diag(H).
-    scale_dtype: round scales to the dtype the engine loads them in.
-    params: fixed (scale, zero_point) for TENSOR / CHANNEL grids (e.g. a scale shared by fused shards).
-    """
-    assert g.kind in ("tensor", "channel", "group"), g
-    within = TENSOR if g == TENSOR else CHANNEL  # a group's params are per-row over its n columns
-    if params is not None:
-        assert g.kind != "group", "fixed params are for per-tensor / per-channel grids"
-        choose = lambda w: params  # noqa: E731
-    elif mse:
-        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
-    else:
-        choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
-    if params is None:  # scales of a group's finite values (refused at load anyway: defence in depth)
-        choose = (lambda c: lambda w: c(finite_values(w)))(choose)
-    weighted = None
-    if mse and hessian and params is None:
-        weighted = lambda w, d: mse_int_qparams(  # noqa: E731
-            finite_values(w), within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype, col_weight=d
-        )
-    return WeightGrid(
-        choose,
-        lambda w, p: fake_quant_int(w, p[0], p[1], within, bits),
-        g.group_size,
-        refine,
-        choose_weighted=weighted,
-        fused=("int", *int_range(bits)),
-    )
-
+from fp8ptq.ops.weight_grid import Params, WeightGrid
 
 # --- Solver --------------------------------------------------------------------------------------
 

@@ -24,14 +24,25 @@ scale = amax / qmax (127), see `fake_quant_int_dynamic`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fp8ptq.ops.fp8 import MIN_SCALE, scale_from_amax
-from fp8ptq.ops.granularity import TOKEN, Granularity, expand_scale, reduce_amax, reduce_minmax
+from fp8ptq.ops.granularity import (
+    CHANNEL,
+    TENSOR,
+    TOKEN,
+    Granularity,
+    expand_scale,
+    finite_values,
+    reduce_amax,
+    reduce_minmax,
+)
+from fp8ptq.ops.weight_grid import DEFAULT_SHRINK_GRID, Params, WeightGrid
 
 # Clipping candidates for `mse_int_qparams`: 1.0 down to 0.5 in steps of 0.02 (26 values). int4 has
 # only 15 levels, so a 2% step in the range is already a fraction of one level.
-DEFAULT_SHRINK_GRID: tuple[float, ...] = tuple(round(1.0 - 0.02 * i, 2) for i in range(26))
 
 # Group sizes offered to users: powers of two or multiples of 32 (what GPTQ/AWQ tooling and vLLM's
 # kernels are built and tested for), between 8 and 1024.
@@ -260,3 +271,51 @@ def check_group_size(in_features: int, group_size: int) -> None:
             f"group_size {group_size} {why} in_features {in_features}; valid group sizes "
             f"(divisors in [{_GROUP_MIN}, {_GROUP_MAX}] that are powers of two or multiples of 32): {valid}"
         )
+
+
+# --- GPTQ / RTN grid (ops/weight_grid.py) ----------------------------------------------------
+
+
+def int_grid(
+    bits: int,
+    symmetric: bool,
+    g: Granularity,
+    *,
+    mse: bool = False,
+    shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
+    scale_dtype: torch.dtype | None = None,
+    params: Params | None = None,
+    refine: Callable[[Params], Params] | None = None,
+    hessian: bool = False,
+) -> WeightGrid:
+    """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
+
+    mse: choose each scale (per row, per group) by the clipping search of `mse_int_qparams`
+    instead of plain min-max; hessian: GPTQ's static groups weight that search's error by diag(H).
+    scale_dtype: round scales to the dtype the engine loads them in.
+    params: fixed (scale, zero_point) for TENSOR / CHANNEL grids (e.g. a scale shared by fused shards).
+    """
+    assert g.kind in ("tensor", "channel", "group"), g
+    within = TENSOR if g == TENSOR else CHANNEL  # a group's params are per-row over its n columns
+    if params is not None:
+        assert g.kind != "group", "fixed params are for per-tensor / per-channel grids"
+        choose = lambda w: params  # noqa: E731
+    elif mse:
+        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
+    else:
+        choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
+    if params is None:  # scales of a group's finite values (refused at load anyway: defence in depth)
+        choose = (lambda c: lambda w: c(finite_values(w)))(choose)
+    weighted = None
+    if mse and hessian and params is None:
+        weighted = lambda w, d: mse_int_qparams(  # noqa: E731
+            finite_values(w), within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype, col_weight=d
+        )
+    return WeightGrid(
+        choose,
+        lambda w, p: fake_quant_int(w, p[0], p[1], within, bits),
+        g.group_size,
+        refine,
+        choose_weighted=weighted,
+        fused=("int", *int_range(bits)),
+    )

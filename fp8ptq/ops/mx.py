@@ -26,6 +26,7 @@ import torch
 
 from fp8ptq.ops.fp8 import FP8_MAX, fake_quant_fp8
 from fp8ptq.ops.granularity import CHANNEL
+from fp8ptq.ops.weight_grid import WeightGrid
 
 MX_GROUP = 32
 E8M0_MIN, E8M0_MAX = -127, 127  # E8M0 stores 2^e as e + 127 in a byte (255 is NaN)
@@ -100,3 +101,25 @@ def fake_quant_mxfp8_act(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, MX_GROUP).float()
     s = mxfp8_act_scale(rows.abs().amax(dim=-1, keepdim=True))
     return fake_quant_mxfp8(rows, s).to(x.dtype).reshape(x.shape)
+
+
+# --- GPTQ / RTN grids (ops/weight_grid.py) ---------------------------------------------------
+
+
+def mx_grid(choose_scale, fake_quant, mse: bool, hessian: bool, fused: tuple | None = None) -> WeightGrid:
+    """An MX grid (ops.mx): groups of 32 input columns, per-row power-of-two scales [R, 1] from
+    choose_scale(w, mse[, d]) (hessian: the mse choice weighted by diag(H) per column in GPTQ's static
+    groups), values by fake_quant(w, scale)."""
+    weighted = (lambda w, d: (choose_scale(w, True, d), None)) if mse and hessian else None
+    return WeightGrid(
+        lambda w: (choose_scale(w, mse), None),
+        lambda w, p: fake_quant(w, p[0]),
+        MX_GROUP,
+        choose_weighted=weighted,
+        fused=fused,
+    )
+
+
+def mxfp8_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
+    """MXFP8 (ops.mx): E4M3 values, so the fused block kernel's FP8 rounding applies (the same bits per row)."""
+    return mx_grid(choose_mxfp8_scale, fake_quant_mxfp8, mse, hessian, fused=("fp8",))

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.ops.gptq import WeightGrid, gptq
+from fp8ptq.ops.gptq import gptq
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.intq import check_group_size
+from fp8ptq.ops.weight_grid import WeightGrid
 from fp8ptq.quantize.schemes import granularity, handler
 
 

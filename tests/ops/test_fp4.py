@@ -8,8 +8,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
-from fp8ptq.ops.fp4 import cast_e2m1, fake_quant_nvfp4, nvfp4_global_scale, nvfp4_group_scale
-from fp8ptq.ops.gptq import gptq, nvfp4_grid
+from fp8ptq.ops.fp4 import cast_e2m1, fake_quant_nvfp4, nvfp4_global_scale, nvfp4_grid, nvfp4_group_scale
+from fp8ptq.ops.gptq import gptq
 
 ARGS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True)
 

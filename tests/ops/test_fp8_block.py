@@ -6,8 +6,8 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from fp8ptq.ops.fp8 import FP8_MAX, block_row_scale, choose_fp8_scale, fake_quant_fp8
-from fp8ptq.ops.gptq import fp8_block_grid, gptq
+from fp8ptq.ops.fp8 import FP8_MAX, block_row_scale, choose_fp8_scale, fake_quant_fp8, fp8_block_grid
+from fp8ptq.ops.gptq import gptq
 from fp8ptq.ops.granularity import block
 
 

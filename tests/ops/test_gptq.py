@@ -3,11 +3,11 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8
-from fp8ptq.ops.gptq import GPTQResult, fp8_grid, gptq, int_grid
+from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8, fp8_grid
+from fp8ptq.ops.gptq import GPTQResult, gptq
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, group
 from fp8ptq.ops.hessian import accumulate_hessian, hessian_partial
-from fp8ptq.ops.intq import choose_int_qparams, fake_quant_int, quantize_int
+from fp8ptq.ops.intq import choose_int_qparams, fake_quant_int, int_grid, quantize_int
 
 
 def _correlated_inputs(n=2048, d=96, seed=0):
@@ -254,8 +254,7 @@ def test_gptq_result_exports_bit_exactly(bits, symmetric, g, fmt):
 def test_hessian_weighted_group_scales(kind):
     """weight_observer hessian_mse: each group's clip is searched on the error weighted by diag(H), so
     that weighted error is never above plain mse's choice; GPTQ with act-order uses those static scales."""
-    from fp8ptq.ops.fp4 import fake_quant_nvfp4, nvfp4_global_scale
-    from fp8ptq.ops.gptq import mxfp4_grid, nvfp4_grid
+    from fp8ptq.ops.fp4 import fake_quant_nvfp4, mxfp4_grid, nvfp4_global_scale, nvfp4_grid
 
     torch.manual_seed(0)
     W = torch.randn(32, 64) * torch.rand(1, 64) * 2

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = r"""
 import json, os, torch
 from fp8ptq.ops import gptq as G, gptq_kernel as K
+from fp8ptq.ops.fp8 import fp8_block_grid, fp8_grid
+from fp8ptq.ops.intq import int_grid
 from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.granularity import TENSOR, CHANNEL, group
 assert K.INTERPRET and K.available(torch.device("cpu"))
@@ -36,17 +38,17 @@ X = torch.randn(600, n)
 X[:, 11] = 0.0
 H = hessian_partial(X)
 grids = {
-    "fp8 tensor": (G.fp8_grid(TENSOR), {}),
-    "fp8 tensor, act-order": (G.fp8_grid(TENSOR), {"act_order": True}),  # fp8-kv8's default
-    "fp8 channel": (G.fp8_grid(CHANNEL), {}),
-    "fp8 channel, fixed scale": (G.fp8_grid(CHANNEL, torch.full((out,), 2e-4)), {}),
-    "fp8 block 8x32, act-order": (G.fp8_block_grid(8, 32), {"act_order": True}),
-    "fp8 block 8x32, static": (G.fp8_block_grid(8, 32), {"static_groups": True}),
-    "int4 asym channel": (G.int_grid(4, False, CHANNEL), {}),
-    "int8 sym tensor": (G.int_grid(8, True, TENSOR), {}),
-    "int8 sym channel, act-order": (G.int_grid(8, True, CHANNEL), {"act_order": True}),
-    "int4 asym g32 mse, act-order": (G.int_grid(4, False, group(32), mse=True, hessian=True), {"act_order": True}),
-    "int4 sym g16 static": (G.int_grid(4, True, group(16)), {"static_groups": True}),
+    "fp8 tensor": (fp8_grid(TENSOR), {}),
+    "fp8 tensor, act-order": (fp8_grid(TENSOR), {"act_order": True}),  # fp8-kv8's default
+    "fp8 channel": (fp8_grid(CHANNEL), {}),
+    "fp8 channel, fixed scale": (fp8_grid(CHANNEL, torch.full((out,), 2e-4)), {}),
+    "fp8 block 8x32, act-order": (fp8_block_grid(8, 32), {"act_order": True}),
+    "fp8 block 8x32, static": (fp8_block_grid(8, 32), {"static_groups": True}),
+    "int4 asym channel": (int_grid(4, False, CHANNEL), {}),
+    "int8 sym tensor": (int_grid(8, True, TENSOR), {}),
+    "int8 sym channel, act-order": (int_grid(8, True, CHANNEL), {"act_order": True}),
+    "int4 asym g32 mse, act-order": (int_grid(4, False, group(32), mse=True, hessian=True), {"act_order": True}),
+    "int4 sym g16 static": (int_grid(4, True, group(16)), {"static_groups": True}),
 }
 rows = {}
 for name, (grid, kw) in grids.items():

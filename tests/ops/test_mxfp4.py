@@ -7,8 +7,8 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-from fp8ptq.ops.fp4 import choose_mxfp4_scale, fake_quant_mxfp4
-from fp8ptq.ops.gptq import gptq, mxfp4_grid
+from fp8ptq.ops.fp4 import choose_mxfp4_scale, fake_quant_mxfp4, mxfp4_grid
+from fp8ptq.ops.gptq import gptq
 
 from helpers import mx_round_trip, mx_rtn
 

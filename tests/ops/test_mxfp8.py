@@ -12,8 +12,8 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-from fp8ptq.ops.gptq import gptq, mxfp8_grid
-from fp8ptq.ops.mx import choose_mxfp8_scale, fake_quant_mxfp8, fake_quant_mxfp8_act, mxfp8_act_scale
+from fp8ptq.ops.gptq import gptq
+from fp8ptq.ops.mx import choose_mxfp8_scale, fake_quant_mxfp8, fake_quant_mxfp8_act, mxfp8_act_scale, mxfp8_grid
 
 from helpers import mx_round_trip, mx_rtn
 
@@ -133,8 +133,7 @@ def test_dynamic_activations_are_vllms_own_quantizer():
 
 
 def test_weight_only_fp8_scales_are_bf16_and_never_saturate():
-    from fp8ptq.ops.fp8 import scale_up_to
-    from fp8ptq.ops.gptq import fp8_grid
+    from fp8ptq.ops.fp8 import fp8_grid, scale_up_to
     from fp8ptq.ops.granularity import CHANNEL
 
     torch.manual_seed(6)

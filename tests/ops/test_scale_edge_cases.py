@@ -11,10 +11,10 @@ import torch
 
 from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.loader import check_finite
-from fp8ptq.ops.fp4 import nvfp4_global_scale
-from fp8ptq.ops.gptq import fp8_block_grid, int_grid, mxfp4_grid, nvfp4_grid
+from fp8ptq.ops.fp4 import mxfp4_grid, nvfp4_global_scale, nvfp4_grid
+from fp8ptq.ops.fp8 import fp8_block_grid
 from fp8ptq.ops.granularity import finite_values, group
-from fp8ptq.ops.intq import fp8_row_group_scales
+from fp8ptq.ops.intq import fp8_row_group_scales, int_grid
 
 OUT, IN = 32, 64
 

@@ -6,9 +6,9 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from fp8ptq.ops.gptq import gptq, int_grid
+from fp8ptq.ops.gptq import gptq
 from fp8ptq.ops.granularity import group
-from fp8ptq.ops.intq import fp8_row_group_scales
+from fp8ptq.ops.intq import fp8_row_group_scales, int_grid
 
 
 def _vllm_w4a8_scales(s: torch.Tensor) -> torch.Tensor:

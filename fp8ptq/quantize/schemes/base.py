@@ -8,9 +8,9 @@ from typing import Callable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.ops.gptq import WeightGrid
 from fp8ptq.ops.granularity import CHANNEL, TENSOR, TOKEN, Granularity, block, group, tensor_group
 from fp8ptq.ops.grid import Grid
+from fp8ptq.ops.weight_grid import WeightGrid
 
 
 @dataclass(frozen=True)

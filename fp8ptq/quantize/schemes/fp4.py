@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.fp4 import MX_GROUP, NVFP4_GROUP, nvfp4_global_scale
-from fp8ptq.ops.gptq import mxfp4_grid, nvfp4_grid
+from fp8ptq.ops.fp4 import MX_GROUP, NVFP4_GROUP, mxfp4_grid, nvfp4_global_scale, nvfp4_grid
 from fp8ptq.ops.grid import NVFP4_ACT_GRID
 from fp8ptq.quantize.schemes.base import SchemeHandler, register
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8_dynamic, pack_fp8_rows
-from fp8ptq.ops.gptq import fp8_block_grid, fp8_grid, mxfp8_grid
+from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8_dynamic, fp8_block_grid, fp8_grid, pack_fp8_rows
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
-from fp8ptq.ops.mx import MX_GROUP, fake_quant_mxfp8_act
+from fp8ptq.ops.mx import MX_GROUP, fake_quant_mxfp8_act, mxfp8_grid
 from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
 
 

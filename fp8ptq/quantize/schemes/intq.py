@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.gptq import int_grid
 from fp8ptq.ops.grid import INT8_GRID
-from fp8ptq.ops.intq import fake_quant_int_dynamic, fp8_row_group_scales
+from fp8ptq.ops.intq import fake_quant_int_dynamic, fp8_row_group_scales, int_grid
 from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, handler_key, register
 from fp8ptq.quantize.schemes.pairing import is_w4a8_fp8
 
