@@ -22,6 +22,7 @@ from fp8ptq.errors import check_option
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
+    from fp8ptq.calibrate.analyze import AnalysisReport
     from fp8ptq.calibrate.state import Progress
     from fp8ptq.convert.inspect import InspectReport
     from fp8ptq.eval.engine_check import EngineCheckResult
@@ -162,13 +163,16 @@ def _lint_own_output(path: Path) -> None:
         )
 
 
-def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
+def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> AnalysisReport:
     """Outlier analysis of the float model into cfg.output (report.json, PNGs, summary.md), atomically."""
-    from fp8ptq.calibrate.analyze import analyze_model
+    from dataclasses import replace
+
+    from fp8ptq.calibrate.analyze import AnalysisReport, analyze_model
     from fp8ptq.calibrate.state import CalibrationSetup
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.models.loader import resolve_model
     from fp8ptq.outliers.report import write_analysis
+    from fp8ptq.results import to_json
     from fp8ptq.runs.context import chunk_samples
 
     check_option("--num-samples", cfg.num_samples, minimum=1, example=32)
@@ -188,10 +192,11 @@ def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> dict:
     )
     setup = CalibrationSetup(None, chunk_samples=chunk_samples(cfg.chunk_tokens, ids), device=device)
     with atomic_output_dir(cfg.output, cfg.overwrite) as tmp:
-        report, cmax = analyze_model(src, ids, setup, progress=progress)
-        report["data"] = "built-in calibration split" if cfg.data == data_mod.BUILTIN else cfg.data
-        report["files"] = [p.name for p in write_analysis(tmp, report, cmax)]
-    return report
+        raw, cmax = analyze_model(src, ids, setup, progress=progress)
+        data = "built-in calibration split" if cfg.data == data_mod.BUILTIN else cfg.data
+        report = AnalysisReport(**raw, data=data)
+        written = write_analysis(tmp, to_json(report), cmax)  # report.json: the report with its files
+    return replace(report, files=[p.name for p in written])
 
 
 def verify(cfg: VerifyConfig) -> EngineCheckResult:

@@ -3,6 +3,9 @@ sequential pass and the same `ActStats` code that calibration uses (nothing is q
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
 
 from fp8ptq.calibrate.experts import expert_of
@@ -13,6 +16,24 @@ from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.outliers.stats import StatsSpec
 
 ANALYSIS_SPEC = StatsSpec(rows=4096, moments=True, sample_top=8)
+
+
+@dataclass(frozen=True)
+class AnalysisReport:
+    """`fp8ptq analyze` / api.analyze (report.json holds it, results.to_json). `layers`: per decoder layer,
+    its Linear inputs' statistics (abs-max, percentiles, kurtosis, outlier channels and their stability),
+    K/V ranges and massive activations; `worst`: the inputs whose max sits furthest above their p99."""
+
+    SCHEMA: ClassVar[str] = "analysis"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    model: str
+    samples: int
+    seq_len: int
+    layers: list[dict]
+    worst: list[dict]
+    data: str = "calibration text"
+    files: list[str] = field(default_factory=list)  # what the output directory holds
 
 
 def input_kind(arch: Arch, name: str) -> str:

@@ -75,7 +75,9 @@ def analyze(
     with user_errors(output), progress_bar(not json_out) as progress:
         rep = run(cfg, progress)
     if json_out:
-        typer.echo(json.dumps(rep, indent=2))
+        from fp8ptq.results import to_json
+
+        typer.echo(json.dumps(to_json(rep), indent=2))
         return
     table = Table(
         "layer",
@@ -89,7 +91,7 @@ def analyze(
         "stability",
         title=f"worst Linear inputs of {model}",
     )
-    for w in rep["worst"]:
+    for w in rep.worst:
         table.add_row(
             str(w["layer"]),
             w["input"],
@@ -102,9 +104,9 @@ def analyze(
             f"{w['stability_mean']:.2f}",
         )
     out.print(table)
-    n_massive = sum(bool(l["massive"]) for l in rep["layers"])
+    n_massive = sum(bool(l["massive"]) for l in rep.layers)
     console.print(
-        f"massive activations after {n_massive} of {len(rep['layers'])} layers; report: {output / 'summary.md'}",
+        f"massive activations after {n_massive} of {len(rep.layers)} layers; report: {output / 'summary.md'}",
         highlight=False,
     )
 

@@ -128,13 +128,15 @@ def _markdown(report: dict) -> str:
 
 
 def write_analysis(out: Path, report: dict, cmax: dict[str, torch.Tensor]) -> list[Path]:
+    """report.json (the report, its `files` set to what is written here), the per-channel abs-max, the
+    plots and summary.md into `out`; the paths written."""
     out = Path(out)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in cmax.items()}, str(out / "channel_amax.safetensors"))
+    plots = _plots(report, cmax)
     written = [out / "report.json", out / "channel_amax.safetensors"]
-    for name, data in _plots(report, cmax).items():
+    written += [out / f"{name}.png" for name in plots] + [out / "summary.md"]
+    (out / "report.json").write_text(json.dumps({**report, "files": [p.name for p in written]}, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in cmax.items()}, str(out / "channel_amax.safetensors"))
+    for name, data in plots.items():
         (out / f"{name}.png").write_bytes(data)
-        written.append(out / f"{name}.png")
     (out / "summary.md").write_text(_markdown(report))
-    written.append(out / "summary.md")
     return written

@@ -149,7 +149,7 @@ def test_analyze_reports_outliers_per_expert(tiny_model, tmp_path):
     report = analyze(
         AnalyzeConfig(model=str(tiny_model("qwen3_moe")), output=tmp_path / "a", num_samples=4, seq_len=64)
     )
-    for layer in report["layers"]:
+    for layer in report.layers:
         experts = {k.split()[1] for k in layer["inputs"] if k.startswith("expert ")}
         assert len(experts) >= 2  # every expert the router used has its own row
         assert all(np.isfinite(s["amax"]) for s in layer["inputs"].values())
