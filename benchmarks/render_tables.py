@@ -47,7 +47,25 @@ def recipes(data: dict) -> str:
     return head + "".join(rows) + foot
 
 
-RENDERERS = {"recipes": recipes}
+def ci_suite(data: dict) -> str:
+    """The suite's time per stop (benchmarks/results/ci-suite.json): the newest first, a measured row
+    from a fresh clone beside the landing CI's reported time."""
+
+    def cell(r: dict, key: str) -> str:
+        v, note = r.get(key), r.get("notes", {}).get(key)
+        return "—" if v is None else f"{v}" + (f" {note}" if note else "")
+
+    head = "| stop | wall s | pytest s | tests | CI s | machine | commit | cmd | |\n"
+    head += "|---|---:|---:|---|---:|---|---|---|---|\n"
+    rows = []
+    for r in data["rows"]:
+        cells = [r["stop"], cell(r, "wall_s"), cell(r, "pytest_s"), r["tests"] or "—", cell(r, "ci_s")]
+        cells += [r["machine"], r["commit"], r["cmd"] or "—", f"[§]({r['link']})" if r["link"] else "—"]
+        rows.append("| " + " | ".join(cells) + " |\n")
+    return head + "".join(rows)
+
+
+RENDERERS = {"recipes": recipes, "ci-suite": ci_suite}
 
 
 def render_page(text: str, root: Path = REPO) -> str:

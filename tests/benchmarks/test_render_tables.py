@@ -26,6 +26,22 @@ def test_a_changed_result_changes_the_page(tmp_path):
     data["recipes"][0]["quality"]["kl"] = 0.5
     data["recipes"][0]["passed"] = False
     (tmp_path / "benchmarks/results/recipes.json").write_text(json.dumps(data))
+    suite = (REPO / "benchmarks/results/ci-suite.json").read_text()
+    (tmp_path / "benchmarks/results/ci-suite.json").write_text(suite)
     changed = render_page(page, root=tmp_path)
     row = next(line for line in changed.splitlines() if line.startswith(f"| {data['recipes'][0]['recipe']} |"))
     assert changed != page and "| 0.5000 |" in row and "| **no** |" in row
+
+
+def test_the_ci_suite_table_is_rendered_from_its_json(tmp_path):
+    page = (REPO / "BENCHMARKS.md").read_text()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    data = json.loads((REPO / "benchmarks/results/recipes.json").read_text())
+    (tmp_path / "benchmarks/results/recipes.json").write_text(json.dumps(data))
+    suite = json.loads((REPO / "benchmarks/results/ci-suite.json").read_text())
+    row = {"stop": "99", "wall_s": 1234, "pytest_s": None, "tests": "1 passed", "ci_s": None, "machine": "M"}
+    row |= {"commit": "abc1234", "cmd": "(a)", "link": None, "notes": {"wall_s": "⁹"}}
+    suite["rows"].insert(0, row)
+    (tmp_path / "benchmarks/results/ci-suite.json").write_text(json.dumps(suite))
+    changed = render_page(page, root=tmp_path)
+    assert "| 99 | 1234 ⁹ | — | 1 passed | — | M | abc1234 | (a) | — |" in changed and changed != page
