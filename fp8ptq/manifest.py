@@ -58,14 +58,22 @@ class Summary(_Part):
     worst_linear_rel_err: float
 
 
-class Quality(_Part):
+class QualityMetrics(_Part):
+    """One text's numbers: mean KL(reference || candidate) and top-1 agreement per scored token, and both
+    perplexities, over `tokens` next-token predictions of `data`."""
+
     tokens: int
     ppl_reference: float
     ppl: float
     kl: float
     top1: float
     data: str
-    numerics: dict
+
+
+class Quality(QualityMetrics):
+    """The quality check of a quantize run (and, extended, `eval quality`'s result: eval/quality.py)."""
+
+    numerics: dict  # what the evaluator simulated (eval.quality.load_simulated)
 
 
 class GateRecord(_Part):

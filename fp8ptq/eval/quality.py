@@ -20,36 +20,23 @@ from compressed_tensors.utils.match import is_match, match_targets
 
 from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import decompress_linear
+from fp8ptq.manifest import Quality, QualityMetrics
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
 from fp8ptq.quantize.schemes import dynamic_inputs, handler, stored_tensors
 
 
-@dataclass(frozen=True)
-class QualityMetrics:
-    """One text's numbers: mean KL(reference || candidate) and top-1 agreement per scored token, and both
-    perplexities, over `tokens` next-token predictions of `data`."""
-
-    tokens: int
-    ppl_reference: float
-    ppl: float
-    kl: float
-    top1: float
-    data: str
-
-
-@dataclass(frozen=True)
-class QualityReport(QualityMetrics):
-    """`fp8ptq eval quality` / api.evaluate_quality: the in-domain numbers, the simulated numerics, the
-    config as run, and the off-domain text's numbers when one was given (`--eval-data`)."""
+class QualityReport(Quality):
+    """`fp8ptq eval quality` / api.evaluate_quality: the manifest's quality numbers (in-domain, the simulated
+    numerics), the models and config as run, and the off-domain text's numbers when one was given
+    (`--eval-data`)."""
 
     SCHEMA: ClassVar[str] = "quality"
     SCHEMA_VERSION: ClassVar[int] = 1
 
     model: str
     reference: str
-    numerics: dict  # load_simulated's account of what was simulated
     config: dict[str, str]
     off_domain: QualityMetrics | None = None
 

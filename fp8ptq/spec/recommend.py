@@ -233,7 +233,6 @@ def write_outputs(
     draft: str,
     token_map: str | None = None,
     title: str = "speculative decoding",
-    extra: dict | None = None,
     eagle3: bool | None = None,
 ) -> dict[str, Path]:
     """speculative_config.json (vLLM), sglang_flags.txt, recommendation.json, speculative.png in out_dir
@@ -247,6 +246,6 @@ def write_outputs(
     flags = sglang_flags(draft, rec.gamma, token_map, eagle3=config["method"] == "eagle3")
     files["sglang"].write_text(" ".join(flags) + "\n")
     data = to_json(rec) if isinstance(rec, RecommendReport) else rec.as_dict()
-    files["recommendation"].write_text(json.dumps({**data, **(extra or {})}, indent=2) + "\n")
+    files["recommendation"].write_text(json.dumps(data, indent=2) + "\n")
     plot(files["plot"], rec, title)
     return files
