@@ -1,6 +1,6 @@
 """Typed results and the JSON they become (issue 34 item 4).
 
-A library entry point returns a frozen dataclass; the CLI renders its attributes and `--json` prints
+A library entry point returns a frozen dataclass (or a pydantic model); the CLI renders its attributes and `--json` prints
 `to_json(result)`: the fields, after two keys that say what the object is — `schema` (the class's SCHEMA)
 and `schema_version` (its SCHEMA_VERSION, raised when a field is renamed, removed or changes meaning; adding
 a field with a default does not raise it). A file written from a result is read back by `from_json` /
