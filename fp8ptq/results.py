@@ -1,13 +1,14 @@
 """Typed results and the JSON they become (issue 34 item 4).
 
-A library entry point returns a frozen dataclass (or a pydantic model); the CLI renders its attributes and `--json` prints
-`to_json(result)`: the fields, after two keys that say what the object is — `schema` (the class's SCHEMA)
-and `schema_version` (its SCHEMA_VERSION, raised when a field is renamed, removed or changes meaning; adding
-a field with a default does not raise it). A file written from a result is read back by `from_json` /
-`read_json`: validated against the class by pydantic (its TypeAdapter over the dataclass, nested
-dataclasses and tuples included), so a renamed key, a missing field or another kind of file is a typed
-error naming the file and the field — never a KeyError deep in the caller. Files written before the
-schema keys existed (schema_version absent) are read as version 1 when they validate.
+A library entry point returns a frozen dataclass (or a pydantic model); the CLI renders its
+attributes and `--json` prints `to_json(result)`: the fields, after two keys that say what the
+object is — `schema` (the class's SCHEMA) and `schema_version` (its SCHEMA_VERSION, raised when a
+field is renamed, removed or changes meaning; adding a field with a default does not raise it). A
+file written from a result is read back by `from_json` / `read_json`: validated against the class by
+pydantic (its TypeAdapter over the dataclass, nested dataclasses and tuples included), so a renamed
+key, a missing field or another kind of file is a typed error naming the file and the field — never
+a KeyError deep in the caller. Files written before the schema keys existed (schema_version absent)
+are read as version 1 when they validate.
 """
 
 from __future__ import annotations
