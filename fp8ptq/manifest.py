@@ -90,6 +90,42 @@ class GateRecord(_Part):
         return cls(**result.as_dict())
 
 
+class SpecChoice(_Part):
+    """The γ a `quantize --draft` bundle recommends, in short (its spec/recommendation.json has it all)."""
+
+    gamma: int
+    tau: float
+    speedup: float
+    c: float  # draft step cost / target step cost
+    costs_source: str
+    worth_it: bool
+    table: list[dict]  # per γ: tau, speedup, alpha
+
+
+class SpecFiles(_Part):
+    """The bundle's files, relative to the checkpoint folder."""
+
+    draft: str
+    trimmed: str | None
+    vllm: str
+    sglang: str
+    recommendation: str
+    plot: str
+
+
+class Speculative(_Part):
+    """`quantize --draft`'s bundle (fp8ptq.draft.auto.build_draft_bundle)."""
+
+    draft: dict  # the trainer's summary as its own file holds it (schema draft-train or eagle3-train)
+    trimmed: dict | None  # draft-trim's summary (schema draft-trim), when a VocabTrim draft was made
+    recommendation: SpecChoice
+    kind: str  # model | eagle3
+    speculative_config: dict  # vLLM's, paths relative to the folder
+    sglang_flags: list[str]
+    files: SpecFiles
+    timings: dict[str, float]
+
+
 _OMITTED_WHEN_NONE = ("mixed", "lm_head", "speculative", "quality")
 
 
@@ -109,7 +145,7 @@ class Manifest(BaseModel):
     summary: Summary
     mixed: dict | None = None  # the 4/8-bit plan (mixed recipes)
     lm_head: dict | None = None  # the quantized LM head's numbers (scheme.lm_head): weight_rel_err, source, tied
-    speculative: dict | None = None  # quantize --draft auto
+    speculative: Speculative | None = None  # quantize --draft
     quality: Quality | None = None  # the quality check (--eval-samples > 0)
     timings: dict[str, float] = {}
     gates: list[GateRecord] = []

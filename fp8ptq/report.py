@@ -33,12 +33,12 @@ def serve_commands(path: str, manifest: Manifest) -> dict[str, str]:
     vllm = f"vllm serve {path}" + (" --kv-cache-dtype fp8" if kv else "")
     sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
     spec = manifest.speculative
-    if spec and spec.get("speculative_config"):  # written by `quantize --draft auto`; paths relative to the folder
-        cfg = dict(spec["speculative_config"])
+    if spec is not None:  # written by `quantize --draft`; paths relative to the folder
+        cfg = dict(spec.speculative_config)
         cfg["model"] = os.path.join(path, cfg["model"])
         vllm += f" --speculative-config '{json.dumps(cfg)}'"
-    if spec and spec.get("sglang_flags"):
-        flags = [f if not f.startswith("draft") else os.path.join(path, f) for f in spec["sglang_flags"]]
+    if spec is not None and spec.sglang_flags:
+        flags = [f if not f.startswith("draft") else os.path.join(path, f) for f in spec.sglang_flags]
         sglang += " " + " ".join(flags)
     python = f'from vllm import LLM\nllm = LLM(model="{path}"' + (', kv_cache_dtype="fp8"' if kv else "") + ")"
     return {"vllm": vllm, "sglang": sglang, "vllm_python": python}
@@ -135,6 +135,7 @@ def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
 
     return {
         "m": manifest,
+        "speculative": None if manifest.speculative is None else manifest.speculative.model_dump(mode="json"),
         "scheme_rows": [
             ("weights", describe(scheme.get("weights"))),
             ("weight rounding", _ROUNDING.get(manifest.recipe.get("calibration", {}).get("weight_method"), "n/a")),

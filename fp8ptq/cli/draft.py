@@ -19,6 +19,14 @@ def _echo_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
+def _training_rows(table: Table, meta, loss_name: str) -> None:
+    """A trainer's summary (draft.loop.TrainSummary): steps, loss, time."""
+    table.add_row("steps", f"{meta.steps} (stopped by {meta.stopped_by}; resumed from {meta.resumed_from})")
+    if meta.loss_first is not None:
+        table.add_row(loss_name, f"{meta.loss_first:.4f} → {meta.loss_last:.4f}")
+    table.add_row("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in meta.timings.items()))
+
+
 def _eagle3_train(
     *, target, output, layer_ids, draft_vocab, ttt_steps, plain_texts, fc_norm, warm_start, json_out, **kw
 ):
@@ -50,17 +58,14 @@ def _eagle3_train(
         )
         meta = eagle3_train(cfg, progress)
     if json_out:
-        _echo_json({k: v for k, v in meta.items() if k != "losses"})
+        _echo_json(meta.file_json())
         return
     table = Table(title=f"fp8ptq draft-train --kind eagle3 → {output}", show_header=False)
-    table.add_row("target", meta["target"])
-    table.add_row("head", f"EAGLE-3, aux layers {meta['layer_ids']}, draft vocabulary {meta['draft_vocab']}")
-    table.add_row("kept-vocabulary coverage", f"{meta['kept_coverage_of_generated_tokens']:.2%} of generated tokens")
-    table.add_row("data", f"{meta['data']['sequences']} sequences, {meta['data']['tokens']} tokens")
-    table.add_row("steps", f"{meta['steps']} (stopped by {meta['stopped_by']}; resumed from {meta['resumed_from']})")
-    if meta["loss_first"] is not None:
-        table.add_row("TTT KL loss", f"{meta['loss_first']:.4f} → {meta['loss_last']:.4f}")
-    table.add_row("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in meta["timings"].items()))
+    table.add_row("target", meta.target)
+    table.add_row("head", f"EAGLE-3, aux layers {meta.layer_ids}, draft vocabulary {meta.draft_vocab}")
+    table.add_row("kept-vocabulary coverage", f"{meta.kept_coverage_of_generated_tokens:.2%} of generated tokens")
+    table.add_row("data", f"{meta.data.sequences} sequences, {meta.data.tokens} tokens")
+    _training_rows(table, meta, "TTT KL loss")
     out.print(table)
     console.print(f"vLLM: speculative_config={{'method': 'eagle3', 'model': '{output}', ...}}", highlight=False)
 
@@ -158,38 +163,36 @@ def _draft_train(
     with user_errors(output), progress_bar(not json_out) as progress:
         meta = draft_train(cfg, progress)
     if json_out:
-        _echo_json({k: v for k, v in meta.items() if k != "losses"})
+        _echo_json(meta.file_json())
         return
     table = Table(title=f"fp8ptq draft-train → {output}", show_header=False)
-    table.add_row("target", meta["target"])
-    table.add_row("draft", meta["init"])
-    table.add_row("data", f"{meta['data']['samples']} generations, {meta['data']['generated_tokens']} target tokens")
-    table.add_row("steps", f"{meta['steps']} (stopped by {meta['stopped_by']}; resumed from {meta['resumed_from']})")
-    if meta["loss_first"] is not None:
-        table.add_row("KL loss", f"{meta['loss_first']:.4f} → {meta['loss_last']:.4f}")
-    table.add_row("time", ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in meta["timings"].items()))
+    table.add_row("target", meta.target)
+    table.add_row("draft", meta.init)
+    table.add_row("data", f"{meta.data.samples} generations, {meta.data.generated_tokens} target tokens")
+    _training_rows(table, meta, "KL loss")
     out.print(table)
 
 
 def _draft_trim(draft, target, keep, output, overwrite, json_out):
     offline()
     from fp8ptq.draft.trim import DraftTrimConfig, draft_trim
+    from fp8ptq.results import to_json
 
     cfg = DraftTrimConfig(draft=draft, target=target, keep=keep, output=output, overwrite=overwrite)
     with user_errors(output), progress_bar(not json_out) as progress:
         s = draft_trim(cfg, progress)
     if json_out:
-        _echo_json(s)
+        _echo_json(to_json(s))
         return
     table = Table(title=f"fp8ptq draft-trim → {output}", show_header=False)
-    table.add_row("kept", f"{s['keep']} of {s['vocab']} ids ({s['special_kept']} special)")
-    table.add_row("frequencies from", f"{s['frequency_source']}, {s['counted_tokens']} tokens")
-    held = s["coverage_heldout"]
+    table.add_row("kept", f"{s.keep} of {s.vocab} ids ({s.special_kept} special)")
+    table.add_row("frequencies from", f"{s.frequency_source}, {s.counted_tokens} tokens")
+    held = s.coverage_heldout
     table.add_row(
         "coverage (counted / held out)",
-        f"{s['coverage_counted']:.2%} / " + (f"{held:.2%}" if held is not None else "–"),
+        f"{s.coverage_counted:.2%} / " + (f"{held:.2%}" if held is not None else "–"),
     )
-    table.add_row("LM-head FLOPs saved", f"{s['lm_head_flops_saving']:.1%}")
+    table.add_row("LM-head FLOPs saved", f"{s.lm_head_flops_saving:.1%}")
     table.add_row("SGLang token map", str(output / "token_map.pt"))
     out.print(table)
     console.print("measure its acceptance: fp8ptq spec measure TARGET " + str(output), highlight=False)

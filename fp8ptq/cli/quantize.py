@@ -200,12 +200,12 @@ def quantize(
         quality_rows(table, manifest.quality)
     if manifest.mixed:
         table.add_row("4-bit share of linear FLOPs", f"{manifest.mixed['int4_flop_share'] * 100:.1f}%")
-    if manifest.speculative:
-        r = manifest.speculative["recommendation"]
+    if manifest.speculative is not None:
+        r = manifest.speculative.recommendation
         table.add_row(
             "speculative decoding",
-            f"draft in {output / 'draft'}: γ={r['gamma']}, τ={r['tau']:.2f}, "
-            f"c={r['c']:.3f}, predicted {r['speedup']:.2f}× (speculative_config.json)",
+            f"draft in {output / 'draft'}: γ={r.gamma}, τ={r.tau:.2f}, "
+            f"c={r.c:.3f}, predicted {r.speedup:.2f}× (speculative_config.json)",
         )
     table.add_row("time", ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in manifest.timings.items()))
     table.add_row("report", str(output / "report.html"))

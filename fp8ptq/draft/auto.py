@@ -2,7 +2,7 @@
 
 Contract (for fp8ptq.api.quantize, which owns the output directory):
 
-    build_draft_bundle(target_dir, out_dir, cfg: DraftBundleConfig, *, device="cpu", progress=None) -> dict
+    build_draft_bundle(target_dir, out_dir, cfg: DraftBundleConfig, *, device="cpu", progress=None) -> Speculative
 
 - target_dir: the FINISHED quantized checkpoint (any compressed-tensors dir or plain HF dir); it is
   read, never written. The draft is distilled from it under simulated engine numerics.
@@ -18,9 +18,9 @@ Contract (for fp8ptq.api.quantize, which owns the output directory):
       out_dir/speculative/                recommendation.json, measure.json, speculative.png
   It raises SpecError (an Fp8ptqError) on bad settings before any training, and leaves whatever it
   wrote for the caller's atomic dir to discard on failure.
-- Returns a JSON-able summary for the manifest: {"draft": {...draft-train meta without losses},
-  "trimmed": {...} | None, "recommendation": {gamma, tau, speedup, c, worth_it, table},
-  "speculative_config": {...}, "sglang_flags": [...], "files": {...relative paths}, "timings": {...}}.
+- Returns the manifest's typed `speculative` part (fp8ptq.manifest.Speculative): the trainer's and
+  trimmer's summaries as their files hold them, the recommended γ in short, the vLLM config, the
+  SGLang flags, the files (relative paths) and the timings.
 - cfg: the draft settings as one object (DraftBundleConfig); cfg.train: extra DraftTrainConfig
   (kind="eagle3": Eagle3TrainConfig) fields (e.g. {"num_prompts": 64}).
 - progress(stage, done, total) as everywhere else (stages: generate, train, measure, costs).
@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp8ptq.manifest import SpecChoice, SpecFiles, Speculative
+from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.recommend import sglang_flags, vllm_config
 
@@ -60,7 +62,9 @@ class DraftBundleConfig:
 
 def build_draft_bundle(
     target_dir: Path, out_dir: Path, cfg: DraftBundleConfig | None = None, *, device: str = "cpu", progress=None
-) -> dict:
+) -> Speculative:
+    """Train (and trim) a draft for the finished checkpoint TARGET_DIR, measure it, write the engine
+    configs beside it in OUT_DIR; the manifest's `speculative` part."""
     cfg = cfg or DraftBundleConfig()
     from fp8ptq.draft.train import DraftTrainConfig, draft_train
     from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, draft_trim
@@ -127,30 +131,28 @@ def build_draft_bundle(
     # The engine files sit at the top of the folder, beside the target they belong to.
     for name in ("speculative_config.json", "sglang_flags.txt"):
         shutil.copy2(out_dir / "speculative" / name, out_dir / name)
-    return {
-        "draft": {k: v for k, v in meta.items() if k != "losses"},
-        "trimmed": trimmed,
-        "recommendation": {
-            "gamma": rec.gamma,
-            "tau": rec.tau,
-            "speedup": rec.speedup,
-            "c": rec.costs["c"],
-            "costs_source": rec.costs["source"],
-            "worth_it": rec.worth_it,
-            "table": rec.table,
-        },
-        "kind": kind,
-        "speculative_config": vllm_config("draft", rec.gamma, eagle3=eagle3),
-        "sglang_flags": sglang_flags(
-            "draft", rec.gamma, f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, eagle3=eagle3
+    return Speculative(
+        draft=meta.file_json(),
+        trimmed=None if trimmed is None else to_json(trimmed),
+        recommendation=SpecChoice(
+            gamma=rec.gamma,
+            tau=rec.tau,
+            speedup=rec.speedup,
+            c=rec.costs["c"],
+            costs_source=rec.costs["source"],
+            worth_it=rec.worth_it,
+            table=rec.table,
         ),
-        "files": {
-            "draft": "draft",
-            "trimmed": "draft-trimmed" if trimmed else None,
-            "vllm": "speculative_config.json",
-            "sglang": "sglang_flags.txt",
-            "recommendation": "speculative/recommendation.json",
-            "plot": "speculative/speculative.png",
-        },
-        "timings": {**timings, "total_s": time.perf_counter() - t0},
-    }
+        kind=kind,
+        speculative_config=vllm_config("draft", rec.gamma, eagle3=eagle3),
+        sglang_flags=sglang_flags("draft", rec.gamma, f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, eagle3=eagle3),
+        files=SpecFiles(
+            draft="draft",
+            trimmed="draft-trimmed" if trimmed else None,
+            vllm="speculative_config.json",
+            sglang="sglang_flags.txt",
+            recommendation="speculative/recommendation.json",
+            plot="speculative/speculative.png",
+        ),
+        timings={**timings, "total_s": time.perf_counter() - t0},
+    )

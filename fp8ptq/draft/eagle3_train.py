@@ -26,6 +26,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.draft.eagle3_warm import linear_warm_start
-from fp8ptq.draft.loop import fit, load_checkpoint, locked_output, trainable
+from fp8ptq.draft.loop import TrainRun, TrainSummary, fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
@@ -67,6 +68,27 @@ class Eagle3TrainConfig:
     overwrite: bool = False
     keep_work: bool = False
     device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Eagle3Data:
+    generations: int  # target generations
+    generated_tokens: int
+    sequences: int  # generations + plain passages trained on
+    tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eagle3Summary(TrainSummary):
+    """draft-train --kind eagle3's result; fp8ptq_eagle3.json in the head's folder (without `losses`)."""
+
+    SCHEMA: ClassVar[str] = "eagle3-train"
+    layer_ids: list[int]  # the target's aux layers, vLLM's fc input order
+    draft_vocab: int
+    vocab: int
+    kept_coverage_of_generated_tokens: float
+    data: Eagle3Data
+    warm_start: dict | None  # the closed-form start (eagle3_warm.linear_warm_start), None when off
 
 
 def _fingerprint(cfg: Eagle3TrainConfig, layer_ids: list[int]) -> dict:
@@ -201,8 +223,8 @@ def step_rows(step: int, n_shards: int, seed: int) -> int:
     return int(torch.randperm(n_shards, generator=torch.Generator().manual_seed(seed * 7919 + epoch))[off])
 
 
-def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress=None) -> dict:
-    """The training loop (loop.fit) on the TTT loss, one capture shard per step."""
+def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress=None) -> tuple[TrainRun, dict | None]:
+    """The training loop (loop.fit) on the TTT loss, one capture shard per step; and the warm start's numbers."""
     params = trainable(head)
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.safetensors"
@@ -222,12 +244,12 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
         shard = load_file(str(work / f"shard-{step_rows(step, n_shards, cfg.seed):05d}.safetensors"))
         return ttt_loss(head, shard, list(range(shard["ids"].shape[0])), cfg.ttt_steps, t2d_rows, cfg.device)
 
-    return fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress) | {"warm_start": warm}
+    return fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress), warm
 
 
 @locked_output
-def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
-    """Generate, count, capture, train, export (atomically). Returns the summary (also fp8ptq_eagle3.json)."""
+def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
+    """Generate, count, capture, train, export (atomically)."""
     from fp8ptq.draft.train import DATA_FILE, generate_data, work_dir
     from fp8ptq.draft.trim import choose_kept, count_tokens
     from fp8ptq.io import atomic_output_dir, check_output
@@ -292,34 +314,34 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> dict:
         fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))
     del target
     head = head.to(cfg.device)
-    summary = train_head(head, work, n_shards, cfg, progress)
-    timings["train_s"] = summary.pop("train_s")
-    meta = {
-        "kind": "eagle3",
-        "target": str(cfg.target),
-        "target_path": str(src.path),
-        "config": {k: str(v) for k, v in asdict(cfg).items()},
-        "layer_ids": layer_ids,
-        "draft_vocab": keep,
-        "vocab": V,
-        "kept_coverage_of_generated_tokens": coverage,
-        "data": {
-            "generations": int(data["tokens"].shape[0]),
-            "generated_tokens": int(data["gen_len"].sum()),
-            "sequences": len(seqs),
-            "tokens": sum(len(s) for s in seqs),
-        },
-        "loss": f"sum_k 0.8^k KL(target top-{cfg.topk} renormalised over the kept ids || head), "
-        f"{cfg.ttt_steps} TTT steps",
-        **summary,
-        "timings": timings,
-    }
+    run, warm = train_head(head, work, n_shards, cfg, progress)
+    timings["train_s"] = run.train_s
+    meta = Eagle3Summary(
+        target=str(cfg.target),
+        target_path=str(src.path),
+        config={k: str(v) for k, v in asdict(cfg).items()},
+        layer_ids=layer_ids,
+        draft_vocab=keep,
+        vocab=V,
+        kept_coverage_of_generated_tokens=coverage,
+        data=Eagle3Data(
+            generations=int(data["tokens"].shape[0]),
+            generated_tokens=int(data["gen_len"].sum()),
+            sequences=len(seqs),
+            tokens=sum(len(s) for s in seqs),
+        ),
+        loss=f"sum_k 0.8^k KL(target top-{cfg.topk} renormalised over the kept ids || head), {cfg.ttt_steps} TTT steps",
+        **run.fields(),
+        warm_start=warm,
+        timings=timings,
+        losses=run.losses,
+    )
     tcfg = json.loads((Path(src.path) / "config.json").read_text())
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
         save_file(export_state(head), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(export_config(tcfg, head.s), indent=2) + "\n")
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(tmp / DATA_FILE))
-        (tmp / EAGLE3_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "losses"}, indent=2) + "\n")
+        meta.write(tmp / EAGLE3_META)
     if not cfg.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return meta

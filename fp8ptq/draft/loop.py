@@ -10,14 +10,71 @@ import functools
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.export.rundir import output_lock
 from fp8ptq.io import write_atomic, write_json_atomic
+from fp8ptq.results import read_json, to_json
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """What a training run reports: steps, stop reason, the loss at the start and over the last 20 steps
+    (both trainers' summaries carry these fields), its seconds and every step's loss."""
+
+    steps: int
+    resumed_from: int
+    stopped_by: str  # max_steps | time_budget
+    loss_first: float | None
+    loss_last: float | None
+    train_s: float
+    losses: tuple[float, ...]
+
+    def fields(self) -> dict:
+        """The fields a trainer's summary repeats (its file leaves out the seconds and the loss curve)."""
+        keys = ("steps", "resumed_from", "stopped_by", "loss_first", "loss_last")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSummary:
+    """What both trainers return and write beside their output (DraftSummary, Eagle3Summary extend it)."""
+
+    SCHEMA: ClassVar[str]
+    SCHEMA_VERSION: ClassVar[int] = 1
+    target: str
+    target_path: str
+    config: dict[str, str]  # the trainer's config as run, values as text
+    loss: str  # what was minimised
+    steps: int
+    resumed_from: int
+    stopped_by: str
+    loss_first: float | None
+    loss_last: float | None
+    timings: dict[str, float]
+    losses: tuple[float, ...] = ()  # every step's loss: in memory only, never in the file or --json
+
+    def file_json(self) -> dict:
+        return {k: v for k, v in to_json(self).items() if k != "losses"}
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.file_json(), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """checkpoint.json beside a trainer's checkpoint.safetensors: where a resumed run starts."""
+
+    SCHEMA: ClassVar[str] = "train-checkpoint"
+    SCHEMA_VERSION: ClassVar[int] = 1
+    step: int
+    losses: list[float]
+    elapsed_s: float
 
 
 def trainable(module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -46,7 +103,7 @@ def save_checkpoint(path: Path, module, opt, step: int, losses: list[float], ela
             tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"].cpu().contiguous()
             tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float64).reshape(1).cpu()
     write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
-    write_json_atomic(path.with_suffix(".json"), {"step": step, "losses": losses, "elapsed_s": elapsed})
+    write_json_atomic(path.with_suffix(".json"), to_json(Checkpoint(step, losses, elapsed)))
 
 
 def load_checkpoint(path: Path, module, opt, device: str) -> tuple[int, list[float], float]:
@@ -63,22 +120,21 @@ def load_checkpoint(path: Path, module, opt, device: str) -> tuple[int, list[flo
                 "exp_avg": t[f"opt.{n}.exp_avg"].to(device),
                 "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].to(device),
             }
-    meta = json.loads(path.with_suffix(".json").read_text())
-    return meta["step"], meta["losses"], meta["elapsed_s"]
+    saved = read_json(path.with_suffix(".json"), Checkpoint, fix="delete the work directory to train afresh")
+    return saved.step, list(saved.losses), saved.elapsed_s
 
 
-def train_summary(step: int, start: int, stopped, t0: float, losses: list[float]) -> dict:
-    """What a training run reports: steps, stop reason, time, loss at the start and over the last 20 steps."""
+def train_summary(step: int, start: int, stopped: str, t0: float, losses: list[float]) -> TrainRun:
     k = max(1, min(20, len(losses)))
-    return {
-        "steps": step,
-        "resumed_from": start,
-        "stopped_by": stopped,
-        "train_s": time.perf_counter() - t0,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": sum(losses[-k:]) / k if losses else None,
-        "losses": losses,
-    }
+    return TrainRun(
+        steps=step,
+        resumed_from=start,
+        stopped_by=stopped,
+        loss_first=losses[0] if losses else None,
+        loss_last=sum(losses[-k:]) / k if losses else None,
+        train_s=time.perf_counter() - t0,
+        losses=tuple(losses),
+    )
 
 
 def fit(
@@ -90,10 +146,10 @@ def fit(
     ckpt: Path | None,
     resumed: tuple[int, list[float], float] = (0, [], 0.0),
     progress=None,
-) -> dict:
+) -> TrainRun:
     """Train `module` until cfg.max_steps or cfg.time_budget_s (at least one step after a resume), from
     `resumed` (step, losses, elapsed); checkpoints every cfg.checkpoint_every steps and at the end when
-    `ckpt` is given. Returns train_summary's dict."""
+    `ckpt` is given."""
     params = [p for _, p in trainable(module)]
     step, losses, elapsed = resumed
     start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"

@@ -27,12 +27,13 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fp8ptq.draft.loop import fit, load_checkpoint, locked_output, trainable
+from fp8ptq.draft.loop import TrainRun, TrainSummary, fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.models import DRAFT_META, LoadedModel, load_target
 from fp8ptq.spec.prompts import encode_prompts, load_prompts
@@ -64,6 +65,22 @@ class DraftTrainConfig:
     overwrite: bool = False
     keep_work: bool = False
     device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class DraftData:
+    samples: int  # target generations
+    generated_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftSummary(TrainSummary):
+    """draft-train's result; fp8ptq_draft.json in the draft's folder (without `losses`)."""
+
+    SCHEMA: ClassVar[str] = "draft-train"
+    data: DraftData
+    init: str  # where the draft's weights started
 
 
 def work_dir(output: Path) -> Path:
@@ -221,7 +238,7 @@ def kl_loss(draft, data: dict, idx: list[int], device: str) -> torch.Tensor:
     return (logp.exp() * (logp - logq.gather(-1, ids))).sum(-1).mean()
 
 
-def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=None) -> dict:
+def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=None) -> TrainRun:
     """The training loop (loop.fit) on the KL loss. Resumes from `ckpt` when cfg.resume and it exists."""
     draft.model.embed_tokens.weight.requires_grad_(False)  # tied LM head: the target's, kept as is
     params = trainable(draft)
@@ -241,8 +258,8 @@ def train(draft, data: dict, cfg: DraftTrainConfig, ckpt: Path | None, progress=
 
 
 @locked_output
-def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
-    """Generate data with the target, distil the draft, write cfg.output (atomically). Returns the summary."""
+def draft_train(cfg: DraftTrainConfig, progress=None) -> DraftSummary:
+    """Generate data with the target, distil the draft, write cfg.output (atomically)."""
     from fp8ptq.io import atomic_output_dir, check_output
 
     check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))
@@ -284,27 +301,28 @@ def draft_train(cfg: DraftTrainConfig, progress=None) -> dict:
         fp_file.write_text(json.dumps(_fingerprint(cfg)))
     draft = init_draft(target, cfg.layers).to(cfg.device)
     del target
-    summary = train(draft, data, cfg, work / "checkpoint.safetensors", progress)
-    timings["train_s"] = summary.pop("train_s")
-    meta = {
-        "target": str(cfg.target),
-        "target_path": str(src.path),
-        "config": {k: str(v) for k, v in asdict(cfg).items()},
-        "data": {
-            "samples": int(data["tokens"].shape[0]),
-            "generated_tokens": int(data["gen_len"].sum()),
-            "prompt_tokens": int(data["prompt_len"].sum()),
-        },
-        "loss": "KL(renormalised target top-k || draft) at generated positions",
-        "init": f"target layers 0..{cfg.layers - 1} + final norm + tied embedding/LM head (frozen)",
-        **summary,
-        "timings": timings,
-    }
+    run = train(draft, data, cfg, work / "checkpoint.safetensors", progress)
+    timings["train_s"] = run.train_s
+    meta = DraftSummary(
+        target=str(cfg.target),
+        target_path=str(src.path),
+        config={k: str(v) for k, v in asdict(cfg).items()},
+        data=DraftData(
+            samples=int(data["tokens"].shape[0]),
+            generated_tokens=int(data["gen_len"].sum()),
+            prompt_tokens=int(data["prompt_len"].sum()),
+        ),
+        loss="KL(renormalised target top-k || draft) at generated positions",
+        init=f"target layers 0..{cfg.layers - 1} + final norm + tied embedding/LM head (frozen)",
+        **run.fields(),
+        timings=timings,
+        losses=run.losses,
+    )
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
         draft.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(tmp / DATA_FILE))
-        (tmp / DRAFT_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "losses"}, indent=2) + "\n")
+        meta.write(tmp / DRAFT_META)
     if not cfg.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return meta

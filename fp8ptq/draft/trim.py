@@ -26,8 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.draft.train import DATA_FILE
+from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.models import TRIM_META
+from fp8ptq.spec.models import TRIM_META, TrimSummary
 
 TOKEN_MAP = "token_map.pt"
 
@@ -87,7 +88,7 @@ def _split(data: dict, fraction: float, seed: int) -> tuple[torch.Tensor, torch.
     return perm[held:], perm[:held]
 
 
-def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
+def draft_trim(cfg: DraftTrimConfig, progress=None) -> TrimSummary:
     """Count, choose, write OUT (atomically). Returns a summary (kept, coverage, LM-head saving)."""
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.models.loader import resolve_model
@@ -144,25 +145,25 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> dict:
     state["t2d"] = t2d_mask(kept, vocab)
     config = json.loads((Path(cfg.draft) / "config.json").read_text())
     config.update(tie_word_embeddings=False, draft_vocab_size=cfg.keep)
-    summary = {
-        "draft": str(cfg.draft),
-        "target": str(cfg.target),
-        "keep": cfg.keep,
-        "vocab": vocab,
-        "special_kept": len(set(special) & set(kept.tolist())),
-        "frequency_source": source,
-        "counted_tokens": int(counts.sum()),
-        "coverage_counted": coverage_fit,
-        "coverage_heldout": coverage_held,
-        "lm_head_rows": [vocab, cfg.keep],
-        "lm_head_flops_saving": 1 - cfg.keep / vocab,
-        "lm_head_params": [vocab * hidden, cfg.keep * hidden],
-    }
+    summary = TrimSummary(
+        draft=str(cfg.draft),
+        target=str(cfg.target),
+        keep=cfg.keep,
+        vocab=vocab,
+        special_kept=len(set(special) & set(kept.tolist())),
+        frequency_source=source,
+        counted_tokens=int(counts.sum()),
+        coverage_counted=coverage_fit,
+        coverage_heldout=coverage_held,
+        lm_head_rows=[vocab, cfg.keep],
+        lm_head_flops_saving=1 - cfg.keep / vocab,
+        lm_head_params=[vocab * hidden, cfg.keep * hidden],
+    )
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(str(tmp))
         torch.save(kept.tolist(), tmp / TOKEN_MAP)  # an OUTPUT for SGLang; fp8ptq never loads it
         (tmp / "kept_token_ids.json").write_text(json.dumps(kept.tolist()) + "\n")
-        (tmp / TRIM_META).write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / TRIM_META).write_text(json.dumps(to_json(summary), indent=2) + "\n")
     return summary

@@ -10,7 +10,6 @@ prompt-lookup proposer (no model: the next tokens after the longest earlier matc
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,31 @@ from typing import ClassVar
 
 import torch
 
+from fp8ptq.results import read_json
 from fp8ptq.spec import SpecError
 
 TRIM_META = "fp8ptq_trim.json"
 DRAFT_META = "fp8ptq_draft.json"
+
+
+@dataclass(frozen=True)
+class TrimSummary:
+    """draft-trim's result (fp8ptq.draft.trim); fp8ptq_trim.json in a trimmed draft, read back to load it."""
+
+    SCHEMA: ClassVar[str] = "draft-trim"
+    SCHEMA_VERSION: ClassVar[int] = 1
+    draft: str
+    target: str
+    keep: int  # the draft's vocabulary: LM-head rows kept
+    vocab: int  # the target's
+    special_kept: int
+    frequency_source: str
+    counted_tokens: int
+    coverage_counted: float  # share of the counted generated tokens the kept ids cover
+    coverage_heldout: float | None  # the same on held-out generations (None: none held out)
+    lm_head_rows: list[int]  # [before, after]
+    lm_head_flops_saving: float
+    lm_head_params: list[int]  # [before, after]
 
 
 @dataclass
@@ -115,12 +135,12 @@ def load_draft(path: str | Path, device: str = "cpu") -> LoadedModel:
 def _load_trimmed(src, device: str) -> LoadedModel:
     from fp8ptq.models.skeleton import build_skeleton
 
-    meta = json.loads((src.path / TRIM_META).read_text())
+    meta = read_json(src.path / TRIM_META, TrimSummary, error=SpecError, fix="trim the draft again (fp8ptq draft-trim)")
     model = build_skeleton(src.config)
     hidden = model.config.hidden_size
-    kept = src.tensor("d2t").long() + torch.arange(meta["keep"])  # target id = draft id + d2t[draft id]
+    kept = src.tensor("d2t").long() + torch.arange(meta.keep)  # target id = draft id + d2t[draft id]
     with torch.device("meta"):
-        model.lm_head = torch.nn.Linear(hidden, meta["keep"], bias=False)
+        model.lm_head = torch.nn.Linear(hidden, meta.keep, bias=False)
     state = {n: src.tensor(n).float() for n, _ in model.named_parameters()}
     model.load_state_dict(state, strict=True, assign=True)
     return LoadedModel(model.to(device).eval(), int(src.config.vocab_size), kept.to(device), str(src.path))

@@ -62,8 +62,8 @@ def head(tmp_path_factory, target_dir, prompt_file) -> tuple[Path, dict]:
 
 def test_head_trains_on_the_real_model(head, target_dir):
     out, meta = head
-    assert meta["steps"] == STEPS and meta["loss_last"] < 0.7 * meta["loss_first"], meta
-    assert meta["layer_ids"] == [2, 15, 27]  # [2, L // 2, L - 3] for SmolLM2's 30 layers
+    assert meta.steps == STEPS and meta.loss_last < 0.7 * meta.loss_first, meta
+    assert meta.layer_ids == [2, 15, 27]  # [2, L // 2, L - 3] for SmolLM2's 30 layers
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8192
     t = load_file(str(out / "model.safetensors"))

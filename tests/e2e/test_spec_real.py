@@ -67,7 +67,7 @@ def test_draft_train_real_model_loads_in_hf(real_draft, target_dir):
     from transformers import AutoModelForCausalLM
 
     out, meta = real_draft
-    assert meta["steps"] == STEPS and meta["data"]["generated_tokens"] > 100 and meta["loss_last"] < meta["loss_first"]
+    assert meta.steps == STEPS and meta.data.generated_tokens > 100 and meta.loss_last < meta.loss_first
     m = AutoModelForCausalLM.from_pretrained(str(out))
     t = json.loads((Path(target_dir) / "config.json").read_text())
     assert m.config.vocab_size == t["vocab_size"] == 49152 and m.config.num_hidden_layers == 2

@@ -4,15 +4,17 @@ checkpoint layout, the training-time-test mask, training (loss goes down, resume
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train, ttt_mask
+from fp8ptq.draft.eagle3_train import Eagle3Summary, Eagle3TrainConfig, eagle3_train, ttt_mask
 from fp8ptq.draft.eagle3_warm import linear_warm_start
+from fp8ptq.results import read_json
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.eagle3 import ARCH, build_head, default_layer_ids, is_eagle3, load_head
+from fp8ptq.spec.eagle3 import ARCH, EAGLE3_META, build_head, default_layer_ids, is_eagle3, load_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft
 from fp8ptq.spec.measure import SpecStats, plain_generate, replay_greedy, speculative_generate
 from fp8ptq.spec.models import load_target
@@ -56,12 +58,14 @@ def test_export_layout_is_vllms(trained, target4):
     assert t["midlayer.hidden_norm.weight"].shape == (H,) and t["norm.weight"].shape == (H,)
     assert t["lm_head.weight"].shape == (256, H)
     assert cfg["fc_norm"] is True and t["fc_norm.0.weight"].shape == t["fc_norm.1.weight"].shape == (H,)
-    assert meta["warm_start"]["tokens"] > 0
+    assert meta.warm_start["tokens"] > 0
     assert "embed_tokens.weight" not in t  # vLLM shares the target's embedding
     kept = torch.arange(256) + t["d2t"]
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
     assert torch.equal(t["t2d"].nonzero().flatten(), kept) and bool((kept.diff() > 0).all())
-    assert meta["loss_last"] < meta["loss_first"]
+    assert meta.loss_last < meta.loss_first
+    saved = read_json(out / EAGLE3_META, Eagle3Summary)  # the file, versioned and validated
+    assert saved == replace(meta, losses=()) and saved.data.tokens > 0
     assert is_eagle3(out) and not is_eagle3(target4)
 
 
@@ -135,11 +139,11 @@ def test_greedy_speculative_equals_plain_and_replay_matches(trained, target4):
 def test_resume_continues(tmp_path, target4):
     base = dict(target=str(target4), draft_vocab=0, max_steps=4, keep_work=True, **SMALL)
     first = eagle3_train(Eagle3TrainConfig(output=tmp_path / "a", time_budget_s=0.0, **base))
-    assert first["steps"] == 1 and first["stopped_by"] == "time_budget"
+    assert first.steps == 1 and first.stopped_by == "time_budget"
     second = eagle3_train(
         Eagle3TrainConfig(output=tmp_path / "a", time_budget_s=None, resume=True, overwrite=True, **base)
     )
-    assert second["resumed_from"] == 1 and second["steps"] == 4 and "generate_s" not in second["timings"]
+    assert second.resumed_from == 1 and second.steps == 4 and "generate_s" not in second.timings
     assert "d2t" not in load_file(str(tmp_path / "a" / "model.safetensors"))  # full vocabulary: no map
     # a trimmed head on the same work dir reuses its generations and hidden states, not the other head
     third = eagle3_train(
@@ -147,7 +151,7 @@ def test_resume_continues(tmp_path, target4):
             output=tmp_path / "a", time_budget_s=None, resume=True, overwrite=True, **(base | {"draft_vocab": 64})
         )
     )
-    assert third["resumed_from"] == 0 and third["steps"] == 4 and "capture_s" not in third["timings"]
+    assert third.resumed_from == 0 and third.steps == 4 and "capture_s" not in third.timings
     assert load_file(str(tmp_path / "a" / "model.safetensors"))["d2t"].shape == (64,)
 
 
@@ -176,10 +180,10 @@ def test_draft_bundle_eagle3_writes_head_and_eagle3_configs(tmp_path, target4):
         target4, out, DraftBundleConfig(kind="eagle3", trim_keep=256, max_steps=2, time_budget_s=None, gammas=(1, 2),
         num_prompts=2, max_tokens=6, train=dict(SMALL)),
     )  # fmt: skip
-    assert s["kind"] == "eagle3" and s["trimmed"] is None and s["draft"]["steps"] == 2
-    gamma = s["recommendation"]["gamma"]
-    assert s["speculative_config"] == {"method": "eagle3", "model": "draft", "num_speculative_tokens": gamma}
-    assert json.loads((out / "speculative_config.json").read_text()) == s["speculative_config"]
+    assert s.kind == "eagle3" and s.trimmed is None and s.draft["steps"] == 2 and s.draft["schema"] == "eagle3-train"
+    gamma = s.recommendation.gamma
+    assert s.speculative_config == {"method": "eagle3", "model": "draft", "num_speculative_tokens": gamma}
+    assert json.loads((out / "speculative_config.json").read_text()) == s.speculative_config
     assert is_eagle3(out / "draft") and not (out / "draft-trimmed").exists()
     assert json.loads((out / "draft" / "config.json").read_text())["draft_vocab_size"] == 256
     flags = (out / "sglang_flags.txt").read_text().split()
@@ -304,7 +308,7 @@ def test_head_reading_the_last_residual_stream_trains(tmp_path, target4):
             keep_work=True, **SMALL,
         )
     )  # fmt: skip
-    assert meta["layer_ids"] == [1, 4] and meta["steps"] == 2 and meta["warm_start"]["tokens"] > 0
+    assert meta.layer_ids == [1, 4] and meta.steps == 2 and meta.warm_start["tokens"] > 0
     shard = load_file(str(tmp_path / ".h.draft-work" / "shard-00000.safetensors"))
     H = shard["final"].shape[-1]
     assert shard["aux"].shape[-1] == 2 * H  # not three chunks

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from fp8ptq.draft.train import DATA_FILE, DraftTrainConfig, batch_indices, draft_train, work_dir
+from fp8ptq.draft.train import DATA_FILE, DraftSummary, DraftTrainConfig, batch_indices, draft_train, work_dir
 from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offsets, draft_trim
-from fp8ptq.results import to_json
+from fp8ptq.results import read_json, to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import read_measurement
 from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
-from fp8ptq.spec.models import TRIM_META, NgramDraft, load_draft, load_target, parse_ngram
+from fp8ptq.spec.models import DRAFT_META, TRIM_META, NgramDraft, TrimSummary, load_draft, load_target, parse_ngram
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
 
 pytestmark = pytest.mark.tiny
@@ -45,8 +46,10 @@ def test_draft_train_artefacts(drafted, tiny_dir):
     assert (out / "tokenizer.json").is_file() and (out / DATA_FILE).is_file()
     # engines load every *.safetensors file in a model dir as weights: only the model may be one
     assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
-    assert meta["steps"] == 4 and meta["stopped_by"] == "max_steps" and meta["loss_last"] < meta["loss_first"] + 1.0
+    assert meta.steps == 4 and meta.stopped_by == "max_steps" and meta.loss_last < meta.loss_first + 1.0
     assert not work_dir(out).exists()  # removed after success
+    assert read_json(out / DRAFT_META, DraftSummary) == replace(meta, losses=())  # the file, validated
+    assert len(meta.losses) == 4 and "losses" not in json.loads((out / DRAFT_META).read_text())
     # the draft's layer 0 started as the target's layer 0; the embedding (tied LM head) is the target's
     d, t = load_file(str(out / "model.safetensors")), load_file(str(tiny_dir / "model.safetensors"))
     assert torch.equal(d["model.embed_tokens.weight"], t["model.embed_tokens.weight"])
@@ -60,14 +63,14 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_dir, drafted):
     """Stop after 1 step (time budget 0), resume to 4: same weights as the 4-step run."""
     out = tmp_path / "resumed"
     first = _train(tiny_dir, out, max_steps=4, time_budget_s=0.0, keep_work=True)
-    assert first["steps"] == 1 and first["stopped_by"] == "time_budget"
+    assert first.steps == 1 and first.stopped_by == "time_budget"
     assert (work_dir(out) / "checkpoint.safetensors").is_file()
     second = _train(tiny_dir, out, max_steps=4, time_budget_s=None, resume=True, overwrite=True)
-    assert second["resumed_from"] == 1 and second["steps"] == 4
+    assert second.resumed_from == 1 and second.steps == 4
     a = load_file(str(drafted[0] / "model.safetensors"))
     b = load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert second["losses"] == drafted[1]["losses"]
+    assert second.losses == drafted[1].losses
 
 
 def test_a_second_training_run_for_the_same_output_is_refused_at_once(tmp_path, tiny_dir):
@@ -106,7 +109,7 @@ def test_draft_trim_outputs(tmp_path, drafted, tiny_dir):
     s = draft_trim(DraftTrimConfig(draft=drafted[0], target=str(tiny_dir), keep=300, output=out))
     st = load_file(str(out / "model.safetensors"))
     kept = torch.tensor(json.loads((out / "kept_token_ids.json").read_text()))
-    assert st["lm_head.weight"].shape[0] == 300 and st["model.embed_tokens.weight"].shape[0] == s["vocab"]
+    assert st["lm_head.weight"].shape[0] == 300 and st["model.embed_tokens.weight"].shape[0] == s.vocab
     assert torch.equal(st["d2t"] + torch.arange(300), kept) and int(st["t2d"].sum()) == 300
     assert bool(st["t2d"][kept].all())
     full = load_file(str(drafted[0] / "model.safetensors"))["model.embed_tokens.weight"]
@@ -117,6 +120,29 @@ def test_draft_trim_outputs(tmp_path, drafted, tiny_dir):
     assert d.kept_ids.tolist() == kept.tolist() and d.model.lm_head.weight.shape[0] == 300
     with pytest.raises(SpecError, match="already trimmed"):
         draft_trim(DraftTrimConfig(draft=out, target=str(tiny_dir), keep=300, output=tmp_path / "again"))
+    # fp8ptq_trim.json is versioned and read back through validation: an edited one names file and field
+    written = json.loads((out / TRIM_META).read_text())
+    assert written["schema"] == "draft-trim" and read_json(out / TRIM_META, TrimSummary) == s
+    del written["keep"]
+    (out / TRIM_META).write_text(json.dumps(written))
+    with pytest.raises(SpecError, match=r"fp8ptq_trim.json' is not a valid 'draft-trim' file: keep: Field required"):
+        load_draft(out)
+
+
+def test_draft_commands_render_their_results(tmp_path, tiny_dir, drafted):
+    """draft-train and draft-trim print their typed summaries: a table, or --json as the file holds it."""
+    out = tmp_path / "d"
+    small = ["--layers", "1", "--num-prompts", "3", "--gen-tokens", "6", "--gen-batch-size", "3"]
+    r = _cli("draft-train", tiny_dir, "-o", out, *small, "--max-steps", "1", "--batch-size", "3", "--time-budget", "0")
+    assert r.exit_code == 0, r.output
+    assert "3 generations" in r.output and "1 (stopped by max_steps; resumed from 0)" in r.output
+    saved = read_json(out / DRAFT_META, DraftSummary)
+    assert saved.steps == 1 and saved.losses == () and saved.data.samples == 3
+    r = _cli("draft-trim", drafted[0], "--target", tiny_dir, "--keep", "300", "-o", tmp_path / "t", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == json.loads((tmp_path / "t" / TRIM_META).read_text())
+    r = _cli("draft-trim", drafted[0], "--target", tiny_dir, "--keep", "300", "-o", tmp_path / "t2")
+    assert r.exit_code == 0 and "300 of 1024 ids" in r.output and "LM-head FLOPs saved" in r.output, r.output
 
 
 def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
@@ -272,12 +298,12 @@ def test_build_draft_bundle(tmp_path, tiny_dir):
     )
     s = build_draft_bundle(tiny_dir, out, settings)
     assert (out / "draft" / "config.json").is_file() and (out / "draft-trimmed" / TOKEN_MAP).is_file()
-    assert json.loads((out / "speculative_config.json").read_text()) == s["speculative_config"]
-    assert s["speculative_config"]["model"] == "draft" and s["recommendation"]["gamma"] in (1, 2)
+    assert json.loads((out / "speculative_config.json").read_text()) == s.speculative_config
+    assert s.speculative_config["model"] == "draft" and s.recommendation.gamma in (1, 2)
     assert "--speculative-token-map" not in (out / "sglang_flags.txt").read_text()  # the full draft, no map
     written = json.loads((out / "speculative" / "recommendation.json").read_text())
     assert written["token_map"] == f"draft-trimmed/{TOKEN_MAP}"  # recorded beside the trimmed draft
-    json.dumps(s)  # manifest-ready
+    assert s.trimmed["schema"] == "draft-trim" and s.draft["schema"] == "draft-train"
 
 
 # ---------------------------------------------------------------- CLI
@@ -372,10 +398,10 @@ def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir)
         )
     )
     spec = m.speculative
-    assert spec["speculative_config"]["method"] == "draft_model" and spec["speculative_config"]["model"] == "draft"
-    assert json.loads((out / "speculative_config.json").read_text()) == spec["speculative_config"]
+    assert spec.speculative_config["method"] == "draft_model" and spec.speculative_config["model"] == "draft"
+    assert json.loads((out / "speculative_config.json").read_text()) == spec.speculative_config
     assert (out / "draft" / "config.json").is_file() and (out / "sglang_flags.txt").is_file()
-    assert 1 <= spec["recommendation"]["gamma"] <= 8
+    assert 1 <= spec.recommendation.gamma <= 8
     report = (out / "report.md").read_text()
     assert f'"model": "{out}/draft"' in report and "--speculative-config" in report
 
