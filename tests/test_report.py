@@ -156,3 +156,42 @@ def test_engine_check_records_render_beside_quality_ones(tiny_q, tmp_path):
     old = {"model": "m", "reference": "r", "tokens": 10, "ppl_reference": 10.0, "ppl": 11.0, "kl": 0.01, "top1": 0.9}
     save_eval(out, "quality", {**old, "numerics": {}, "data": "d", "config": {}})
     assert "PPL 10.000 → 11.000, KL 0.01000 per token" in (out / "report.md").read_text()
+
+
+def test_lm_eval_records_render_typed_and_old(tiny_q, tmp_path):
+    """An lm-eval record (HarnessResult: rows without a baseline carry nulls) and one from before the schema
+    keys (rows without the keys) both render: '–' where there is no baseline, the delta and its CI where
+    there is."""
+    import shutil
+
+    from fp8ptq.eval.harness import BaselineRun, HarnessResult, TaskScore
+    from fp8ptq.report import save_eval
+    from fp8ptq.results import to_json
+
+    out = tmp_path / "q"
+    shutil.copytree(tiny_q[0], out)
+    config = {"data": None, "num_fewshot": None, "limit": 4, "max_gen_toks": None}
+    alone = HarnessResult(
+        model=str(out),
+        tasks={"arc": TaskScore(metric="acc", n=4, score=50.0, stderr=None)},
+        numerics={"backend": "hf (fp32)"},
+        group=None,
+        config=config,
+    )
+    save_eval(out, "tasks", to_json(alone))
+    text = (out / "report.md").read_text()
+    assert "| arc | 4 | 50.0 ± n/a | – | – |" in text, text
+    paired = alone.model_copy(
+        update={
+            "tasks": {"arc": TaskScore(metric="acc", n=4, score=50.0, stderr=25.0, baseline=75.0, delta=-25.0,
+                                       delta_ci95=(-70.0, 20.0))},
+            "baseline": BaselineRun(model="base", numerics={"backend": "hf (fp32)"}),
+        }
+    )  # fmt: skip
+    save_eval(out, "tasks", to_json(paired))
+    text = (out / "report.md").read_text()
+    assert "| arc | 4 | 50.0 ± 25.0 | 75.0 | -25.0 [-70.0, +20.0] |" in text and "; baseline base;" in text, text
+    old = {"model": "m", "tasks": {"arc": {"metric": "acc", "n": 4, "score": 50.0, "stderr": 1.0}}, "group": None}
+    save_eval(out, "tasks", {**old, "numerics": {"backend": "hf (fp32)"}, "config": config})
+    assert "| arc | 4 | 50.0 ± 1.0 | – | – |" in (out / "report.md").read_text()
+    assert "Evaluation: tasks" in dump_dom(out / "report.html")

@@ -99,6 +99,7 @@ def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save,
     offline()
     from fp8ptq.eval.harness import HarnessConfig, run
     from fp8ptq.report import fmt_num as f
+    from fp8ptq.results import to_json
 
     cfg = HarnessConfig(tasks=tuple(tasks), simulate=not no_simulate, gates=tuple(gate), **fields)
     model, baseline = cfg.model, cfg.baseline
@@ -108,10 +109,11 @@ def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save,
             f"lm-eval: {', '.join(cfg.tasks)} on {model}" + (f", then {baseline}" if baseline else ""), highlight=False
         )
         result = run(cfg)
-    write_save(save, result)
-    recorded = None if no_record else record_eval(model, name, result)
+    data = to_json(result)
+    write_save(save, data)
+    recorded = None if no_record else record_eval(model, name, data)
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(json.dumps(data, indent=2))
     else:
         table = Table(
             "task",
@@ -121,25 +123,25 @@ def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save,
             "delta [95% CI] (pts)",
             title=f"{name}: {model}" + (f" vs {baseline}" if baseline else ""),
         )
-        for task, r in result["tasks"].items():
+        for task, r in result.tasks.items():
             delta = (
-                f"{f(r['delta'], '+.1f')} [{f(r['delta_ci95'][0], '+.1f')}, {f(r['delta_ci95'][1], '+.1f')}]"
-                if "delta" in r
+                f"{f(r.delta, '+.1f')} [{f(r.delta_ci95[0], '+.1f')}, {f(r.delta_ci95[1], '+.1f')}]"
+                if r.delta_ci95 is not None
                 else "–"
             )
             table.add_row(
                 task,
-                str(r["n"]),
-                f"{f(r['score'])} ± {f(r['stderr'])}",
-                f(r.get("baseline")),
+                str(r.n),
+                f"{f(r.score)} ± {f(r.stderr)}",
+                f(r.baseline),
                 delta,
-                style="bold" if task == result["group"] else None,
+                style="bold" if task == result.group else None,
             )
         out.print(table)
-        console.print(f"numerics: {result['numerics']['backend']}", highlight=False)
+        console.print(f"numerics: {result.numerics['backend']}", highlight=False)
         if recorded:
             console.print(f"recorded in {recorded}", highlight=False)
-    finish_gates(result["gates"])
+    finish_gates(data["gates"])
 
 
 @eval_app.command("mmlu_pro")

@@ -21,9 +21,13 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
 
 from fp8ptq import gates as gates_mod
 from fp8ptq.errors import DataError, ModelError
+from fp8ptq.manifest import GateRecord
 from fp8ptq.models.loader import ensure_offline
 
 MMLU_PRO = "mmlu_pro"
@@ -47,6 +51,50 @@ class HarnessConfig:
     simulate: bool = True
     seed: int = 0
     gates: tuple[str, ...] = ()  # on '<task>' (percent) or '<task>_delta' (points); checked before the run
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TaskScore(_Frozen):
+    """One task's (or the group's) row: percent; with a baseline, its score and the paired delta in points."""
+
+    metric: str
+    n: int
+    score: float | None  # None only where lm-eval gave NaN
+    stderr: float | None  # None: one question
+    baseline: float | None = None
+    delta: float | None = None
+    delta_ci95: tuple[float | None, float | None] | None = None
+
+
+class BaselineRun(_Frozen):
+    model: str
+    numerics: dict
+
+
+class HarnessResult(_Frozen):
+    """`eval mmlu_pro` / `eval tasks`: the rows, the numerics each model ran under, the gates checked."""
+
+    SCHEMA: ClassVar[str] = "lm-eval"
+    SCHEMA_VERSION: ClassVar[int] = 1
+    model: str
+    tasks: dict[str, TaskScore]
+    numerics: dict  # what the backend computed (load_simulated's numerics under hf)
+    group: str | None  # the row that sums the tasks (mmlu_pro's categories), if any
+    config: dict  # the HarnessConfig as run
+    baseline: BaselineRun | None = None
+    gates: list[GateRecord] = []
+
+    def gate_metrics(self) -> dict[str, float]:
+        """`<task>` (percent) and, with a baseline, `<task>_delta` (points), e.g. mmlu_pro, mmlu_pro_delta."""
+        out = {}
+        for name, row in self.tasks.items():
+            out[name] = row.score
+            if row.delta is not None:
+                out[f"{name}_delta"] = row.delta
+        return out
 
 
 def _split_files(root: Path, split: str) -> list[Path]:
@@ -281,9 +329,9 @@ def _finite(x):
     return x
 
 
-def run(cfg: HarnessConfig) -> dict:
-    """Evaluate cfg.model (and cfg.baseline) on cfg.tasks and check cfg.gates. Returns a JSON-ready dict
-    (lm-eval draws its own progress bars)."""
+def run(cfg: HarnessConfig) -> HarnessResult:
+    """Evaluate cfg.model (and cfg.baseline) on cfg.tasks and check cfg.gates (lm-eval draws its own
+    progress bars)."""
     from lm_eval.tasks import TaskManager
 
     gates = gates_mod.parse_gates(cfg.gates)
@@ -318,16 +366,6 @@ def run(cfg: HarnessConfig) -> dict:
             row["baseline"] = base_rows.get(name, {}).get("score")
             row["delta"], row["delta_ci95"] = delta, [lo, hi]
         result["baseline"] = {"model": cfg.baseline, "numerics": base_numerics}
-    result = _finite(result)
-    result["gates"] = [r.as_dict() for r in gates_mod.check(gates, gate_metrics(result))]
-    return result
-
-
-def gate_metrics(result: dict) -> dict[str, float]:
-    """`mmlu_pro`, `mmlu_pro_delta`, and per task `<task>`, `<task>_delta` (percent / percentage points)."""
-    out = {}
-    for name, row in result["tasks"].items():
-        out[name] = row["score"]
-        if row.get("delta") is not None:
-            out[f"{name}_delta"] = row["delta"]
-    return out
+    res = HarnessResult.model_validate(_finite(result))
+    checked = gates_mod.check(gates, res.gate_metrics())
+    return res.model_copy(update={"gates": [GateRecord.of(r) for r in checked]})

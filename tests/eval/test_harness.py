@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from fp8ptq.cli import app
 from fp8ptq.cli.common import GATE_FAILED_EXIT
 from fp8ptq.errors import DataError
-from fp8ptq.eval.harness import HarnessConfig, _categories, _mmlu_pro_files, _paired_delta, run
+from fp8ptq.eval.harness import HarnessConfig, HarnessResult, _categories, _mmlu_pro_files, _paired_delta, run
+from fp8ptq.results import read_json
 
 pytestmark = pytest.mark.tiny
 
@@ -55,15 +56,15 @@ def test_paired_delta():
 
 def test_mmlu_pro_runs_on_tiny_model(tiny_dir):
     r = run(HarnessConfig(model=str(tiny_dir), data=str(FIXTURE), limit=1, max_gen_toks=4, num_fewshot=1))
-    assert set(r["tasks"]) == {
+    assert set(r.tasks) == {
         "mmlu_pro",
         "mmlu_pro_biology",
         "mmlu_pro_computer_science",
         "mmlu_pro_history",
         "mmlu_pro_math",
     }
-    assert r["tasks"]["mmlu_pro"]["n"] == 4 and r["tasks"]["mmlu_pro"]["metric"] == "exact_match"
-    assert 0 <= r["tasks"]["mmlu_pro"]["score"] <= 100
+    assert r.tasks["mmlu_pro"].n == 4 and r.tasks["mmlu_pro"].metric == "exact_match" and r.group == "mmlu_pro"
+    assert 0 <= r.tasks["mmlu_pro"].score <= 100 and r.tasks["mmlu_pro"].delta is None and r.baseline is None
 
 
 LOCAL_TASK = """
@@ -109,6 +110,9 @@ def test_eval_tasks_local_task_with_baseline_and_gate(tiny_dir, tmp_path):
     assert row["delta"] == 0.0 and row["baseline"] == row["score"]  # same model twice: identical answers
     assert [g["passed"] for g in res["gates"]] == [True, False]
     assert "fixture_mc>100: FAILED" in r.output
+    assert res["schema"] == "lm-eval"
+    back = read_json(tmp_path / "r.json", HarnessResult)  # the saved result reads back through validation
+    assert back.tasks["fixture_mc"].delta_ci95 is not None and back.baseline.model == str(tiny_dir)
 
 
 def test_unknown_task_or_gate_is_a_clear_error(tiny_dir):
