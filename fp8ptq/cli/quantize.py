@@ -130,7 +130,10 @@ def quantize(
     return_freed_memory()
     from fp8ptq.api import QuantizeConfig, describe_device
     from fp8ptq.api import quantize as run
+    from fp8ptq.runs.config import draft_bundle
 
+    with user_errors(output):
+        draft_settings = draft_bundle(draft, trim=draft_trim, steps=draft_steps, time_budget_s=draft_time_budget)
     cfg = QuantizeConfig(
         model=model,
         revision=revision,
@@ -160,10 +163,7 @@ def quantize(
         sets=tuple(set_),
         rotate=rotate,
         quantize_lm_head=quantize_lm_head,
-        draft=draft,
-        draft_trim=draft_trim,
-        draft_steps=draft_steps,
-        draft_time_budget_s=draft_time_budget,
+        draft=draft_settings,
     )
     with user_errors(output), progress_bar(not json_out and is_rank0()) as progress:
         manifest = run(cfg, progress)

@@ -32,13 +32,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fp8ptq.manifest import SpecChoice, SpecFiles, Speculative
 from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.recommend import sglang_flags, vllm_config
 
 KINDS = ("model", "eagle3")  # DraftBundleConfig.kind
+if TYPE_CHECKING:  # the manifest pulls in torch: runs/config.py (fp8ptq.api) imports this module
+    from fp8ptq.manifest import Speculative
+
 DRAFT_TIME_BUDGET_S = 900.0  # `quantize --draft`'s training budget (QuantizeConfig and the CLI read it here)
 
 
@@ -68,6 +71,7 @@ def build_draft_bundle(
     cfg = cfg or DraftBundleConfig()
     from fp8ptq.draft.train import DraftTrainConfig, draft_train
     from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, draft_trim
+    from fp8ptq.manifest import SpecChoice, SpecFiles, Speculative
     from fp8ptq.spec.run import MeasureConfig, RecommendConfig, check_gammas, recommend
 
     check_gammas(cfg.gammas)

@@ -6,10 +6,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8ptq import data as data_mod
-from fp8ptq.draft.auto import DRAFT_TIME_BUDGET_S
+from fp8ptq.draft.auto import DRAFT_TIME_BUDGET_S, DraftBundleConfig
+from fp8ptq.errors import RecipeError
 
 # --draft value -> draft.auto.DraftBundleConfig's kind ("none": no draft)
 DRAFT_KINDS = {"auto": "model", "eagle3": "eagle3"}
+
+
+def draft_bundle(
+    value: str, *, trim: int | None = None, steps: int | None = None, time_budget_s: float | None = DRAFT_TIME_BUDGET_S
+) -> DraftBundleConfig | None:
+    """The command's --draft VALUE (auto | eagle3 | none) and its three flags as QuantizeConfig.draft."""
+    if value == "none":
+        return None
+    if value not in DRAFT_KINDS:
+        raise RecipeError(
+            f"unknown --draft '{value}'", fix="use --draft auto (train a draft), eagle3 (an EAGLE-3 head) or none"
+        )
+    return DraftBundleConfig(kind=DRAFT_KINDS[value], trim_keep=trim, max_steps=steps, time_budget_s=time_budget_s)
 
 
 @dataclass(frozen=True)
@@ -36,10 +50,7 @@ class QuantizeConfig:
     resume: bool = False  # continue an interrupted run of the same command
     checkpoint_every_s: float = 300.0  # activation checkpoints at least this often (more often when cheap)
     int4_fraction: float | None = None  # mixed recipes: override the recipe's 4-bit FLOP share
-    draft: str = "none"  # "auto" (a draft LLM) | "eagle3" (an EAGLE-3 head): also train it, measure, write the config
-    draft_trim: int | None = None  # draft=auto: also a VocabTrim draft keeping N tokens; eagle3: the head's vocabulary
-    draft_steps: int | None = None  # None: the draft kind's default (DraftTrainConfig / Eagle3TrainConfig)
-    draft_time_budget_s: float | None = DRAFT_TIME_BUDGET_S
+    draft: DraftBundleConfig | None = None  # also train a draft for the result, measure it, write the configs
     tp: int | None = None  # flatten recipes: override the tensor-parallel size
     block_size: int | None = None  # block recipes: override the B of block_structure [B, B] and the input group
     group_size: int | None = None  # group-weight recipes: override the weights' group_size

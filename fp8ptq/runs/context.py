@@ -126,10 +126,6 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     check_output(cfg.output, cfg.overwrite, run_inputs(cfg))
     device = resolve_device(cfg.device)
     recipe = recipe_overrides(cfg, recipe)
-    if cfg.draft != "none" and cfg.draft not in DRAFT_KINDS:
-        raise RecipeError(
-            f"unknown --draft '{cfg.draft}'", fix="use --draft auto (train a draft), eagle3 (an EAGLE-3 head) or none"
-        )
     gates, skipped = _gates(cfg, recipe)
     return RunContext(
         cfg=cfg,
@@ -179,9 +175,13 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
         example=128,
         note=f"{uses} {b[0]}" if b else f"recipe '{recipe.name}' has no block weights",
     )
-    check_option("--draft-trim", cfg.draft_trim, minimum=1, example=8192)
-    check_option("--draft-steps", cfg.draft_steps, minimum=1, example=400)
-    check_option("--draft-time-budget", cfg.draft_time_budget_s, minimum=1e-3, example=900)
+    if cfg.draft is not None:
+        d = cfg.draft
+        if d.kind not in DRAFT_KINDS.values():
+            raise RecipeError(f"unknown draft kind '{d.kind}'", fix=f"use one of {sorted(DRAFT_KINDS.values())}")
+        check_option("--draft-trim", d.trim_keep, minimum=1, example=8192)
+        check_option("--draft-steps", d.max_steps, minimum=1, example=400)
+        check_option("--draft-time-budget", d.time_budget_s, minimum=1e-3, example=900)
 
 
 def _gates(cfg: QuantizeConfig, recipe: Recipe) -> tuple[list[gates_mod.Gate], list[str]]:

@@ -15,13 +15,12 @@ from fp8ptq import data as data_mod
 from fp8ptq.eval.stream import compare_streaming
 from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
-from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, Summary
+from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, Speculative, Summary
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.quantize.plan import UNCALLED
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.recipe import recipe_record, recipe_yaml
 from fp8ptq.runs.calibrated import chunks_per_rank
-from fp8ptq.runs.config import DRAFT_KINDS
 from fp8ptq.runs.context import RunContext
 
 
@@ -80,7 +79,7 @@ def finish(ctx: RunContext) -> Manifest:
         mixed=run.state["mixed"]["report"] if recipe.mixed is not None else None,
         lm_head=run.state.get("lm_head"),
     )
-    if ctx.cfg.draft in DRAFT_KINDS:  # the finished target is in place: distil, measure, recommend beside it
+    if ctx.cfg.draft is not None:  # the finished target is in place: distil, measure, recommend beside it
         manifest.speculative = _draft(ctx)
     if ctx.cfg.eval_samples > 0:
         manifest.quality = _quality(ctx)
@@ -105,18 +104,11 @@ def write_metadata(ctx: RunContext, config_updates: dict, groups, kept: tuple[st
     write_bytes_atomic(out / "recipe.yaml", recipe_yaml(ctx.recipe).encode())
 
 
-def _draft(ctx: RunContext) -> dict:
-    from fp8ptq.draft.auto import DraftBundleConfig, build_draft_bundle
+def _draft(ctx: RunContext) -> Speculative:
+    from fp8ptq.draft.auto import build_draft_bundle
 
     t = time.perf_counter()
-    cfg = ctx.cfg
-    settings = DraftBundleConfig(
-        kind=DRAFT_KINDS[cfg.draft],
-        trim_keep=cfg.draft_trim,
-        max_steps=cfg.draft_steps,
-        time_budget_s=cfg.draft_time_budget_s,
-    )
-    bundle = build_draft_bundle(ctx.path, ctx.path, settings, device=ctx.device, progress=ctx.progress)
+    bundle = build_draft_bundle(ctx.path, ctx.path, ctx.cfg.draft, device=ctx.device, progress=ctx.progress)
     ctx.timings["draft_s"] = time.perf_counter() - t
     return bundle
 

@@ -10,9 +10,10 @@ import re
 import typer.main
 
 from fp8ptq.cli import app
+from fp8ptq.draft.auto import DraftBundleConfig
 from fp8ptq.draft.eagle3_train import Eagle3TrainConfig
 from fp8ptq.draft.train import DraftTrainConfig
-from fp8ptq.runs.config import QuantizeConfig
+from fp8ptq.runs.config import QuantizeConfig, draft_bundle
 
 
 def _defaults(cls) -> dict:
@@ -31,8 +32,13 @@ def test_draft_defaults_live_in_the_trainer_configs_and_the_help_states_them():
         assert tuple(map(float, stated.groups())) == (model[key], eagle3[key]), option
     stated = re.search(r"(\d+); eagle3 (\d+)", _help("quantize", "draft_steps"))
     assert tuple(map(int, stated.groups())) == (model["max_steps"], eagle3["max_steps"])
-    # quantize --draft leaves the step count to the trainer of the kind it trains
-    assert QuantizeConfig(model="m", recipe="r", output="o").draft_steps is None
+    # quantize --draft leaves the step count to the trainer of the kind it trains; its settings are one
+    # DraftBundleConfig, whose defaults are the command's
+    assert QuantizeConfig(model="m", recipe="r", output="o").draft is None
+    bundle, cmd = draft_bundle("auto"), typer.main.get_command(app).commands["quantize"]
+    assert bundle == DraftBundleConfig(kind="model") and bundle.max_steps is None
+    by_name = {p.name: p.default for p in cmd.params}
+    assert by_name["draft_time_budget"] == bundle.time_budget_s and by_name["draft_steps"] is None
 
 
 def test_readme_option_table_names_every_quantize_option_and_no_other():

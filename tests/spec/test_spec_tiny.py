@@ -346,6 +346,9 @@ def test_cli_errors(tmp_path, tiny_dir, drafted, other_vocab):
     assert r.exit_code == 2 and "--layers 9 is out of range" in r.output
     r = _cli("draft-trim", drafted[0], "--target", other_vocab, "--keep", "10", "-o", tmp_path / "t")
     assert r.exit_code == 2 and "1000" in r.output and "1024" in r.output
+    for flags, said in ((["--draft", "bogus"], "unknown --draft 'bogus'"), (["--draft-trim", "0"], "--draft-trim 0")):
+        r = _cli("quantize", tiny_dir, "-r", "fp8-dynamic", "-o", tmp_path / "q", "--draft", "auto", *flags)
+        assert r.exit_code == 2 and said in r.output and not (tmp_path / "q").exists(), r.output
     r = _cli("spec", "recommend", "-o", tmp_path / "r")
     assert r.exit_code == 2 and "needs TARGET and DRAFT" in r.output
     # --engine-check refuses before minutes of measuring: no vLLM venv there, or a trimmed draft
@@ -384,6 +387,7 @@ def test_cli_memory_and_measure_json(tiny_dir, drafted):
 def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir):
     """`quantize --draft auto`: quantized target + draft + measured config in one folder, in the report."""
     from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.draft.auto import DraftBundleConfig
 
     out = tmp_path / "q"
     m = quantize(
@@ -392,9 +396,7 @@ def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir)
             recipe="fp8-dynamic",
             output=out,
             eval_samples=0,
-            draft="auto",
-            draft_steps=3,
-            draft_time_budget_s=30,
+            draft=DraftBundleConfig(max_steps=3, time_budget_s=30),
         )
     )
     spec = m.speculative
