@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fp8ptq.spec.measure import SpecStats, measure_costs, plain_generate, speculative_generate
+from fp8ptq.spec.measure import Decoding, SpecStats, measure_costs, plain_generate, speculative_generate
 from fp8ptq.spec.models import LoadedModel
 from fp8ptq.spec.recommend import speedup_from_steps
 
@@ -88,7 +88,7 @@ def main() -> None:
     result["transformers"] = transformers.__version__
     # warm-up (cuBLAS handles, sdpa kernels)
     plain_generate(target, prompts[0], max_tokens=8, device=dev)
-    speculative_generate(target, draft, prompts[0], gamma=4, max_tokens=8, device=dev)
+    speculative_generate(target, draft, prompts[0], Decoding(gamma=4, max_tokens=8, device=dev))
     costs = measure_costs(
         target, draft, prompts[0] + prompts[0][:32], max_k=max(args.gammas) + 1, repeats=11, device=dev
     )
@@ -124,12 +124,9 @@ def main() -> None:
                         target,
                         draft,
                         p,
-                        gamma=g,
-                        max_tokens=args.max_tokens,
-                        temperature=temp,
+                        Decoding(g, args.max_tokens, temperature=temp, device=dev),
                         generator=torch.Generator().manual_seed(i),
                         stats=stats,
-                        device=dev,
                     )
                     for i, p in enumerate(prompts)
                 ]

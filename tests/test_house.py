@@ -201,10 +201,8 @@ MAX_PARAMETERS = 8
 WIDE_DEBT = {
     "ops/gptq.py": {"_solve"},  # the solver's per-block state
     "ops/intq.py": {"int_grid"},  # the grid's numeric knobs
-    "spec/measure.py": {"speculative_generate", "measure_acceptance"},
     "engine/vllm.py": {"vllm_request"},  # one field per vLLM job key (its JSON is the worker's contract)
     "calibrate/pipeline.py": {"calibrate"},
-    "draft/train.py": {"generate_data"},
 }
 
 

@@ -250,7 +250,7 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
 @locked_output
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     """Generate, count, capture, train, export (atomically)."""
-    from fp8ptq.draft.train import DATA_FILE, generate_data, work_dir
+    from fp8ptq.draft.train import DATA_FILE, Generation, generate_data, work_dir
     from fp8ptq.draft.trim import choose_kept, count_tokens
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.spec.models import load_target
@@ -282,17 +282,10 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
             old.unlink() if old.is_file() else shutil.rmtree(old)
         texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
         t = time.perf_counter()
-        data = generate_data(
-            target,
-            tokenizer,
-            encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens),
-            gen_tokens=cfg.gen_tokens,
-            batch_size=cfg.gen_batch_size,
-            topk=0,  # the capture pass records the target's distributions
-            seed=cfg.seed,
-            device=cfg.device,
-            progress=progress,
-        )
+        prompts = encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens)
+        # topk 0: the capture pass records the target's distributions
+        how = Generation(cfg.gen_tokens, cfg.gen_batch_size, topk=0, seed=cfg.seed, device=cfg.device)
+        data = generate_data(target, tokenizer, prompts, how, progress)
         timings["generate_s"] = time.perf_counter() - t
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
     data = load_file(str(data_file))

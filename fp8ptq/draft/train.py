@@ -96,17 +96,19 @@ def _fingerprint(cfg: DraftTrainConfig) -> dict:
 
 
 @torch.inference_mode()
+@dataclass(frozen=True)
+class Generation:
+    """How the target generates a draft's training data (generate_data)."""
+
+    gen_tokens: int  # per prompt at most
+    batch_size: int  # prompts at once; odd batches sample at T = 1, even ones are greedy
+    topk: int  # log-probs kept per generated position; 0: tokens only
+    seed: int
+    device: str = "cpu"
+
+
 def generate_data(
-    target: LoadedModel,
-    tokenizer,
-    prompts: list[list[int]],
-    *,
-    gen_tokens: int,
-    batch_size: int,
-    topk: int,
-    seed: int,
-    device: str = "cpu",
-    progress=None,
+    target: LoadedModel, tokenizer, prompts: list[list[int]], how: Generation, progress=None
 ) -> dict[str, torch.Tensor]:
     """Target generations + the target's top-k log-probs at each generated position.
 
@@ -116,12 +118,12 @@ def generate_data(
     EAGLE-3 trainer recomputes the distributions in its capture pass): generate keeps no [b, G, V] logits."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    N, G = len(prompts), gen_tokens
+    N, G, topk, batch_size, device = len(prompts), how.gen_tokens, how.topk, how.batch_size, how.device
     L = max(len(p) for p in prompts) + G
     tokens = torch.zeros(N, L, dtype=torch.long)
     plen, glen = torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long)
     tids, tlogp = torch.zeros(N, G, topk, dtype=torch.int32), torch.full((N, G, topk), -30.0, dtype=torch.float16)
-    torch.manual_seed(seed)
+    torch.manual_seed(how.seed)
     for b, start in enumerate(range(0, N, batch_size)):
         chunk = prompts[start : start + batch_size]
         width = max(len(p) for p in chunk)
@@ -285,17 +287,8 @@ def draft_train(cfg: DraftTrainConfig, progress=None) -> DraftSummary:
         texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
         prompts = encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens)
         t = time.perf_counter()
-        data = generate_data(
-            target,
-            tokenizer,
-            prompts,
-            gen_tokens=cfg.gen_tokens,
-            batch_size=cfg.gen_batch_size,
-            topk=cfg.topk,
-            seed=cfg.seed,
-            device=cfg.device,
-            progress=progress,
-        )
+        how = Generation(cfg.gen_tokens, cfg.gen_batch_size, cfg.topk, cfg.seed, cfg.device)
+        data = generate_data(target, tokenizer, prompts, how, progress)
         timings["generate_s"] = time.perf_counter() - t
         save_file({k: v.contiguous() for k, v in data.items()}, str(data_file))
         fp_file.write_text(json.dumps(_fingerprint(cfg)))

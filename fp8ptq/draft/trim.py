@@ -109,23 +109,14 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> TrimSummary:
     if data_path.is_file():
         data, source = load_file(str(data_path)), f"{DATA_FILE} (draft-train's target generations)"
     else:
-        from fp8ptq.draft.train import generate_data
+        from fp8ptq.draft.train import Generation, generate_data
         from fp8ptq.spec.models import load_target
         from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
         target, _ = load_target(cfg.target, cfg.device)
         prompts = encode_prompts(tokenizer, load_prompts(None, "calibration", cfg.num_prompts, cfg.seed))
-        data = generate_data(
-            target,
-            tokenizer,
-            prompts,
-            gen_tokens=cfg.gen_tokens,
-            batch_size=16,
-            topk=1,
-            seed=cfg.seed,
-            device=cfg.device,
-            progress=progress,
-        )
+        how = Generation(cfg.gen_tokens, batch_size=16, topk=1, seed=cfg.seed, device=cfg.device)
+        data = generate_data(target, tokenizer, prompts, how, progress)
         source = f"{cfg.num_prompts} fresh target generations"
     fit, held = _split(data, cfg.heldout_fraction, cfg.seed)
     counts = count_tokens(data["tokens"][fit], data["prompt_len"][fit], data["gen_len"][fit], vocab)

@@ -36,6 +36,30 @@ __all__ = ["SpecStats", "speculative_generate", "plain_generate", "measure_accep
 __all__ += ["measure_costs", "pick_token", "median_time"]
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How speculative_generate decodes one prompt."""
+
+    gamma: int  # draft tokens per step at most
+    max_tokens: int
+    temperature: float = 0.0
+    threshold: float | None = None  # dynamic draft length: stop drafting when the draft's max p (T = 1) < t
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class AcceptancePlan:
+    """What measure_acceptance runs: every γ, and each dynamic-length threshold at threshold_gamma."""
+
+    gammas: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    thresholds: tuple[float, ...] = ()
+    threshold_gamma: int | None = None  # None: the largest γ
+    seed: int = 0
+    device: str = "cpu"
+
+
 @dataclass
 class SpecStats:
     gamma: int
@@ -96,19 +120,14 @@ def speculative_generate(
     target: LoadedModel,
     draft,
     prompt: list[int],
+    how: Decoding,
     *,
-    gamma: int,
-    max_tokens: int,
-    temperature: float = 0.0,
-    threshold: float | None = None,
     generator: torch.Generator | None = None,
     stats: SpecStats | None = None,
-    device: str = "cpu",
 ) -> list[int]:
-    """Generate max_tokens tokens after `prompt` by speculative decoding with any proposer (`draft`: a
-    draft model, an n-gram proposer or an EAGLE-3 head; proposers.py); updates `stats` per step.
-
-    threshold: dynamic draft length — stop drafting when the draft's max probability (at T = 1) < t."""
+    """Generate how.max_tokens tokens after `prompt` by speculative decoding with any proposer (`draft`: a
+    draft model, an n-gram proposer or an EAGLE-3 head; proposers.py); updates `stats` per step."""
+    temperature, device = how.temperature, how.device
     g = generator or torch.Generator().manual_seed(0)
     prop = proposer_for(draft)
     tc = new_cache(target.model)
@@ -117,9 +136,9 @@ def speculative_generate(
         first, _ = pick_token(logits[-1], temperature, g)
         seq = list(prompt) + [first]  # the target cache holds len(seq) - 1 positions at each step start
         prop.begin(target.vocab_size, aux, device)
-        while len(seq) - len(prompt) < max_tokens:
+        while len(seq) - len(prompt) < how.max_tokens:
             base = len(seq)
-            drafted, q_rows = prop.propose(seq, gamma=gamma, temperature=temperature, threshold=threshold, g=g)
+            drafted, q_rows = prop.propose(seq, gamma=how.gamma, temperature=temperature, threshold=how.threshold, g=g)
             k = len(drafted)
             t_logits, t_aux = _target_pass(target, [seq[-1]] + drafted, tc, cap, device)  # [k+1, V]: p_1..p_{k+1}
             n, new = verify_drafts(t_logits, drafted, q_rows, temperature, g)
@@ -128,7 +147,7 @@ def speculative_generate(
             seq.extend(new)
             crop(tc, base + n)  # drop the rejected drafts' positions; the newest token is fed next step
             prop.verified(base, n, t_aux)
-    return seq[len(prompt) :][:max_tokens]
+    return seq[len(prompt) :][: how.max_tokens]
 
 
 @torch.inference_mode()
@@ -153,22 +172,12 @@ def plain_generate(
 
 
 def measure_acceptance(
-    target: LoadedModel,
-    draft,
-    prompts: list[list[int]],
-    *,
-    gammas: list[int],
-    max_tokens: int,
-    temperature: float = 0.0,
-    thresholds: list[float] = (),
-    threshold_gamma: int | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    progress=None,
+    target: LoadedModel, draft, prompts: list[list[int]], plan: AcceptancePlan, progress=None
 ) -> tuple[Acceptance, dict[int, list[list[int]]]]:
     """Run the speculative loop on every prompt for each γ (and each dynamic-length threshold at
     threshold_gamma, default max γ). Returns the counters (a RunSummary per γ and per threshold) and
     the outputs, γ -> token ids per prompt. progress(stage, done, total) is called per prompt."""
+    gammas, thresholds, temperature, max_tokens = plan.gammas, plan.thresholds, plan.temperature, plan.max_tokens
     prop = proposer_for(draft)
     prop.check(target)
     if thresholds and not prop.has_probabilities:
@@ -176,7 +185,7 @@ def measure_acceptance(
             "dynamic draft length (--thresholds) needs a draft model's probabilities",
             fix="drop --thresholds for an n-gram proposer",
         )
-    jobs = [(g, None) for g in gammas] + [(threshold_gamma or max(gammas), t) for t in thresholds]
+    jobs = [(g, None) for g in gammas] + [(plan.threshold_gamma or max(gammas), t) for t in thresholds]
     total = len(jobs) * len(prompts)
     runs, thr_runs, outputs = [], [], {}
     done = 0
@@ -184,19 +193,15 @@ def measure_acceptance(
         stats = SpecStats(gamma)
         outs = []
         for i, ids in enumerate(prompts):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            g = torch.Generator().manual_seed(plan.seed * 1_000_003 + i)
             outs.append(
                 speculative_generate(
                     target,
                     draft,
                     ids,
-                    gamma=gamma,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    threshold=thr,
+                    Decoding(gamma, max_tokens, temperature, thr, plan.device),
                     generator=g,
                     stats=stats,
-                    device=device,
                 )
             )
             done += 1
@@ -207,7 +212,7 @@ def measure_acceptance(
             outputs[gamma] = outs
         else:
             thr_runs.append(stats.summary(thr))
-    acceptance = Acceptance(tuple(runs), tuple(thr_runs), temperature, max_tokens, len(prompts), seed)
+    acceptance = Acceptance(tuple(runs), tuple(thr_runs), temperature, max_tokens, len(prompts), plan.seed)
     return acceptance, outputs
 
 

@@ -78,7 +78,7 @@ def check_gammas(gammas) -> None:
 
 def measure(cfg: MeasureConfig, progress=None) -> Measurement:
     """Acceptance for each temperature and γ + HF costs."""
-    from fp8ptq.spec.measure import measure_acceptance, measure_costs
+    from fp8ptq.spec.measure import AcceptancePlan, measure_acceptance, measure_costs
     from fp8ptq.spec.models import load_target
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
     from fp8ptq.spec.proposers import proposer_for
@@ -103,18 +103,10 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
     load_s = time.perf_counter() - t0
     by_temperature = {}
     for temp in cfg.temperatures:
-        by_temperature[str(temp)], _ = measure_acceptance(
-            target,
-            draft,
-            prompts,
-            gammas=list(cfg.gammas),
-            max_tokens=cfg.max_tokens,
-            temperature=temp,
-            thresholds=list(cfg.thresholds),
-            seed=cfg.seed,
-            device=cfg.device,
-            progress=progress,
+        plan = AcceptancePlan(
+            tuple(cfg.gammas), cfg.max_tokens, temp, tuple(cfg.thresholds), seed=cfg.seed, device=cfg.device
         )
+        by_temperature[str(temp)], _ = measure_acceptance(target, draft, prompts, plan, progress)
     context = prompts[0] + prompts[0][: cfg.max_tokens // 2]  # a typical decode position
     costs = measure_costs(
         target,

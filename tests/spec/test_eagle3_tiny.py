@@ -16,7 +16,7 @@ from fp8ptq.results import read_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import ARCH, EAGLE3_META, build_head, default_layer_ids, is_eagle3, load_head
 from fp8ptq.spec.eagle3_loop import AuxCapture, Eagle3Draft
-from fp8ptq.spec.measure import SpecStats, plain_generate, replay_greedy, speculative_generate
+from fp8ptq.spec.measure import Decoding, SpecStats, plain_generate, replay_greedy, speculative_generate
 from fp8ptq.spec.models import load_target
 
 pytestmark = pytest.mark.tiny
@@ -120,13 +120,9 @@ def test_greedy_speculative_equals_plain_and_replay_matches(trained, target4):
         target,
         draft,
         prompt,
-        gamma=3,
-        max_tokens=20,
-        temperature=0.0,
-        threshold=None,
+        Decoding(gamma=3, max_tokens=20, temperature=0.0, threshold=None, device="cpu"),
         generator=None,
         stats=stats,
-        device="cpu",
     )
     assert spec == plain  # greedy speculative decoding never changes the output
     replayed = SpecStats(3)

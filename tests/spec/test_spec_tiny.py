@@ -18,7 +18,14 @@ from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, choose_kept, d2t_offse
 from fp8ptq.results import read_json, to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import read_measurement
-from fp8ptq.spec.measure import SpecStats, measure_acceptance, replay_greedy, speculative_generate
+from fp8ptq.spec.measure import (
+    AcceptancePlan,
+    Decoding,
+    SpecStats,
+    measure_acceptance,
+    replay_greedy,
+    speculative_generate,
+)
 from fp8ptq.spec.models import DRAFT_META, TRIM_META, NgramDraft, TrimSummary, load_draft, load_target, parse_ngram
 from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
 
@@ -150,7 +157,7 @@ def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
     draft = load_draft(drafted[0])
     prompt = list(range(200, 230))
     stats = SpecStats(3)
-    out = speculative_generate(target, draft, prompt, gamma=3, max_tokens=20, stats=stats)
+    out = speculative_generate(target, draft, prompt, Decoding(gamma=3, max_tokens=20), stats=stats)
     assert len(out) == 20
     # greedy speculative output == the target's own greedy output
     ids = torch.tensor([prompt])
@@ -171,9 +178,9 @@ def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
     assert s.emitted >= 19  # the first token comes from the prefill
     # the draft as its own target accepts everything
     self_stats = SpecStats(4)
-    speculative_generate(draft, draft, prompt, gamma=4, max_tokens=15, stats=self_stats, temperature=1.0)
+    speculative_generate(draft, draft, prompt, Decoding(gamma=4, max_tokens=15, temperature=1.0), stats=self_stats)
     assert self_stats.summary().alpha == 1.0
-    r, _ = measure_acceptance(target, draft, [prompt], gammas=[2], max_tokens=10, temperature=1.0, thresholds=[0.99])
+    r, _ = measure_acceptance(target, draft, [prompt], AcceptancePlan((2,), 10, temperature=1.0, thresholds=(0.99,)))
     assert r.threshold_runs[0].drafted <= r.runs[0].drafted and r.threshold_runs[0].threshold == 0.99
 
 
@@ -198,7 +205,7 @@ def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
     ngram = load_draft("ngram:1-3")
     prompt = list(range(200, 230)) + list(range(200, 210))
     stats = SpecStats(3)
-    out = speculative_generate(target, ngram, prompt, gamma=3, max_tokens=24, stats=stats)
+    out = speculative_generate(target, ngram, prompt, Decoding(gamma=3, max_tokens=24), stats=stats)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         for _ in range(28):
@@ -209,11 +216,9 @@ def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
     assert replay.summary() == stats.summary() and stats.drafts > 0
     assert "0" in stats.summary().k_hist or stats.drafts == stats.target_forwards  # steps may draft nothing
     sampled = SpecStats(3)  # T = 1: one-hot q, exact sampling still produces max_tokens tokens
-    assert (
-        len(speculative_generate(target, ngram, prompt, gamma=3, max_tokens=12, stats=sampled, temperature=1.0)) == 12
-    )
+    assert len(speculative_generate(target, ngram, prompt, Decoding(3, 12, temperature=1.0), stats=sampled)) == 12
     with pytest.raises(SpecError, match="thresholds"):
-        measure_acceptance(target, ngram, [prompt], gammas=[2], max_tokens=4, thresholds=[0.5])
+        measure_acceptance(target, ngram, [prompt], AcceptancePlan((2,), 4, thresholds=(0.5,)))
     rec = recommend(
         RecommendConfig(
             output=tmp_path / "rec",
@@ -410,13 +415,13 @@ def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir)
 
 def test_generate_data_without_logits_gives_the_same_tokens(tiny_dir):
     """topk 0 (the EAGLE-3 trainer) keeps no logits; the greedy and the sampled batches are unchanged."""
-    from fp8ptq.draft.train import generate_data
+    from fp8ptq.draft.train import Generation, generate_data
     from fp8ptq.spec.prompts import builtin_prompts, encode_prompts
 
     target, src = load_target(str(tiny_dir), "cpu")
     tok = src.tokenizer()
     prompts = encode_prompts(tok, builtin_prompts("calibration", 4), max_tokens=24)
-    runs = [generate_data(target, tok, prompts, gen_tokens=6, batch_size=2, topk=k, seed=3) for k in (2, 0)]
+    runs = [generate_data(target, tok, prompts, Generation(gen_tokens=6, batch_size=2, topk=k, seed=3)) for k in (2, 0)]
     for key in ("tokens", "prompt_len", "gen_len"):
         assert torch.equal(runs[0][key], runs[1][key]), key
     assert runs[1]["topk_ids"].shape == (4, 6, 0) and runs[0]["topk_logp"][0, 0, 0] > -30
