@@ -202,7 +202,6 @@ WIDE_DEBT = {
     "ops/gptq.py": {"_solve"},  # the solver's per-block state
     "ops/intq.py": {"int_grid"},  # the grid's numeric knobs
     "engine/vllm.py": {"vllm_request"},  # one field per vLLM job key (its JSON is the worker's contract)
-    "calibrate/pipeline.py": {"calibrate"},
 }
 
 

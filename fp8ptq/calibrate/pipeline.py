@@ -21,6 +21,7 @@ FlattenQuant channel splitting) run first, from an observe pass over the float l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -296,6 +297,16 @@ class LayerCalibrator:
         self._last = None
 
 
+@dataclass(frozen=True)
+class LayerHooks:
+    """What a run adds to each layer's calibration (runs/calibrated.py)."""
+
+    # schemes(i, plan) -> {group: LinearScheme}; None: the recipe's scheme for every group (mixed recipes differ)
+    schemes: Callable[[int, LayerPlan], dict] | None = None
+    # transforms(layer, i, state, result): exact float transforms applied before quantization (smooth, rotate)
+    transforms: Callable | None = None
+
+
 def calibrate(
     src: ModelSource,
     recipe,
@@ -305,12 +316,10 @@ def calibrate(
     progress: Progress | None = None,
     setup: CalibrationSetup | None = None,
     comm=None,
-    layer_schemes: Callable[[int, LayerPlan], dict] | None = None,
-    transforms: Callable | None = None,
+    hooks: LayerHooks = LayerHooks(),
 ) -> None:
-    """Sequential calibration. `on_layer(result, state)` receives each finished layer (then it is freed).
-    layer_schemes(i, plan) -> {group: LinearScheme} (default: the recipe's scheme for every group);
-    transforms(layer, i, state, result): exact float transforms applied before quantization."""
+    """Sequential calibration. `on_layer(result, state)` receives each finished layer (then it is freed)."""
+    layer_schemes, transforms = hooks.schemes, hooks.transforms
     setup = setup or CalibrationSetup(recipe)
     cuda = torch.device(setup.device).type == "cuda"
     prefetch = setup.prefetch if setup.prefetch is not None else cuda

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fp8ptq.calibrate.pipeline import calibrate
+from fp8ptq.calibrate.pipeline import LayerHooks, calibrate
 from fp8ptq.calibrate.state import CalibrationSetup, RunState
 from fp8ptq.calibrate.transforms import make_transforms
 from fp8ptq.dist import ChunkPlan
@@ -115,8 +115,7 @@ def calibrate_into(ctx: RunContext) -> None:
             progress=ctx.progress,
             setup=setup,
             comm=comm,
-            transforms=make_transforms(ctx.recipe, src),
-            layer_schemes=_mixed_schemes(ctx, setup),
+            hooks=LayerHooks(transforms=make_transforms(ctx.recipe, src), schemes=_mixed_schemes(ctx, setup)),
         )
         settle()
     comm.barrier()
