@@ -32,9 +32,18 @@ class Proposer:
     layer_ids: tuple[int, ...] = ()
     has_probabilities = True  # dynamic draft length (a confidence threshold) needs them
     vocab_trimmed = False  # a VocabTrim draft model (measure.json's `trimmed`; an EAGLE-3 head's d2t is not)
+    reads_target = False  # runs on the target's hidden states: loading it needs the loaded target
 
     def __init__(self, draft):
         self.draft = draft
+
+    @classmethod
+    def load(cls, draft, target=None, device: str = "cpu"):
+        """The draft that DRAFT (a path or `ngram[:MIN-MAX]`) names, as this proposer runs it; `target`: the
+        loaded target (needed where reads_target)."""
+        from fp8ptq.spec.models import load_draft
+
+        return load_draft(draft, device)
 
     def check(self, target) -> None:
         """The draft must read and write the target's token ids."""
@@ -191,7 +200,19 @@ class NgramProposer(Proposer):
 
 class Eagle3Proposer(Proposer):
     method = "eagle3"
+    reads_target = True
     sglang_algorithm = "EAGLE3"  # the head's d2t maps its draft vocabulary: no token map
+
+    @classmethod
+    def load(cls, draft, target=None, device="cpu"):
+        from fp8ptq.spec.eagle3 import load_head
+        from fp8ptq.spec.eagle3_loop import Eagle3Draft
+
+        if target is None:
+            raise SpecError(
+                f"the EAGLE-3 head '{draft}' runs on its target's hidden states", fix="load the target first"
+            )
+        return Eagle3Draft(load_head(draft, target.model, device), str(draft))
 
     @property
     def layer_ids(self):

@@ -57,16 +57,11 @@ class MeasureConfig:
 
 
 def load_any_draft(draft: str, target, device: str = "cpu"):
-    """A draft directory, `ngram[:MIN-MAX]`, or an EAGLE-3 head (which runs on top of `target`)."""
-    from fp8ptq.spec.eagle3 import is_eagle3
-    from fp8ptq.spec.models import load_draft
+    """A draft directory, `ngram[:MIN-MAX]`, or an EAGLE-3 head (which runs on top of `target`), loaded by
+    the proposer that runs it (proposers.proposer_class)."""
+    from fp8ptq.spec.proposers import proposer_class
 
-    if is_eagle3(draft):
-        from fp8ptq.spec.eagle3 import load_head
-        from fp8ptq.spec.eagle3_loop import Eagle3Draft
-
-        return Eagle3Draft(load_head(draft, target.model, device), str(draft))
-    return load_draft(draft, device)
+    return proposer_class(str(draft)).load(draft, target, device)
 
 
 def check_gammas(gammas) -> None:
@@ -209,7 +204,7 @@ def engine_check(
     is still written; bad input raises."""
     from fp8ptq.engine.vllm import run_vllm_jobs, vllm_request
     from fp8ptq.spec.measure import SpecStats, replay_greedy
-    from fp8ptq.spec.models import load_draft
+    from fp8ptq.spec.proposers import proposer_class
 
     check_engine_ready(draft, python)
     gamma = int(spec_config["num_speculative_tokens"])
@@ -255,16 +250,13 @@ def engine_check(
         },
     }
     if temperature == 0:
-        from fp8ptq.spec.eagle3 import is_eagle3
-
         stats, same, tgt = SpecStats(gamma), 0, None
-        if is_eagle3(draft):  # the head needs the target's hidden states (fp8ptq's simulation of it)
+        proposer = proposer_class(str(draft))
+        if proposer.reads_target:  # an EAGLE-3 head runs on the target's hidden states (fp8ptq's simulation)
             from fp8ptq.spec.models import load_target
 
             tgt, _ = load_target(target)
-            model = load_any_draft(draft, tgt)
-        else:
-            model = load_draft(draft)
+        model = proposer.load(draft, tgt)
         for prompt, stream, longer in zip(prompts, spec.token_ids, plain.token_ids):
             if longer[: len(stream)] == stream:
                 stream, same = longer, same + 1
@@ -291,7 +283,7 @@ def _inputs(cfg: RecommendConfig) -> tuple:
 def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     """Choose γ and write the configs into cfg.output (atomically)."""
     from fp8ptq.io import atomic_output_dir, check_output
-    from fp8ptq.spec.eagle3 import is_eagle3
+    from fp8ptq.spec.proposers import Eagle3Proposer, proposer_class
 
     check_output(Path(cfg.output), cfg.overwrite, _inputs(cfg))
     if cfg.device_memory:
@@ -320,6 +312,8 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     acc = measured.by_temperature[key]
     rec = choose(acc, costs)
     draft = cfg.draft_for_engine or measured.draft
+    # the measured draft's proposer: draft_for_engine may be a path relative to a bundle
+    eagle3 = proposer_class(measured.draft) is Eagle3Proposer
     engine = None
     if cfg.engine_check:  # the measured draft's real path: draft_for_engine may be relative to a bundle
         engine = engine_check(
@@ -334,7 +328,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
         )
     sglang = None
     if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
-        flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=is_eagle3(measured.draft))
+        flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=eagle3)
         sglang = sglang_check(flags)
     plan = None
     if cfg.device_memory:
@@ -374,7 +368,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
             draft=draft,
             token_map=cfg.token_map,
             title=f"{Path(measured.target).name} + {Path(draft).name}, T={cfg.temperature}",
-            eagle3=is_eagle3(measured.draft),  # the measured path: draft_for_engine may be relative
+            eagle3=eagle3,
         )
         (tmp / MEASURE_FILE).write_text(json.dumps(to_json(measured), indent=1) + "\n")
     return report
