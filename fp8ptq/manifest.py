@@ -1,8 +1,9 @@
 """`fp8ptq_manifest.json`: what a quantize run did, typed. The CLI, the gates and the report read it as
 attributes; on disk it is strict JSON (a NaN or inf is an error, never written).
 
-Per-layer reports (`layers`) stay free-form dicts: each Linear's entry carries what its scheme and
-calibration produced (errors, input abs-max, clip ratio, scheme, transforms), which differs by recipe.
+Two parts stay free-form dicts: per-layer reports (`layers`: each Linear's entry carries what its scheme
+and calibration produced — errors, input abs-max, clip ratio, scheme, transforms — which differs by
+recipe) and `recipe` (the Recipe as run, which the recipe layer above validates: `Recipe(**recipe)`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,32 @@ class Summary(_Part):
     linears_quantized: int
     linears_skipped: dict[str, str]
     worst_linear_rel_err: float
+
+
+class MixedGroup(_Part):
+    """One fused group of a mixed recipe's plan: its Linears, their FLOPs, how much 4 bits would hurt."""
+
+    modules: list[str]
+    flops: int
+    sensitivity: float  # output error (or KL) of 4 vs 8 bits
+    bits: int  # what the plan chose
+
+
+class MixedPlanReport(_Part):
+    """The 4/8-bit plan of a mixed recipe (calibrate/mixed.py)."""
+
+    sensitivity: str  # output | kl
+    int4_fraction_target: float
+    int4_flop_share: float
+    groups: list[MixedGroup]
+
+
+class LmHeadReport(_Part):
+    """The quantized LM head (scheme.lm_head; export/writer.py)."""
+
+    weight_rel_err: float
+    source: str  # the stored tensor it was quantized from (the embedding when tied)
+    tied: bool
 
 
 class QualityMetrics(_Part):
@@ -143,8 +170,8 @@ class Manifest(BaseModel):
     size_bytes: Sizes
     layers: list[dict]
     summary: Summary
-    mixed: dict | None = None  # the 4/8-bit plan (mixed recipes)
-    lm_head: dict | None = None  # the quantized LM head's numbers (scheme.lm_head): weight_rel_err, source, tied
+    mixed: MixedPlanReport | None = None  # the 4/8-bit plan (mixed recipes)
+    lm_head: LmHeadReport | None = None  # the quantized LM head's numbers (scheme.lm_head)
     speculative: Speculative | None = None  # quantize --draft
     quality: Quality | None = None  # the quality check (--eval-samples > 0)
     timings: dict[str, float] = {}

@@ -188,18 +188,18 @@ def quantize(
     table.add_row("linears quantized", str(s.linears_quantized))
     table.add_row("linears skipped", ", ".join(f"{n} ({why})" for n, why in s.linears_skipped.items()) or "none")
     head = manifest.lm_head
-    ignored = [p for p in manifest.recipe["scheme"]["ignore"] if not (head and p == "lm_head")]
+    ignored = [p for p in manifest.recipe["scheme"]["ignore"] if not (head is not None and p == "lm_head")]
     table.add_row("ignored (recipe)", ", ".join(ignored) or "none")
-    if head:
-        tied = ", untied from the embedding" if head["tied"] else ""
-        table.add_row("LM head", f"quantized (rel. error {head['weight_rel_err']:.4f}{tied})")
+    if head is not None:
+        tied = ", untied from the embedding" if head.tied else ""
+        table.add_row("LM head", f"quantized (rel. error {head.weight_rel_err:.4f}{tied})")
     table.add_row("worst linear rel. error", f"{s.worst_linear_rel_err:.4f}")
     sz = manifest.size_bytes
     table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×)")
     if manifest.quality is not None:
         quality_rows(table, manifest.quality)
-    if manifest.mixed:
-        table.add_row("4-bit share of linear FLOPs", f"{manifest.mixed['int4_flop_share'] * 100:.1f}%")
+    if manifest.mixed is not None:
+        table.add_row("4-bit share of linear FLOPs", f"{manifest.mixed.int4_flop_share * 100:.1f}%")
     if manifest.speculative is not None:
         r = manifest.speculative.recommendation
         table.add_row(

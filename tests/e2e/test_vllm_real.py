@@ -185,7 +185,7 @@ def test_w4a16_kv8_in_vllm(engine):
 
 def test_mixed_4_8_export_in_vllm(engine):
     m = Manifest.load(engine[0]["mixed-w4-w8"])
-    assert 0.3 < m.mixed["int4_flop_share"] <= 0.5 + 1e-9
+    assert 0.3 < m.mixed.int4_flop_share <= 0.5 + 1e-9
     if "w4a16" in LIMITS:
         assert_no_w4a16_kernel(engine[1]["mixed-w4-w8"])
         return

@@ -59,7 +59,7 @@ def test_head_group_config_and_tensors(tied, export):
     assert torch.equal(s, s.to(torch.bfloat16).float())  # what vLLM's weight-only kernels load
     assert t["model.embed_tokens.weight"].dtype == read_tensors(src)["model.embed_tokens.weight"].dtype
     m = Manifest.load(out)
-    assert m.lm_head["tied"] is tied and 0 < m.lm_head["weight_rel_err"] < 0.05
+    assert m.lm_head.tied is tied and 0 < m.lm_head.weight_rel_err < 0.05
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # through compressed-tensors

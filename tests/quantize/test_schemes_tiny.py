@@ -86,7 +86,7 @@ def test_mixed_export_has_two_explicit_groups(exports):
     assert set(groups) == {"int-quantized", "pack-quantized"}
     low = set(groups["pack-quantized"])
     assert low and not low & set(groups["int-quantized"])
-    assert 0 < m.mixed["int4_flop_share"] <= 0.5 + 1e-9
+    assert 0 < m.mixed.int4_flop_share <= 0.5 + 1e-9
     t = read_tensors(d)
     for name in low:
         assert name + ".weight_packed" in t
