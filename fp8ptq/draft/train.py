@@ -95,7 +95,6 @@ def _fingerprint(cfg: DraftTrainConfig) -> dict:
 # ---------------------------------------------------------------- data
 
 
-@torch.inference_mode()
 @dataclass(frozen=True)
 class Generation:
     """How the target generates a draft's training data (generate_data)."""
@@ -107,6 +106,7 @@ class Generation:
     device: str = "cpu"
 
 
+@torch.inference_mode()
 def generate_data(
     target: LoadedModel, tokenizer, prompts: list[list[int]], how: Generation, progress=None
 ) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ import fp8ptq
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import Progress
 from fp8ptq.dist import init_from_env
+from fp8ptq.draft.auto import KINDS as DRAFT_BUNDLE_KINDS
 from fp8ptq.errors import Fp8ptqError, RecipeError, check_option
 from fp8ptq.export.rundir import RunDir
 from fp8ptq.export.writer import CheckpointWriter
@@ -25,7 +26,7 @@ from fp8ptq.models.loader import ModelSource
 from fp8ptq.ops.precision import COMPUTE_DTYPES
 from fp8ptq.quantize.schemes import handler
 from fp8ptq.recipe import Recipe, load_recipe
-from fp8ptq.runs.config import DRAFT_KINDS, QuantizeConfig
+from fp8ptq.runs.config import QuantizeConfig
 from fp8ptq.runs.overrides import recipe_overrides
 
 
@@ -177,8 +178,8 @@ def _check_options(cfg: QuantizeConfig, recipe: Recipe) -> None:
     )
     if cfg.draft is not None:
         d = cfg.draft
-        if d.kind not in DRAFT_KINDS.values():
-            raise RecipeError(f"unknown draft kind '{d.kind}'", fix=f"use one of {sorted(DRAFT_KINDS.values())}")
+        if d.kind not in DRAFT_BUNDLE_KINDS:
+            raise RecipeError(f"unknown draft kind '{d.kind}'", fix=f"use one of {', '.join(DRAFT_BUNDLE_KINDS)}")
         check_option("--draft-trim", d.trim_keep, minimum=1, example=8192)
         check_option("--draft-steps", d.max_steps, minimum=1, example=400)
         check_option("--draft-time-budget", d.time_budget_s, minimum=1e-3, example=900)

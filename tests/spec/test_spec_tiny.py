@@ -425,3 +425,16 @@ def test_generate_data_without_logits_gives_the_same_tokens(tiny_dir):
     for key in ("tokens", "prompt_len", "gen_len"):
         assert torch.equal(runs[0][key], runs[1][key]), key
     assert runs[1]["topk_ids"].shape == (4, 6, 0) and runs[0]["topk_logp"][0, 0, 0] > -30
+
+
+def test_quantize_refuses_an_unknown_draft_kind_before_any_work(tmp_path, tiny_dir):
+    """The library's QuantizeConfig(draft=DraftBundleConfig(...)) is checked with the other options, before
+    the model is read (the command's --draft values are checked when it builds the object)."""
+    from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.draft.auto import DraftBundleConfig
+    from fp8ptq.errors import RecipeError
+
+    bad = DraftBundleConfig(kind="bogus")
+    with pytest.raises(RecipeError, match="unknown draft kind 'bogus'"):
+        quantize(QuantizeConfig(model=str(tiny_dir), recipe="fp8-dynamic", output=tmp_path / "q", draft=bad))
+    assert not (tmp_path / "q").exists()
