@@ -30,6 +30,12 @@ def convert(
     recipe: str = typer.Option(
         None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
     ),
+    gguf_type: str = typer.Option(
+        None,
+        "--gguf-type",
+        help="with --to gguf: quantize every matrix to llama.cpp's mix Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 "
+        "(codes already of the chosen type are carried exactly)",
+    ),
     source_format: str = typer.Option(None, "--from", help=f"{', '.join(SOURCES)}: confirm the detected format"),
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(
@@ -42,7 +48,8 @@ def convert(
     compressed-tensors block FP8 with the same bytes, and GPTQ / AWQ / NVIDIA ModelOpt (FP8, NVFP4)
     directories to compressed-tensors with the same codes, scales and zero points (--to
     compressed-tensors; the format is detected, --from confirms it); a compressed-tensors
-    checkpoint to GGUF with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf).
+    checkpoint to GGUF with symmetric INT4/INT8 codes as Q4_0/Q8_0 (--to gguf), or any float or
+    compressed-tensors checkpoint to a GGUF K-quant mix as llama.cpp defines it (--gguf-type Q4_K_M).
 
     \b
     Examples:
@@ -50,6 +57,7 @@ def convert(
       fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/model-w4a16
       fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
       fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
+      fp8ptq convert ./SmolLM2-135M-Instruct --to gguf --gguf-type Q4_K_M -o out/smol.Q4_K_M.gguf
       fp8ptq convert ./Qwen3-0.6B-FP8 --to compressed-tensors -o out/qwen3-fp8-block
       fp8ptq convert ./Llama-3.2-1B-GPTQ --from gptq --to compressed-tensors -o out/llama-w4a16
       fp8ptq convert ./model-AWQ --to compressed-tensors -o out/model-w4a16-asym
@@ -73,6 +81,7 @@ def convert(
                     recipe=recipe,
                     overwrite=overwrite,
                     source_format=source_format,
+                    gguf_type=gguf_type,
                 )
             )
     if json_out:

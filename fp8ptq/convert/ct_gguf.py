@@ -7,6 +7,11 @@ Per Linear, by the config group vLLM would pick:
                  the scales came from a GGUF). Input-activation quantization has no GGUF form and is dropped.
   dequantized    any other scheme (FP8, asymmetric INT, odd group sizes): compressed-tensors' decompression
                  written as a float matrix (`dtype`).
+  quantized      with `--gguf-type` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0): every matrix (Linears, the embedding,
+                 an untied head) gets the GGML type llama.cpp's mix gives it (convert/gguf_mix.py) and is
+                 quantized to it from its float (or decompressed) values -- unless its codes are already
+                 that type's (a W4A16 g32 symmetric Linear under Q4_0 stays `exact`). The weight's
+                 relative error after gguf-py's own dequantization is recorded.
 Float tensors: 1-D (norms, biases) as F32, matrices in `dtype`. KV-cache scales are dropped (reported).
 Tensors are planned from headers first (GGUF writes its tensor table before the data), then written one at
 a time.
@@ -14,18 +19,20 @@ a time.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fp8ptq.convert import gguf_mix
 from fp8ptq.convert.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
 from fp8ptq.eval.quality import group_scheme_for, read_quantization_config
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.skeleton import build_skeleton
-from fp8ptq.ops.ggml import BLOCK, Q4_0_BYTES, Q8_0_BYTES, pack_q4_0, pack_q8_0
+from fp8ptq.ops.ggml import BLOCK, pack_q4_0, pack_q8_0
 
 LINEAR_KEYS = (
     "weight",
@@ -44,7 +51,7 @@ class Planned:
     name: str  # HF tensor name (a quantized Linear: its module name + ".weight")
     shape: tuple[int, ...]
     ggml_type: str
-    action: str  # exact | dequantized | kept
+    action: str  # exact | quantized | dequantized | kept
     scheme: object = None
     fmt: str | None = None  # compressed-tensors format of a quantized Linear
     why: str = ""
@@ -62,22 +69,38 @@ def _exact_bits(scheme, shape) -> int | None:
     return w.num_bits if group and group % BLOCK == 0 and shape[1] % BLOCK == 0 else None
 
 
-def plan(src: ModelSource, dtype: torch.dtype) -> tuple[list[Planned], list[str]]:
-    """What each tensor becomes, from the config and headers only; plus the tensors dropped."""
-    qcfg = read_quantization_config(src, src.config.quantization_config)
+def plan(src: ModelSource, dtype: torch.dtype, ftype: str | None = None) -> tuple[list[Planned], list[str]]:
+    """What each tensor becomes, from the config and headers only; plus the tensors dropped. `ftype`: a
+    `--gguf-type` mix (convert/gguf_mix.py), or None to carry exact codes and write the rest as floats."""
+    raw = getattr(src.config, "quantization_config", None)
+    qcfg = None if raw is None else read_quantization_config(src, raw)
     model = build_skeleton(src.config)
     planned, dropped, done = [], [], set()
     modules = dict(model.named_modules())
+    to_gguf = name_map(src.config)
+    tied = "lm_head.weight" not in src.weight_map
+
+    def mix(name: str, shape) -> tuple[str, str]:
+        return gguf_mix.tensor_type(ftype, to_gguf(name), shape, src.config.num_hidden_layers, tied)
+
     for name, module in modules.items():
-        scheme = group_scheme_for(name, module, qcfg) if isinstance(module, torch.nn.Linear) else None
+        linear = isinstance(module, torch.nn.Linear)
+        scheme = group_scheme_for(name, module, qcfg) if linear and qcfg is not None else None
         if scheme is None:
             continue
         shape = (module.out_features, module.in_features)
         bits = _exact_bits(scheme, shape)
         why = "" if scheme.input_activations is None else "input-activation quantization dropped (GGUF is weight-only)"
         fmt = getattr(scheme, "format", None) or qcfg.format
-        if bits:
-            planned.append(Planned(f"{name}.weight", shape, {4: "Q4_0", 8: "Q8_0"}[bits], "exact", scheme, fmt, why))
+        exact = {4: "Q4_0", 8: "Q8_0"}.get(bits)
+        if ftype is not None:
+            target, note = mix(f"{name}.weight", shape)
+            action = "exact" if target == exact else "kept" if target in ("F16", "F32") else "quantized"
+            planned.append(
+                Planned(f"{name}.weight", shape, target, action, scheme, fmt, "; ".join(filter(None, (why, note))))
+            )
+        elif exact:
+            planned.append(Planned(f"{name}.weight", shape, exact, "exact", scheme, fmt, why))
         else:
             planned.append(
                 Planned(f"{name}.weight", shape, FLOAT_GGML[dtype], "dequantized", scheme, fmt, "no GGUF form")
@@ -91,6 +114,10 @@ def plan(src: ModelSource, dtype: torch.dtype) -> tuple[list[Planned], list[str]
             dropped.append(name)
             continue
         shape = src.tensor_shape(name)
+        if ftype is not None and len(shape) == 2 and name.endswith(".weight"):
+            target, note = mix(name, shape)
+            planned.append(Planned(name, shape, target, "kept" if target == "F16" else "quantized", why=note))
+            continue
         kind = "F32" if len(shape) == 1 else FLOAT_GGML[dtype]
         planned.append(Planned(name, shape, kind, "kept"))
     order = {n: i for i, n in enumerate(model.state_dict())}  # the model's own order: layer by layer
@@ -101,13 +128,24 @@ def plan(src: ModelSource, dtype: torch.dtype) -> tuple[list[Planned], list[str]
 def _data(src: ModelSource, p: Planned, dtype: torch.dtype) -> np.ndarray:
     """The GGUF bytes (Q4_0 / Q8_0 blocks) or float array of one planned tensor, in llama.cpp's row order."""
     module = p.name.removesuffix(".weight")
+    if p.scheme is None:
+        weight = check_finite(p.name, src.tensor(p.name))
+    else:
+        local = {k: src.tensor(f"{module}.{k}") for k in LINEAR_KEYS if src.has(f"{module}.{k}")}
+        weight = check_finite(p.name, decompress_linear(local, p.scheme, p.fmt))
+    if p.action == "quantized":
+        w = to_gguf_rows(p.name, weight.float(), src.config)
+        data = gguf_mix.encode(p.ggml_type, w)
+        back = gguf_mix.decode(p.ggml_type, data)
+        p.record = {"weight_rel_err": float((back - w).norm() / w.norm().clamp_min(1e-30))}
+        return data
     if p.action == "kept":
-        t = check_finite(p.name, src.tensor(p.name))
-        t = t.float() if p.ggml_type == "F32" else t.to(dtype)
-        p.record = {"max_abs_err": float((t.float() - src.tensor(p.name).float()).abs().max())}
+        if p.ggml_type == "F32":
+            t = weight.float()
+        else:  # F16: a --gguf-type fallback for rows llama.cpp cannot block; else the --dtype
+            t = weight.to(torch.float16 if p.ggml_type == "F16" else dtype)
+        p.record = {"max_abs_err": float((t.float() - weight.float()).abs().max())}
         return _np(to_gguf_rows(p.name, t, src.config))
-    local = {k: src.tensor(f"{module}.{k}") for k in LINEAR_KEYS if src.has(f"{module}.{k}")}
-    weight = check_finite(p.name, decompress_linear(local, p.scheme, p.fmt))
     if p.action == "dequantized":
         t = weight.to(dtype)
         p.record = {"max_abs_err": float((t.float() - weight).abs().max())}
@@ -142,26 +180,27 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _nbytes(p: Planned) -> int:
-    if p.ggml_type in ("Q4_0", "Q8_0"):
-        return p.shape[0] * p.shape[1] // BLOCK * (Q4_0_BYTES if p.ggml_type == "Q4_0" else Q8_0_BYTES)
+    if p.ggml_type not in FLOAT_GGML.values():
+        return gguf_mix.nbytes(p.ggml_type, p.shape)
     return int(np.prod(p.shape)) * (4 if p.ggml_type == "F32" else 2)
 
 
-def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype) -> dict:
-    """Write `src` (a compressed-tensors checkpoint) as one GGUF file at `out` (the caller makes it atomic)."""
+def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype, ftype: str | None = None) -> dict:
+    """Write `src` (a compressed-tensors or float checkpoint) as one GGUF file at `out` (the caller makes it
+    atomic); `ftype`: a `--gguf-type` mix, or None (exact codes, other matrices as floats)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     gguf_arch(src.config)  # a typed error for a family or RoPE GGUF cannot take, before any work
-    planned, dropped = plan(src, dtype)
+    planned, dropped = plan(src, dtype, ftype)
     to_gguf = name_map(src.config)
     writer = GGUFWriter(str(out), gguf_arch(src.config))
     add_metadata(writer, src.config, src.path, src.label)
     writer.add_quantization_version(2)
     for p in planned:
         qtype = GGMLQuantizationType[p.ggml_type]
-        if p.ggml_type in ("Q4_0", "Q8_0"):
-            nb = Q4_0_BYTES if p.ggml_type == "Q4_0" else Q8_0_BYTES
-            writer.add_tensor_info(to_gguf(p.name), (p.shape[0], p.shape[1] // BLOCK * nb), np.uint8, _nbytes(p), qtype)
+        if p.ggml_type not in FLOAT_GGML.values():
+            row = (p.shape[0], _nbytes(p) // p.shape[0])
+            writer.add_tensor_info(to_gguf(p.name), row, np.uint8, _nbytes(p), qtype)
         else:
             np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[p.ggml_type]
             writer.add_tensor_info(
@@ -182,8 +221,11 @@ def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype) -> dict:
         "exact_q4_0": sum(r["bits"] == 4 for r in exact),
         "exact_q8_0": sum(r["bits"] == 8 for r in exact),
         "worst_scale_fp16_rel_err": max((r["scale_fp16_rel_err"] for r in exact), default=0.0),
+        "quantized": sum(r["action"] == "quantized" for r in records),
+        "worst_quantized_rel_err": max((r["weight_rel_err"] for r in records if "weight_rel_err" in r), default=0.0),
         "dequantized": sum(r["action"] == "dequantized" for r in records),
         "kept": sum(r["action"] == "kept" for r in records),
+        "types": dict(sorted(Counter(r["gguf_type"] for r in records).items())),
     }
     return {"source": str(src.path), "to": "gguf", "dropped": dropped, "summary": summary, "tensors": records}
 
@@ -198,13 +240,20 @@ def check(cfg, fmt: str) -> ModelSource:
 
 
 def write(cfg, fmt: str, src: ModelSource, tmp: Path) -> dict:
-    return ct_to_gguf(src, tmp, getattr(torch, cfg.dtype))
+    return ct_to_gguf(src, tmp, getattr(torch, cfg.dtype), cfg.gguf_type)
 
 
 def describe(report: dict) -> str:
     s = report["summary"]
-    return (
-        f"tensors: {s['exact']} exact codes (Q4_0: {s['exact_q4_0']}, Q8_0: {s['exact_q8_0']}; worst fp16 "
-        f"scale rounding {s['worst_scale_fp16_rel_err']:.3g}), {s['dequantized']} dequantized, {s['kept']} float"
-        + (f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else "")
-    )
+    parts = []
+    if s["exact"] or not s.get("quantized"):
+        parts.append(
+            f"{s['exact']} exact codes (Q4_0: {s['exact_q4_0']}, Q8_0: {s['exact_q8_0']}; worst fp16 scale "
+            f"rounding {s['worst_scale_fp16_rel_err']:.3g})"
+        )
+    if s.get("quantized"):
+        parts.append(f"{s['quantized']} quantized (worst weight rel err {s['worst_quantized_rel_err']:.3g})")
+    parts += [f"{s['dequantized']} dequantized", f"{s['kept']} float"]
+    types = ", ".join(f"{t} {n}" for t, n in s.get("types", {}).items())
+    dropped = f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else ""
+    return f"tensors: {', '.join(parts)} (GGML types: {types}){dropped}"

@@ -32,6 +32,7 @@ class ConvertConfig:
     recipe: str | None = None  # GGUF to compressed-tensors: re-quantize other GGML quant types with it (data-free)
     overwrite: bool = False
     source_format: str | None = None  # --from: one of SOURCES; None: detect
+    gguf_type: str | None = None  # --to gguf: llama.cpp's mix (Q4_K_M, ...) every matrix is quantized to
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ CONVERTERS = (
     Converter("awq", "compressed-tensors", "packed_int", "INT4 codes, scales and zero points exactly"),
     Converter("modelopt", "compressed-tensors", "modelopt", "FP8 / NVFP4 codes and scales exactly"),
     Converter("compressed-tensors", "gguf", "ct_gguf", "symmetric INT4/INT8 g32 codes as Q4_0/Q8_0", suffix=".gguf"),
+    Converter("float", "gguf", "ct_gguf", "float matrices, or quantized with --gguf-type", suffix=".gguf"),
 )
 SOURCES = tuple(dict.fromkeys(c.source for c in CONVERTERS))
 TARGETS = tuple(dict.fromkeys(c.target for c in CONVERTERS))
@@ -91,6 +93,12 @@ def check_options(cfg: ConvertConfig) -> None:
     if cfg.recipe is not None and not any(c.recipe and c.target == cfg.to for c in CONVERTERS):
         takes = sorted({c.target for c in CONVERTERS if c.recipe})
         raise OptionError(f"--recipe needs --to {' or '.join(takes)}", fix=f"add --to {takes[0]} or drop --recipe")
+    if cfg.gguf_type is not None:
+        if cfg.to != "gguf":
+            raise OptionError("--gguf-type needs --to gguf", fix="add --to gguf or drop --gguf-type")
+        from fp8ptq.convert.gguf_mix import check_ftype
+
+        check_ftype(cfg.gguf_type)
     suffixes = {c.suffix for c in CONVERTERS if c.target == cfg.to}
     for suffix in suffixes - {None}:
         if cfg.output.suffix != suffix:
@@ -133,6 +141,11 @@ def find(cfg: ConvertConfig) -> tuple[Converter, str]:
             if cfg.recipe is not None and not c.recipe:
                 raise ModelError(f"--recipe applies to GGUF sources only, not {found}", fix="drop --recipe")
             return c, found
+    if found == "float":
+        raise ModelError(
+            f"'{cfg.source}' is a float checkpoint; `convert` writes only gguf from it, not {cfg.to}",
+            fix="quantize it with `fp8ptq quantize`, or pass --to gguf (--gguf-type Q4_K_M for llama.cpp's mix)",
+        )
     fix = "it is that format already" if found == cfg.to else "convert to compressed-tensors first"
     raise ModelError(
         f"'{cfg.source}' is a {found} checkpoint; `convert` writes {', '.join(_targets_from(found))} from it, "

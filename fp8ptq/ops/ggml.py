@@ -84,3 +84,52 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of `permute_qk` (transformers' `LlamaTensorProcessor._reverse_permute_weights`)."""
     shape = w.shape
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+Q5_BYTES = {"Q5_0": 22, "Q5_1": 24, "Q4_1": 20}
+
+
+def _pack_5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [rows, nb, 32] in [0, 31] -> (qh [rows, nb, 4] fifth bits of weights 0..31 little-endian,
+    qs [rows, nb, 16] nibbles: byte j = weight j low, weight j + 16 high)."""
+    q = q.to(torch.int64)
+    bits = ((q >> 4) & 1) << torch.arange(32)
+    qh = bits.sum(-1, keepdim=True)  # one uint32 per block
+    qh = torch.cat([(qh >> (8 * i)) & 255 for i in range(4)], dim=-1)
+    lo = q & 15
+    return qh.to(torch.uint8), (lo[..., :16] | (lo[..., 16:] << 4)).to(torch.uint8)
+
+
+def quantize_block32(kind: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """weight [rows, in] (in a multiple of 32) -> Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks [rows, in / 32 * size],
+    each block's scale (and offset) searched by weighted least squares (ops/kquant.py's scan) rather than
+    set from its extreme as llama.cpp's reference quantizer does; d and m stored as fp16, codes chosen for
+    the stored values."""
+    from fp8ptq.ops.kquant import error_weights, grid_codes, search_scales
+
+    rows, cols = weight.shape
+    x = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+    w = error_weights(x.unsqueeze(1), importance.reshape(1, -1) if importance is not None else None)[:, 0]
+    symmetric = kind in ("Q4_0", "Q5_0")
+    qmax = 15 if kind.startswith("Q4") else 31
+    s, b = search_scales(x, w, qmax, symmetric)
+    d = s.to(torch.float16).float()
+    if symmetric:
+        lo = -(qmax + 1) // 2
+        q = grid_codes(x, d, torch.zeros_like(d), lo, qmax + lo) - lo  # unsigned: value = d * (q + lo)
+        if kind == "Q4_0":
+            return pack_q4_0(q.reshape(rows, -1) + lo, d)
+        qh, qs = _pack_5(q)
+        return torch.cat([_f16_bytes(d), qh, qs], dim=-1).reshape(rows, -1)
+    m = b.to(torch.float16).float()
+    q = grid_codes(x, d, m, 0, qmax)
+    if kind == "Q4_1":
+        u = q.to(torch.int64)
+        qs = (u[..., :16] | (u[..., 16:] << 4)).to(torch.uint8)
+        return torch.cat([_f16_bytes(d), _f16_bytes(m), qs], dim=-1).reshape(rows, -1)
+    qh, qs = _pack_5(q)
+    return torch.cat([_f16_bytes(d), _f16_bytes(m), qh, qs], dim=-1).reshape(rows, -1)
+
+
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)

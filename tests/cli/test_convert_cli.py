@@ -63,7 +63,7 @@ def test_bad_convert_input(gguf_file, tiny_dir, tmp_path):
         *_run("convert", gguf_file, "--to", "gguf", "-o", tmp_path / "o.gguf"),
         "writes hf, compressed-tensors from it, not gguf",
     )
-    _one_line_error(*_run("convert", tiny_dir, "--to", "gguf", "-o", tmp_path / "o.gguf"), "is a float checkpoint")
+    _one_line_error(*_run("convert", tiny_dir, "--to", "hf", "-o", tmp_path / "o"), "is a float checkpoint")
     _one_line_error(*_run("convert", tiny_dir, "--to", "gguf", "-o", tmp_path / "o"), "does not end in .gguf")
     _one_line_error(
         *_run("convert", gguf_file, "--to", "compressed-tensors", "--recipe", "w4a16", "-o", tmp_path / "o"),

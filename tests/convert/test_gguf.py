@@ -140,3 +140,63 @@ def test_round_trip_gguf_ct_gguf_keeps_codes(tiny_gguf, ct_dir, gguf_float, tmp_
             torch.testing.assert_close(t, sd[name], rtol=1e-2, atol=1e-2)
         else:
             assert torch.equal(t, sd[name]), name
+
+
+@pytest.fixture(scope="module")
+def k_model(tiny_model):
+    """A 4-layer random Llama whose rows are multiples of 256 (K-quant super-blocks), tied embedding."""
+    return tiny_model("llama", layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+
+
+def test_float_checkpoint_to_q4_k_m(k_model, tmp_path):
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "m.Q4_K_M.gguf"
+    report = convert(ConvertConfig(source=k_model, output=out, to="gguf", gguf_type="Q4_K_M"))
+    assert report.source_format == "float" and report.summary["quantized"] == 1 + 4 * 7
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
+    # llama.cpp's Q4_K_M for 4 layers: attn_v and ffn_down of layers 2 and 3 (use_more_bits) and the tied
+    # embedding in Q6_K, every other matrix Q4_K, vectors F32
+    assert report.summary["types"] == {"F32": 9, "Q4_K": 24, "Q6_K": 5}, report.summary
+    for i in range(4):
+        wide = "Q6_K" if i >= 2 else "Q4_K"
+        assert (types[f"blk.{i}.attn_v.weight"], types[f"blk.{i}.ffn_down.weight"]) == (wide, wide)
+        assert types[f"blk.{i}.attn_q.weight"] == "Q4_K"
+    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
+    records = {r["tensor"]: r for r in report.tensors}
+    src = AutoModelForCausalLM.from_pretrained(str(k_model), dtype=torch.float32).state_dict()
+    back = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32)
+    for name, t in back.state_dict().items():  # transformers' GGUF reader: gguf-py's dequantization
+        if t.dim() == 2 and name != "lm_head.weight":
+            rel = float((t - src[name]).norm() / src[name].norm())
+            assert rel == pytest.approx(records[name]["weight_rel_err"], rel=1e-3), name  # q/k rows un-permuted
+            assert rel < (0.025 if records[name]["gguf_type"] == "Q6_K" else 0.09), (name, rel)
+        elif t.dim() == 1:
+            assert torch.equal(t, src[name]), name
+
+
+def test_gguf_type_keeps_codes_already_of_that_type(ct_dir, tiny_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    out = tmp_path / "q4.gguf"
+    report = convert(ConvertConfig(source=ct_dir[0], output=out, to="gguf", gguf_type="Q4_0"))
+    src = {t.name: t for t in GGUFReader(str(tiny_gguf)).tensors}
+    got = {t.name: t for t in GGUFReader(str(out)).tensors}
+    exact = [r for r in report.tensors if r["action"] == "exact"]
+    assert len(exact) == 8 and all(r["gguf_type"] == "Q4_0" for r in exact)  # the 8 Q4_0 Linears
+    assert np.array_equal(np.asarray(got["blk.0.attn_q.weight"].data), np.asarray(src["blk.0.attn_q.weight"].data))
+    assert got["blk.1.attn_q.weight"].tensor_type.name == "Q4_0"  # INT8 codes: quantized again to Q4_0
+    assert {r["action"] for r in report.tensors} == {"exact", "quantized", "kept"}
+
+
+def test_gguf_type_errors(k_model, tmp_path):
+    with pytest.raises(OptionError, match="unknown --gguf-type 'Q3_K_XL'"):
+        convert(ConvertConfig(source=k_model, output=tmp_path / "a.gguf", to="gguf", gguf_type="Q3_K_XL"))
+    with pytest.raises(OptionError, match="--gguf-type needs --to gguf"):
+        convert(ConvertConfig(source=k_model, output=tmp_path / "a", to="hf", gguf_type="Q4_K_M"))
+    from fp8ptq.errors import ModelError
+
+    with pytest.raises(ModelError, match="float checkpoint; `convert` writes only gguf"):
+        convert(ConvertConfig(source=k_model, output=tmp_path / "b", to="compressed-tensors"))
+    assert not list(tmp_path.iterdir())

@@ -84,6 +84,6 @@ def test_bad_block_fp8_sources(tiny_dir, tmp_path):
     save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"up_proj.weight_scale_inv' has shape \(1, 1\)"):
         convert(ConvertConfig(source=src, output=tmp_path / "o", to="compressed-tensors"))
-    with pytest.raises(ModelError, match="is a float checkpoint, which `convert` does not read"):
+    with pytest.raises(ModelError, match="is a float checkpoint; `convert` writes only gguf from it"):
         convert(ConvertConfig(source=tiny_dir, output=tmp_path / "o", to="compressed-tensors"))
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))

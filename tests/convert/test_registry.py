@@ -46,10 +46,10 @@ def test_pairs_are_unique_and_detection_names_only_what_is_read(tmp_path):
     from fp8ptq.convert.detect import format_of_config
 
     detected = set()
-    for m in ("gptq", "awq", "modelopt", "compressed-tensors", "fp8"):
-        d = _dir(tmp_path, m, m, **({"weight_block_size": [128, 128]} if m == "fp8" else {}))
+    for m in ("gptq", "awq", "modelopt", "compressed-tensors", "fp8", None):
+        d = _dir(tmp_path, str(m), m, **({"weight_block_size": [128, 128]} if m == "fp8" else {}))
         detected.add(format_of_config(d, json.loads((d / "config.json").read_text())))
-    assert detected | {"gguf"} == set(SOURCES)
+    assert detected | {"gguf"} == set(SOURCES)  # a float checkpoint is read too (--to gguf)
 
 
 def test_a_pair_without_a_converter_names_the_ones_there_are(tmp_path):
