@@ -17,7 +17,7 @@ VLLM_LOCK := constraints/vllm.txt
 SGLANG_SITE := .sglang-site
 SGLANG_LOCK := constraints/sglang.txt
 
-.PHONY: install demo test test-run test-fast lint clean browser vllm sglang bench lock
+.PHONY: install demo test test-run test-fast lint clean browser vllm sglang llama bench lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,25 @@ $(SGLANG_SITE)/.ok: $(SGLANG_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok
 	touch $@
 
 sglang: $(SGLANG_SITE)/.ok
+
+# llama.cpp (llama-cpp-python, built from its sdist: ~40 min on 2 busy cores, so not in `make test`) for
+# benchmarks/llamacpp_check.py. The built wheel is cached in LLAMA_WHEELS and reused; portable flags (AVX2,
+# no -march=native) so one wheel serves AVX2-only and AVX-512 machines alike.
+LLAMA_VENV   := .venv-llama
+LLAMA_PIN    := llama-cpp-python==0.3.36
+LLAMA_WHEELS ?= $(HOME)/.cache/fp8ptq/wheels
+$(LLAMA_VENV)/.ok:
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install -q --upgrade pip
+	mkdir -p $(LLAMA_WHEELS)
+	ls $(LLAMA_WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || \
+	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  $(LLAMA_VENV)/bin/python -m pip wheel -q --no-deps --no-binary llama-cpp-python -w $(LLAMA_WHEELS) $(LLAMA_PIN)
+	$(LLAMA_VENV)/bin/python -m pip install -q --find-links $(LLAMA_WHEELS) $(LLAMA_PIN)
+	$(LLAMA_VENV)/bin/python benchmarks/llamacpp_worker.py version
+	touch $@
+
+llama: $(LLAMA_VENV)/.ok
 
 install: $(STAMP)
 
@@ -98,4 +117,4 @@ lock:
 	$(MAKE) test
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_SITE) out .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_SITE) $(LLAMA_VENV) out .pytest_cache

@@ -1,11 +1,16 @@
 """GGUF -> compressed-tensors, carrying Q4_0 / Q8_0 codes and scales unchanged (docs/formats.md).
 
 Per Linear of a decoder layer, in vLLM's fused groups (q/k/v, gate/up share one scheme):
-  exact         every shard Q4_0 or Q8_0: INT4 / INT8 symmetric group-32 `pack-quantized` (W4A16 / W8A16)
-                with weight_scale = the block's fp16 d (as fp32) and the same codes; a group mixing Q4_0
-                and Q8_0 is carried as INT8 (Q4_0's codes [-8, 7] are INT8 codes too). Checked: the
-                compressed-tensors decompression equals gguf's dequantization bit for bit, or the
-                conversion fails.
+  exact         every shard Q4_0, Q5_0 or Q8_0: INT4 (Q4_0 only) / INT8 symmetric group-32 `pack-quantized`
+                (W4A16 / W8A16) with weight_scale = the block's fp16 d (as fp32) and the same codes; a group
+                mixing them is carried as INT8 (Q4_0's codes [-8, 7] and Q5_0's [-16, 15] are INT8 codes
+                too). Checked: the compressed-tensors decompression equals gguf's dequantization bit for
+                bit, or the conversion fails.
+  carried       no --recipe, and every shard of the group a K-quant (Q4_K, Q5_K, Q6_K) or one of the exact
+                types: INT8 symmetric group 32 (W8A16), the K-quant shards re-rounded onto it
+                (ops/kquant.int8_grid: at most half an INT8 step, ~0.5% relative on random weights; their
+                sub-block offsets and 16-wide scales have no exact compressed-tensors form vLLM serves);
+                error against gguf's dequantization recorded per tensor.
   requantized   another GGML quant type (Q4_1, K-quants, IQ...) and a data-free `--recipe`: gguf's
                 dequantization re-quantized RTN with the recipe's weights (relative error reported);
   dequantized   another quant type and no recipe (or a non-Linear tensor such as a Q8_0 embedding): gguf's
@@ -28,7 +33,7 @@ from safetensors.torch import save_file
 from fp8ptq.errors import RecipeError
 from fp8ptq.export.compressed_tensors import MIXED, compress_linear, ct_scheme, decompress_linear
 from fp8ptq.io import write_json_atomic
-from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, GgufModel, GgufTensor
+from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, K_TYPES, GgufModel, GgufTensor
 from fp8ptq.models.loader import check_finite
 from fp8ptq.ops.ggml import BLOCK, dequantize_groups
 from fp8ptq.quantize.plan import plan_layer
@@ -46,7 +51,7 @@ def exact_args(bits: int) -> QuantArgs:
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # exact | requantized | dequantized | kept
+    action: str  # exact | carried | requantized | dequantized | kept
     scheme: LinearScheme | None = None
     why: str = ""
 
@@ -67,6 +72,15 @@ def _decide_layer(g: GgufModel, index: int, types: dict[str, str], recipe: Recip
             why = "" if len(set(kinds)) == 1 else f"fused shards {kinds}: Q4_0 codes carried as INT8"
             scheme = LinearScheme(exact_args(bits), None)
             out.update({n: Decision("exact", scheme, why) for n in names})
+            continue
+        if recipe is None and all(k in EXACT_TYPES or k in K_TYPES for k in kinds):
+            scheme = LinearScheme(exact_args(8), None)
+            for n, k in zip(names, kinds):
+                exact = k in EXACT_TYPES
+                why = f"{k} codes in a group with {sorted(set(kinds) - {k})}: INT8" if exact else f"{k} onto INT8 g32"
+                out[n] = Decision(
+                    "exact" if exact else "carried", scheme, why if len(set(kinds)) > 1 or not exact else ""
+                )
             continue
         mixed = "" if len(set(kinds)) == 1 else f"fused with shards of types {kinds}"
         quantized = any(k not in FLOAT_TYPES for k in kinds)
@@ -93,16 +107,22 @@ def check_recipe(recipe: Recipe | None) -> None:
         )
 
 
-def _exact(g: GgufModel, t: GgufTensor, scheme: LinearScheme) -> tuple[dict, dict]:
+def _exact(g: GgufModel, t: GgufTensor, scheme: LinearScheme, carried: bool = False) -> tuple[dict, dict]:
     codes, scale = g.codes(t)
     check_finite(f"{t.name} (its {t.ggml_type} block scales)", scale)
     weight = dequantize_groups(codes, scale)
     packed = compress_linear(weight, {"weight_scale": scale}, scheme)
     back = decompress_linear(packed, ct_scheme(scheme, ["Linear"]), export_format(scheme.weights, None))
+    if not torch.equal(back, weight):  # an internal invariant: compressed-tensors keeps these codes
+        raise AssertionError(f"{t.name}: compressed-tensors does not reproduce the carried codes")
     reference = g.dequantized(t)
-    if not torch.equal(back, reference):  # an internal invariant: the codes must survive bit for bit
-        raise AssertionError(f"{t.name}: compressed-tensors does not reproduce the GGUF values")
-    return packed, {"bits": scheme.weights.num_bits, "max_abs_err": 0.0}
+    if not carried:
+        if not torch.equal(back, reference):  # the claim: the GGUF's own values, bit for bit
+            raise AssertionError(f"{t.name}: compressed-tensors does not reproduce the GGUF values")
+        return packed, {"bits": scheme.weights.num_bits, "max_abs_err": 0.0}
+    err = back - reference
+    rel = float(err.norm() / reference.norm().clamp_min(1e-30))
+    return packed, {"bits": scheme.weights.num_bits, "max_abs_err": float(err.abs().max()), "weight_rel_err": rel}
 
 
 def _requantized(g: GgufModel, tensors: list[GgufTensor], scheme: LinearScheme, recipe: Recipe) -> dict:
@@ -127,8 +147,8 @@ def _convert_tensors(g: GgufModel, tensors: list[GgufTensor], decisions, dtype, 
     for t in tensors:
         module = t.name.removesuffix(".weight")
         d = decisions.get(module) if t.name.endswith(".weight") else None
-        if d is not None and d.action == "exact":
-            packed, rec = _exact(g, t, d.scheme)
+        if d is not None and d.action in ("exact", "carried"):
+            packed, rec = _exact(g, t, d.scheme, carried=d.action == "carried")
             out.update({f"{module}.{k}": v for k, v in packed.items()})
         elif d is not None and d.action == "requantized":
             pending.append((t, d.scheme))
@@ -235,10 +255,12 @@ def gguf_to_compressed_tensors(g: GgufModel, tmp: Path, dtype: torch.dtype, reci
 
 def summarize(records: list[dict]) -> dict:
     """Counts per action, bits of the exact ones, worst errors of the lossy ones."""
-    s: dict = {a: sum(r["action"] == a for r in records) for a in ("exact", "requantized", "dequantized", "kept")}
+    actions = ("exact", "carried", "requantized", "dequantized", "kept")
+    s: dict = {a: sum(r["action"] == a for r in records) for a in actions}
     for bits in (4, 8):
-        s[f"exact_int{bits}"] = sum(r.get("bits") == bits for r in records)
-    s["worst_requantized_rel_err"] = max((r["weight_rel_err"] for r in records if "weight_rel_err" in r), default=0.0)
+        s[f"exact_int{bits}"] = sum(r.get("bits") == bits and r["action"] == "exact" for r in records)
+    for a in ("carried", "requantized"):
+        s[f"worst_{a}_rel_err"] = max((r["weight_rel_err"] for r in records if r["action"] == a), default=0.0)
     deq = [r["max_abs_err"] for r in records if r["action"] == "dequantized"]
     s["worst_dequantized_abs_err"] = max(deq, default=0.0)
     return s
@@ -262,6 +284,10 @@ def write(cfg, fmt: str, checked: tuple[GgufModel, Recipe | None], tmp: Path) ->
 def describe(report: dict) -> str:
     s = report["summary"]
     parts = [f"{s['exact']} exact (int4 g32: {s['exact_int4']}, int8 g32: {s['exact_int8']})"]
+    if s.get("carried"):
+        parts.append(
+            f"{s['carried']} K-quant carried as int8 g32 (worst weight rel err {s['worst_carried_rel_err']:.3g})"
+        )
     if s["requantized"]:
         parts.append(f"{s['requantized']} re-quantized (worst weight rel err {s['worst_requantized_rel_err']:.3g})")
     if s["dequantized"]:

@@ -270,7 +270,7 @@ def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]
 
 
 def _inspect_gguf(path: Path) -> InspectReport:
-    from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, gguf_architecture, open_reader
+    from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, K_TYPES, gguf_architecture, open_reader
 
     reader = open_reader(path)
     types: dict[str, int] = {}
@@ -278,8 +278,19 @@ def _inspect_gguf(path: Path) -> InspectReport:
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         params += int(t.n_elements)
-    other = sorted(k for k in types if k not in EXACT_TYPES and k not in FLOAT_TYPES)
+    carried = sorted(k for k in types if k in K_TYPES)
+    other = sorted(k for k in types if k not in EXACT_TYPES and k not in FLOAT_TYPES and k not in K_TYPES)
     findings = []
+    if carried:
+        findings.append(
+            Finding(
+                "info",
+                "gguf-k-quant",
+                str(path),
+                f"types {carried}: `convert --to compressed-tensors` carries their Linears as INT8 group 32, "
+                "re-rounded (the error is reported per tensor)",
+            )
+        )
     if other:
         findings.append(
             Finding("info", "gguf-requantize", str(path), f"types {other} have no exact compressed-tensors form")

@@ -133,3 +133,15 @@ def quantize_block32(kind: str, weight: torch.Tensor, importance: torch.Tensor |
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)
+
+
+def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 rows (22 bytes per 32: d fp16, 4 bytes of fifth bits, 16 bytes of nibbles; value = d * (q - 16))
+    -> (codes int8 in [-16, 15] [rows, in], scale fp32 [rows, in/32]): an INT8 group-32 grid, exactly."""
+    d, rest = _split(blocks, Q5_BYTES["Q5_0"])
+    qh = rest[..., :4].to(torch.int64)
+    bits = (qh << (8 * torch.arange(4))).sum(-1, keepdim=True)  # one little-endian uint32 per block
+    qs = rest[..., 4:].to(torch.int64)
+    lo = torch.cat([qs & 15, qs >> 4], dim=-1)
+    q = lo | (((bits >> torch.arange(32)) & 1) << 4)
+    return (q - 16).to(torch.int8).reshape(blocks.shape[0], -1), d

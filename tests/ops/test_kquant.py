@@ -116,3 +116,30 @@ def test_32_blocks_searched_beat_the_reference_quantizer(kind):
     weight = w.abs() + w.reshape(64, -1, 32).pow(2).mean(-1, keepdim=True).sqrt().expand(-1, -1, 32).reshape(64, -1)
     err = lambda v: float((weight * (v - w) ** 2).sum())  # noqa: E731 -- the error the search minimises
     assert err(ours) < err(ref) and float((ours - w).norm()) < 1.02 * float((ref - w).norm())
+
+
+def test_q5_0_is_an_int8_grid_exactly():
+    from fp8ptq.ops.ggml import dequantize_groups, unpack_q5_0
+
+    w = _weight(cols=256)
+    blocks = quants.quantize(w.numpy(), GGMLQuantizationType.Q5_0)
+    codes, scale = unpack_q5_0(torch.from_numpy(blocks))
+    assert int(codes.min()) >= -16 and int(codes.max()) <= 15
+    ref = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q5_0))
+    assert torch.equal(dequantize_groups(codes, scale), ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_k_quants_onto_the_int8_grid(kind):
+    from fp8ptq.ops.ggml import dequantize_groups
+    from fp8ptq.ops.kquant import int8_grid
+
+    w = _weight()
+    blocks = quantize_k(kind, w)
+    codes, scale, exact = int8_grid(kind, blocks)
+    v = dequantize_k(kind, blocks)
+    back = dequantize_groups(codes, scale)
+    assert not exact and int(codes.abs().max()) <= 127
+    step = scale.repeat_interleave(32, dim=1)
+    assert bool(((back - v).abs() <= step / 2 * (1 + 1e-5)).all())  # within half an INT8 step
+    assert float((back - v).norm() / v.norm()) < 0.01 < float((v - w).norm() / w.norm())  # well inside Q*_K's own error
