@@ -9,7 +9,8 @@ dequantization through transformers' GGUF loader, fp32) scores the same token id
   greedy        llama.cpp's greedy continuation (token ids, 32 new) vs the simulation's: tokens equal before
                 the first difference, and llama.cpp's text
 The F32 file (no weight quantization) is the control: its gap is llama.cpp's own arithmetic (8-bit
-activations in quantized dot products, an F16 KV cache). Exports: fp8ptq's `--gguf-type` Q8_0, Q6_K, Q4_K_M and Q4_0 of the float model, the calibrated `w4a16-gguf`
+activations in quantized dot products, an F16 KV cache). Exports: fp8ptq's `--gguf-type` Q8_0, Q6_K, Q4_K_M and Q4_0 of the float model, Q4_K_M with
+`--importance builtin`, the calibrated `w4a16-gguf`
 export carried as exact Q4_0 codes (--calibrated), and llama.cpp's own Q4_K_M / Q4_0 (llama_model_quantize,
 no importance matrix) of fp8ptq's F32 GGUF, for the quality comparison.
 
@@ -110,6 +111,10 @@ def main() -> None:
         out, t0 = a.work / f"fp8ptq.{ftype}.gguf", time.time()
         convert(ConvertConfig(source=smol, output=out, to="gguf", gguf_type=ftype, overwrite=True))
         exports[f"fp8ptq {ftype}"], seconds[f"fp8ptq {ftype}"] = out, time.time() - t0
+    out, t0 = a.work / "fp8ptq.imat.Q4_K_M.gguf", time.time()
+    cfg = ConvertConfig(source=smol, output=out, to="gguf", gguf_type="Q4_K_M", importance="builtin", overwrite=True)
+    convert(cfg)  # importance: 32 x 512 tokens of the built-in calibration text (not the held-out split scored here)
+    exports["fp8ptq Q4_K_M --importance builtin"], seconds["fp8ptq Q4_K_M --importance builtin"] = out, time.time() - t0
     f32 = a.work / "fp8ptq.F32.gguf"
     convert(ConvertConfig(source=smol, output=f32, to="gguf", dtype="float32", overwrite=True))
     exports["F32 (control: llama.cpp's own numerics)"] = f32

@@ -36,6 +36,13 @@ def convert(
         help="with --to gguf: quantize every matrix to llama.cpp's mix Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 "
         "(codes already of the chosen type are carried exactly)",
     ),
+    importance: str = typer.Option(
+        None,
+        help="with --gguf-type: calibration text ('builtin', a .txt/.jsonl/.parquet file) whose mean x^2 per input "
+        "column weighs the block search (llama.cpp's imatrix)",
+    ),
+    num_samples: int = typer.Option(32, help="--importance: samples of calibration text"),
+    seq_len: int = typer.Option(512, help="--importance: tokens per sample"),
     source_format: str = typer.Option(None, "--from", help=f"{', '.join(SOURCES)}: confirm the detected format"),
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(
@@ -58,6 +65,7 @@ def convert(
       fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
       fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
       fp8ptq convert ./SmolLM2-135M-Instruct --to gguf --gguf-type Q4_K_M -o out/smol.Q4_K_M.gguf
+      fp8ptq convert ./SmolLM2-135M-Instruct --to gguf --gguf-type Q4_K_M --importance builtin -o out/smol.imat.gguf
       fp8ptq convert ./Qwen3-0.6B-FP8 --to compressed-tensors -o out/qwen3-fp8-block
       fp8ptq convert ./Llama-3.2-1B-GPTQ --from gptq --to compressed-tensors -o out/llama-w4a16
       fp8ptq convert ./model-AWQ --to compressed-tensors -o out/model-w4a16-asym
@@ -82,6 +90,9 @@ def convert(
                     overwrite=overwrite,
                     source_format=source_format,
                     gguf_type=gguf_type,
+                    importance=importance,
+                    num_samples=num_samples,
+                    seq_len=seq_len,
                 )
             )
     if json_out:

@@ -125,7 +125,7 @@ def plan(src: ModelSource, dtype: torch.dtype, ftype: str | None = None) -> tupl
     return planned, dropped
 
 
-def _data(src: ModelSource, p: Planned, dtype: torch.dtype) -> np.ndarray:
+def _data(src: ModelSource, p: Planned, dtype: torch.dtype, importance: dict | None = None) -> np.ndarray:
     """The GGUF bytes (Q4_0 / Q8_0 blocks) or float array of one planned tensor, in llama.cpp's row order."""
     module = p.name.removesuffix(".weight")
     if p.scheme is None:
@@ -135,7 +135,7 @@ def _data(src: ModelSource, p: Planned, dtype: torch.dtype) -> np.ndarray:
         weight = check_finite(p.name, decompress_linear(local, p.scheme, p.fmt))
     if p.action == "quantized":
         w = to_gguf_rows(p.name, weight.float(), src.config)
-        data = gguf_mix.encode(p.ggml_type, w)
+        data = gguf_mix.encode(p.ggml_type, w, (importance or {}).get(p.name))
         back = gguf_mix.decode(p.ggml_type, data)
         p.record = {"weight_rel_err": float((back - w).norm() / w.norm().clamp_min(1e-30))}
         return data
@@ -185,9 +185,12 @@ def _nbytes(p: Planned) -> int:
     return int(np.prod(p.shape)) * (4 if p.ggml_type == "F32" else 2)
 
 
-def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype, ftype: str | None = None) -> dict:
+def ct_to_gguf(
+    src: ModelSource, out: Path, dtype: torch.dtype, ftype: str | None = None, importance: dict | None = None
+) -> dict:
     """Write `src` (a compressed-tensors or float checkpoint) as one GGUF file at `out` (the caller makes it
-    atomic); `ftype`: a `--gguf-type` mix, or None (exact codes, other matrices as floats)."""
+    atomic); `ftype`: a `--gguf-type` mix, or None (exact codes, other matrices as floats); `importance`:
+    HF weight name -> per-column weights of the block search (convert/importance.py)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     gguf_arch(src.config)  # a typed error for a family or RoPE GGUF cannot take, before any work
@@ -211,7 +214,7 @@ def ct_to_gguf(src: ModelSource, out: Path, dtype: torch.dtype, ftype: str | Non
     writer.write_ti_data_to_file()
     records = []
     for p in planned:
-        writer.write_tensor_data(_data(src, p, dtype))
+        writer.write_tensor_data(_data(src, p, dtype, importance))
         src.close()
         records.append({"tensor": p.name, "gguf_type": p.ggml_type, "action": p.action, **p.record, "why": p.why})
     writer.close()
@@ -240,7 +243,15 @@ def check(cfg, fmt: str) -> ModelSource:
 
 
 def write(cfg, fmt: str, src: ModelSource, tmp: Path) -> dict:
-    return ct_to_gguf(src, tmp, getattr(torch, cfg.dtype), cfg.gguf_type)
+    importance = None
+    if cfg.importance is not None:
+        from fp8ptq.convert.importance import collect
+
+        importance = collect(src, cfg.importance, cfg.num_samples, cfg.seq_len)
+    report = ct_to_gguf(src, tmp, getattr(torch, cfg.dtype), cfg.gguf_type, importance)
+    if importance is not None:
+        report["summary"]["importance"] = {"data": cfg.importance, "tokens": cfg.num_samples * cfg.seq_len}
+    return report
 
 
 def describe(report: dict) -> str:
@@ -256,4 +267,6 @@ def describe(report: dict) -> str:
     parts += [f"{s['dequantized']} dequantized", f"{s['kept']} float"]
     types = ", ".join(f"{t} {n}" for t, n in s.get("types", {}).items())
     dropped = f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else ""
-    return f"tensors: {', '.join(parts)} (GGML types: {types}){dropped}"
+    imp = s.get("importance")
+    weighted = f"; search weighted by mean x^2 over {imp['tokens']} tokens of {imp['data']}" if imp else ""
+    return f"tensors: {', '.join(parts)} (GGML types: {types}){weighted}{dropped}"

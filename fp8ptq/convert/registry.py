@@ -33,6 +33,9 @@ class ConvertConfig:
     overwrite: bool = False
     source_format: str | None = None  # --from: one of SOURCES; None: detect
     gguf_type: str | None = None  # --to gguf: llama.cpp's mix (Q4_K_M, ...) every matrix is quantized to
+    importance: str | None = None  # with gguf_type: calibration text whose mean x^2 per column weighs the search
+    num_samples: int = 32  # importance samples x tokens
+    seq_len: int = 512
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,15 @@ def check_options(cfg: ConvertConfig) -> None:
         from fp8ptq.convert.gguf_mix import check_ftype
 
         check_ftype(cfg.gguf_type)
+    if cfg.importance is not None and cfg.gguf_type is None:
+        raise OptionError(
+            "--importance needs --gguf-type", fix="add --to gguf --gguf-type Q4_K_M (or drop --importance)"
+        )
+    if cfg.num_samples < 1 or cfg.seq_len < 2:
+        raise OptionError(
+            f"--num-samples {cfg.num_samples} / --seq-len {cfg.seq_len}: need at least 1 sample of 2 tokens",
+            fix="use e.g. --num-samples 32 --seq-len 512",
+        )
     suffixes = {c.suffix for c in CONVERTERS if c.target == cfg.to}
     for suffix in suffixes - {None}:
         if cfg.output.suffix != suffix:

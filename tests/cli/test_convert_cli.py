@@ -51,6 +51,21 @@ def test_convert_both_ways(gguf_file, tmp_path):
     assert from_json(report, ConversionReport, where="stdout").output == str(tmp_path / "b2.gguf")
 
 
+def test_float_to_gguf_type_from_the_command_line(tiny_dir, tmp_path):
+    rc, out = _run("convert", tiny_dir, "--to", "gguf", "--gguf-type", "Q8_0", "-o", tmp_path / "t.Q8_0.gguf")
+    assert rc == 0, out
+    assert "15 quantized (worst weight rel err" in out and "Q8_0 15" in out  # 14 Linears + the tied embedding
+    _one_line_error(
+        *_run("convert", tiny_dir, "--to", "gguf", "--gguf-type", "Q2_K", "-o", tmp_path / "u.gguf"),
+        "unknown --gguf-type 'Q2_K'",
+    )
+    _one_line_error(
+        *_run("convert", tiny_dir, "--to", "gguf", "--importance", "builtin", "-o", tmp_path / "v.gguf"),
+        "--importance needs --gguf-type",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.Q8_0.gguf"]
+
+
 def _one_line_error(rc: int, out: str, text: str) -> None:
     assert rc == 2, out
     lines = [line for line in out.splitlines() if line.strip()]

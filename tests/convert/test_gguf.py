@@ -3,6 +3,7 @@ Q4_0 / Q8_0 Linears carried code for code, checked against transformers' own GGU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -199,6 +200,8 @@ def test_gguf_type_keeps_codes_already_of_that_type(ct_dir, tiny_gguf, tmp_path)
 def test_gguf_type_errors(k_model, tmp_path):
     with pytest.raises(OptionError, match="unknown --gguf-type 'Q3_K_XL'"):
         convert(ConvertConfig(source=k_model, output=tmp_path / "a.gguf", to="gguf", gguf_type="Q3_K_XL"))
+    with pytest.raises(OptionError, match="--importance needs --gguf-type"):
+        convert(ConvertConfig(source=k_model, output=tmp_path / "a.gguf", to="gguf", importance="builtin"))
     with pytest.raises(OptionError, match="--gguf-type needs --to gguf"):
         convert(ConvertConfig(source=k_model, output=tmp_path / "a", to="hf", gguf_type="Q4_K_M"))
     from fp8ptq.errors import ModelError
@@ -237,3 +240,32 @@ def test_k_quants_carried_to_compressed_tensors(k_gguf, tmp_path):
     parse_config_under(cfg, "installed")
     (group,) = cfg["config_groups"].values()
     assert group["weights"]["num_bits"] == 8 and group["weights"]["group_size"] == 32
+
+
+def test_importance_weighs_the_search(k_model, k_gguf, tmp_path):
+    """--importance: the search minimises the error the calibration inputs see (sum_j E[x_j^2] dW_j^2)."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8ptq.convert.importance import collect
+    from fp8ptq.models.loader import open_hf_dir
+
+    out = tmp_path / "imat.gguf"
+    cfg = ConvertConfig(source=k_model, output=out, to="gguf", gguf_type="Q4_K_M", importance="builtin")
+    report = convert(dataclasses.replace(cfg, num_samples=4, seq_len=64))
+    assert report.summary["importance"] == {"data": "builtin", "tokens": 256}
+    assert "search weighted by mean x^2 over 256 tokens of builtin" in report.line
+    imp = collect(open_hf_dir(k_model), "builtin", 4, 64)
+    assert "model.embed_tokens.weight" in imp and "lm_head.weight" not in imp  # tied: the head's statistics
+    src = AutoModelForCausalLM.from_pretrained(str(k_model), dtype=torch.float32).state_dict()
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).state_dict()
+
+    plain, weighted = load(k_gguf[0]), load(out)
+    wins = 0
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        err = lambda sd: float(((sd[name] - src[name]) ** 2 * imp[name]).sum())  # noqa: E731, B023
+        wins += err(weighted) < err(plain)
+    assert wins == 2
