@@ -69,6 +69,25 @@ def simulate(path: Path, tokens: np.ndarray, new: int, prompt_len: int) -> tuple
     return lp, out[0, prompt_len:].tolist()
 
 
+def tokenizer_agreement(gguf: Path, model_dir: Path, work: Path) -> dict:
+    """llama.cpp's tokenization of held-out texts (and a few edge cases) vs transformers' on the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    from fp8ptq.data import builtin_texts
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = [t[:600] for t in builtin_texts("evaluation")[:40]]
+    texts += [
+        "Hello world! 12345 don't  multiple   spaces\n\ttabs",
+        "<|im_start|>user\nHi<|im_end|>",
+        "x = f(a, b)  # é ü 中文",
+    ]
+    (work / "texts.json").write_text(json.dumps(texts))
+    ours = json.loads(worker("tokenize", gguf, work / "texts.json"))
+    hf = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return {"texts": len(texts), "equal": sum(a == b for a, b in zip(ours, hf))}
+
+
 def compare(ref: torch.Tensor, sim: torch.Tensor, eng: torch.Tensor, tokens: np.ndarray) -> dict:
     nxt = torch.from_numpy(tokens[:, 1:]).long().unsqueeze(-1)
     pick = lambda lp: lp[:, :-1].gather(-1, nxt).squeeze(-1)  # noqa: E731
@@ -132,6 +151,8 @@ def main() -> None:
         exports["fp8ptq w4a16-gguf (calibrated) Q4_0"] = out
 
     results = {"version": json.loads(worker("version")), "rows": a.rows, "seq": a.seq, "exports": {}}
+    results["tokenizer"] = tokenizer_agreement(exports["fp8ptq Q4_K_M"], smol, a.work)
+    print("tokenizer: llama.cpp == transformers on", results["tokenizer"], flush=True)
     for name, path in exports.items():
         npz = a.work / f"{path.stem}.npz"
         worker("logits", path, a.work / "tokens.npy", npz, prompt_len, new)

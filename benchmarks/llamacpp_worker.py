@@ -4,6 +4,8 @@ llama-cpp-python and numpy only.
     python llamacpp_worker.py logits GGUF TOKENS.npy OUT.npz [GREEDY_PROMPT_LEN GREEDY_NEW]
         llama.cpp's logits of every position of every row of TOKENS ([rows, T] int32), and the greedy
         continuation of row 0's first GREEDY_PROMPT_LEN tokens
+    python llamacpp_worker.py tokenize GGUF TEXTS.json
+        llama.cpp's token ids of each text (JSON list of lists on stdout)
     python llamacpp_worker.py quantize SRC.gguf OUT.gguf FTYPE
         llama.cpp's own quantizer (llama_model_quantize, no importance matrix), FTYPE e.g. Q4_K_M
 """
@@ -43,6 +45,15 @@ def logits(gguf: str, tokens_path: str, out: str, prompt_len: int = 32, new: int
     np.savez(out, logits=np.stack(rows), greedy=np.array(greedy, dtype=np.int64))
 
 
+def tokenize(gguf: str, texts_path: str) -> None:
+    """Print llama.cpp's token ids of each text in TEXTS.json (no BOS; special tokens parsed)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, vocab_only=True, verbose=False)
+    texts = json.loads(open(texts_path).read())
+    print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]))
+
+
 def quantize(src: str, dst: str, ftype: str) -> None:
     import llama_cpp
 
@@ -58,6 +69,8 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "logits":
         logits(args[0], args[1], args[2], *(int(a) for a in args[3:]))
+    elif mode == "tokenize":
+        tokenize(*args)
     elif mode == "quantize":
         quantize(*args)
     elif mode == "version":

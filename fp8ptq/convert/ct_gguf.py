@@ -197,7 +197,7 @@ def ct_to_gguf(
     planned, dropped = plan(src, dtype, ftype)
     to_gguf = name_map(src.config)
     writer = GGUFWriter(str(out), gguf_arch(src.config))
-    add_metadata(writer, src.config, src.path, src.label)
+    pre, pre_why = add_metadata(writer, src.config, src.path, src.label)
     writer.add_quantization_version(2)
     for p in planned:
         qtype = GGMLQuantizationType[p.ggml_type]
@@ -229,6 +229,8 @@ def ct_to_gguf(
         "dequantized": sum(r["action"] == "dequantized" for r in records),
         "kept": sum(r["action"] == "kept" for r in records),
         "types": dict(sorted(Counter(r["gguf_type"] for r in records).items())),
+        "tokenizer_pre": pre,
+        **({"tokenizer_pre_why": pre_why} if pre_why else {}),
     }
     return {"source": str(src.path), "to": "gguf", "dropped": dropped, "summary": summary, "tensors": records}
 
@@ -269,4 +271,5 @@ def describe(report: dict) -> str:
     dropped = f"; dropped {', '.join(report['dropped'])}" if report["dropped"] else ""
     imp = s.get("importance")
     weighted = f"; search weighted by mean x^2 over {imp['tokens']} tokens of {imp['data']}" if imp else ""
-    return f"tensors: {', '.join(parts)} (GGML types: {types}){weighted}{dropped}"
+    pre = f"; tokenizer.ggml.pre {s['tokenizer_pre']} ({s['tokenizer_pre_why']})" if s.get("tokenizer_pre_why") else ""
+    return f"tensors: {', '.join(parts)} (GGML types: {types}){weighted}{dropped}{pre}"

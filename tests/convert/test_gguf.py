@@ -269,3 +269,36 @@ def test_importance_weighs_the_search(k_model, k_gguf, tmp_path):
         err = lambda sd: float(((sd[name] - src[name]) ** 2 * imp[name]).sum())  # noqa: E731, B023
         wins += err(weighted) < err(plain)
     assert wins == 2
+
+
+def test_tokenizer_pre_is_the_tokenizers_own(k_gguf, tmp_path):
+    """llama.cpp picks its pre-tokenizer regex by `tokenizer.ggml.pre`: it is read off tokenizer.json's own
+    pre-tokenizer ("default" split text differently from transformers on every held-out text of SmolLM2)."""
+    from gguf import GGUFReader
+
+    from fp8ptq.convert.gguf_meta import tokenizer_pre
+
+    field = GGUFReader(str(k_gguf[0])).fields["tokenizer.ggml.pre"]
+    assert bytes(field.parts[-1]).decode() == "gpt-2" and k_gguf[1].summary["tokenizer_pre"] == "gpt-2"
+
+    def pre(spec) -> tuple[str, str]:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": spec}))
+        return tokenizer_pre(d)
+
+    byte = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert pre(byte) == ("gpt-2", "")
+    digits = {"type": "Digits", "individual_digits": True}
+    assert pre({"type": "Sequence", "pretokenizers": [digits, byte]}) == ("smollm", "")
+    l3 = (
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+        "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    )
+    split = {"type": "Split", "pattern": {"Regex": l3}, "behavior": "Isolated", "invert": False}
+    plain = dict(byte, use_regex=False)
+    assert pre({"type": "Sequence", "pretokenizers": [split, plain]}) == ("llama-bpe", "")
+    qwen = dict(split, pattern={"Regex": l3.replace("\\p{N}{1,3}", "\\p{N}")})
+    assert pre({"type": "Sequence", "pretokenizers": [qwen, plain]}) == ("qwen2", "")
+    name, why = pre({"type": "Metaspace"})
+    assert name == "default" and "['Metaspace'] has no llama.cpp name" in why
