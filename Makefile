@@ -17,7 +17,7 @@ VLLM_LOCK := constraints/vllm.txt
 SGLANG_SITE := .sglang-site
 SGLANG_LOCK := constraints/sglang.txt
 
-.PHONY: install demo test test-run test-fast lint clean browser vllm sglang llama bench lock
+.PHONY: install demo test test-run test-fast lint clean browser vllm sglang llama bench bench-llama lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ $(LLAMA_VENV)/.ok:
 	touch $@
 
 llama: $(LLAMA_VENV)/.ok
+
+# fp8ptq's GGUF exports of the demo model in llama.cpp vs fp8ptq's simulation and llama.cpp's own quantizer
+# (~8 min on 2 cores after the build; benchmarks/results/llamacpp.json).
+bench-llama: $(STAMP) $(LLAMA_VENV)/.ok
+	$(PY) benchmarks/llamacpp_check.py
 
 install: $(STAMP)
 
