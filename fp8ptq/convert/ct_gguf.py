@@ -78,7 +78,7 @@ def plan(src: ModelSource, dtype: torch.dtype, ftype: str | None = None) -> tupl
     planned, dropped, done = [], [], set()
     modules = dict(model.named_modules())
     to_gguf = name_map(src.config)
-    tied = "lm_head.weight" not in src.weight_map
+    tied = not any(n.startswith("lm_head.") for n in src.weight_map)  # as llama.cpp: no output tensor stored
 
     def mix(name: str, shape) -> tuple[str, str]:
         return gguf_mix.tensor_type(ftype, to_gguf(name), shape, src.config.num_hidden_layers, tied)

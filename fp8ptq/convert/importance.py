@@ -51,7 +51,8 @@ def collect(
             h.remove()
     tokens = ids.numel()
     out = {f"{name}.weight": s / tokens for name, s in sums.items()}
-    if "lm_head.weight" in out and "lm_head.weight" not in src.weight_map:  # tied: the embedding is the head
+    tied = not any(n.startswith("lm_head.") for n in src.weight_map)
+    if "lm_head.weight" in out and tied:  # the embedding is the head
         embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
         out[f"{embed}.weight"] = out.pop("lm_head.weight")
     return out
