@@ -64,8 +64,8 @@ def convert(
       fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/model-w4a16
       fp8ptq convert model.Q4_K_M.gguf --to compressed-tensors --recipe fp8-dynamic -o out/model-fp8
       fp8ptq convert out/model-w4a16 --to gguf -o out/model.Q4_0.gguf
-      fp8ptq convert ./SmolLM2-135M-Instruct --to gguf --gguf-type Q4_K_M -o out/smol.Q4_K_M.gguf
-      fp8ptq convert ./SmolLM2-135M-Instruct --to gguf --gguf-type Q4_K_M --importance builtin -o out/smol.imat.gguf
+      fp8ptq convert ./SmolLM2-135M --to gguf --gguf-type Q4_K_M -o out/smol.Q4_K_M.gguf
+      fp8ptq convert ./SmolLM2-135M --to gguf --gguf-type Q4_K_M --importance builtin -o out/s.gguf
       fp8ptq convert ./Qwen3-0.6B-FP8 --to compressed-tensors -o out/qwen3-fp8-block
       fp8ptq convert ./Llama-3.2-1B-GPTQ --from gptq --to compressed-tensors -o out/llama-w4a16
       fp8ptq convert ./model-AWQ --to compressed-tensors -o out/model-w4a16-asym
