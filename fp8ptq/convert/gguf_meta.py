@@ -79,20 +79,18 @@ _SPLIT_PRE = {
 }
 
 
-def tokenizer_pre(tokenizer_dir: Path) -> tuple[str, str]:
-    """(llama.cpp's `tokenizer.ggml.pre` name, why when it is a guess) for the tokenizer.json in `tokenizer_dir`:
-    llama.cpp splits text with a regex chosen by this name, which must be the one the tokenizer's own
-    pre-tokenizer applies, or llama.cpp tokenizes text differently from transformers (measured: "default" split
-    " (" into two tokens on 17 of 17 held-out texts of SmolLM2). Read from the pre-tokenizer spec:
+def tokenizer_pre(tokenizer_json: dict | None) -> tuple[str, str]:
+    """(llama.cpp's `tokenizer.ggml.pre` name, why when it is a guess) for a parsed tokenizer.json (None: none
+    readable): llama.cpp splits text with a regex chosen by this name, which must be the one the tokenizer's own
+    pre-tokenizer applies, or llama.cpp tokenizes text differently from transformers (measured: with "default",
+    llama.cpp tokenized 0 of 18 held-out SmolLM2 texts as transformers does). Read from the pre-tokenizer spec:
       ByteLevel(use_regex)                         -> gpt-2   (GPT-2's regex, llama.cpp LLAMA_VOCAB_PRE_TYPE_GPT2)
       Digits(individual) + ByteLevel(use_regex)    -> smollm  (digits one by one, then GPT-2's regex)
       Split(Llama 3's / Qwen2's regex) + ByteLevel -> llama-bpe / qwen2
     anything else -> "default", with the reason (llama.cpp may then split text differently)."""
-    path = tokenizer_dir / "tokenizer.json"
-    try:
-        pre = json.loads(path.read_text()).get("pre_tokenizer") or {}
-    except (OSError, ValueError):
-        return "default", f"no readable {path.name}"
+    if tokenizer_json is None:
+        return "default", "no readable tokenizer.json"
+    pre = tokenizer_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [st.get("type") for st in steps]
     byte_regex = steps[-1].get("type") == "ByteLevel" and steps[-1].get("use_regex", True)
@@ -107,17 +105,21 @@ def tokenizer_pre(tokenizer_dir: Path) -> tuple[str, str]:
     return "default", f"pre-tokenizer {kinds} has no llama.cpp name in fp8ptq: llama.cpp may split text differently"
 
 
-def _added_token_types(tokenizer_dir: Path) -> dict:
+def _tokenizer_json(tokenizer_dir: Path) -> dict | None:
+    try:
+        return json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _added_token_types(tokenizer_json: dict | None) -> dict:
     """id -> GGUF token type of tokenizer.json's added tokens: CONTROL for special ones, USER_DEFINED for the
     rest, as llama.cpp's converter marks them. gguf-py's BpeVocab types an added token that is also in the
     base vocabulary (SmolLM2's <|im_start|>, id 1) as NORMAL, and llama.cpp then splits "<|im_start|>" in
     text into 7 tokens."""
     from gguf import TokenType
 
-    try:
-        added = json.loads((tokenizer_dir / "tokenizer.json").read_text()).get("added_tokens") or []
-    except (OSError, ValueError):
-        return {}
+    added = (tokenizer_json or {}).get("added_tokens") or []
     return {a["id"]: TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED for a in added}
 
 
@@ -158,11 +160,12 @@ def add_metadata(writer, config, tokenizer_dir: Path, name: str) -> tuple[str, s
     for text, _, kind in vocab.all_tokens():
         tokens.append(text)
         types.append(kind)
-    for token_id, kind in _added_token_types(Path(tokenizer_dir)).items():
+    tokenizer_json = _tokenizer_json(Path(tokenizer_dir))
+    for token_id, kind in _added_token_types(tokenizer_json).items():
         if token_id < len(types):
             types[token_id] = kind
     writer.add_tokenizer_model("gpt2")
-    pre, why = tokenizer_pre(Path(tokenizer_dir))
+    pre, why = tokenizer_pre(tokenizer_json)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)

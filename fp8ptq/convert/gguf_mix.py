@@ -13,8 +13,8 @@ writes to GGUF (llama, mistral, qwen2, qwen3):
                  (and F16 when not a multiple of 32) -- SmolLM2's 576-wide rows take this path
 Vectors (norms, biases) are F32 as llama.cpp writes them.
 
-Blocks: Q4_K / Q5_K / Q6_K by fp8ptq's search (ops/kquant.py), Q4_0 / Q4_1 / Q5_0 / Q5_1 by the same
-scan per 32-block (ops/ggml.py `quantize_block32`; llama.cpp's reference sets the scale from the block's
+Blocks: Q4_K / Q5_K / Q6_K by fp8ptq's search (ops/kquant.py), Q4_0 / Q5_0 / Q5_1 by the same
+scan per 32-block (ops/kquant.py `quantize_block32`; llama.cpp's reference sets the scale from the block's
 extreme), Q8_0 by gguf-py's reference quantizer (`gguf.quants.quantize`).
 """
 
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from fp8ptq.errors import OptionError
+from fp8ptq.ops.kquant import K_TYPES
 
 FTYPES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -85,8 +85,8 @@ def encode(ggml_type: str, weight: torch.Tensor, importance: torch.Tensor | None
         from fp8ptq.ops.kquant import quantize_k
 
         return quantize_k(ggml_type, weight, importance).numpy()
-    if ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        from fp8ptq.ops.ggml import quantize_block32
+    if ggml_type in ("Q4_0", "Q5_0", "Q5_1"):
+        from fp8ptq.ops.kquant import quantize_block32
 
         return quantize_block32(ggml_type, weight, importance).numpy()
     from gguf import GGMLQuantizationType, quants

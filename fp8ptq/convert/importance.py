@@ -3,7 +3,7 @@
 The importance of input column j of a Linear is the mean of x_j^2 over calibration tokens: the diagonal of
 the Hessian of the layer's output error, which GPTQ's solver uses in full (fp8ptq's calibration) and
 llama.cpp's `llama-imatrix` computes for its K-quant search. The block search (ops/kquant.py,
-ops/ggml.py `quantize_block32`) weighs each weight's squared error by it. The tied embedding takes the LM
+ops/kquant.py `quantize_block32`) weighs each weight's squared error by it. The tied embedding takes the LM
 head's statistics (llama.cpp quantizes the tied matrix by the output's rule); an untied embedding is a
 lookup, with no input statistics, and is searched unweighted.
 
@@ -20,10 +20,10 @@ from fp8ptq.models.loader import ModelSource
 
 @torch.inference_mode()
 def collect(
-    src: ModelSource, data: str, num_samples: int, seq_len: int, batch_size: int = 4, progress=None
+    src: ModelSource, data: str, num_samples: int, seq_len: int, batch_size: int = 4
 ) -> dict[str, torch.Tensor]:
     """HF weight name -> mean x^2 [in_features] of that matrix's input, over `num_samples` x `seq_len` tokens of
-    `data` (fp8ptq.data sources: 'builtin', a file, a mix). progress(done, total) after each batch."""
+    `data` (fp8ptq.data sources: 'builtin', a file, a mix)."""
     from fp8ptq.data import load_samples
     from fp8ptq.eval.quality import load_simulated
 
@@ -44,8 +44,6 @@ def collect(
     try:
         for start in range(0, ids.shape[0], batch_size):
             model(ids[start : start + batch_size])
-            if progress is not None:
-                progress(min(start + batch_size, ids.shape[0]), ids.shape[0])
     finally:
         for h in hooks:
             h.remove()

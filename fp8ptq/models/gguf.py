@@ -19,9 +19,9 @@ import torch
 from fp8ptq.errors import ModelError
 from fp8ptq.models.arch import Arch, arch_for, registered
 from fp8ptq.ops.ggml import unpack_q4_0, unpack_q5_0, unpack_q8_0
+from fp8ptq.ops.kquant import K_TYPES  # carried onto the INT8 group-32 grid, re-rounded (ops/kquant.int8_grid)
 
 EXACT_TYPES = {"Q4_0": 4, "Q8_0": 8, "Q5_0": 8}  # GGML type -> bits of the symmetric group-32 INT grid it is
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # carried onto the INT8 group-32 grid, re-rounded (ops/kquant.int8_grid)
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Processors that only reorder rows of a tensor by its name (safe on codes and scales).
 ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
@@ -88,7 +88,7 @@ class GgufModel:
         if t.ggml_type in K_TYPES:
             from fp8ptq.ops.kquant import int8_grid
 
-            codes, scale, _ = int8_grid(t.ggml_type, raw)
+            codes, scale = int8_grid(t.ggml_type, raw)
         else:
             codes, scale = {"Q4_0": unpack_q4_0, "Q5_0": unpack_q5_0, "Q8_0": unpack_q8_0}[t.ggml_type](raw)
         codes = torch.from_numpy(np.ascontiguousarray(self._rows(t, codes.numpy())))

@@ -21,6 +21,7 @@ import torch
 BLOCK = 32
 Q4_0_BYTES = 2 + BLOCK // 2
 Q8_0_BYTES = 2 + BLOCK
+Q5_0_BYTES = 2 + 4 + BLOCK // 2  # d, 32 fifth bits, nibbles
 
 
 def _split(blocks: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,10 +32,20 @@ def _split(blocks: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tenso
     return d, b[..., 2:]
 
 
+def f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """[...] float -> [..., 2] uint8: each value as little-endian fp16 (GGUF's d, dmin, m)."""
+    return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)
+
+
 def _join(d: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
     rows = payload.shape[0]
-    dh = d.to(torch.float16).reshape(rows, -1, 1).view(torch.uint8)  # [rows, nb, 2], little-endian
-    return torch.cat([dh, payload], dim=-1).reshape(rows, -1)
+    return torch.cat([f16_bytes(d.reshape(rows, -1)), payload], dim=-1).reshape(rows, -1)
+
+
+def nibbles(u: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values in [0, 15] -> [..., 16] uint8: byte j = value j (low nibble), value j + 16 (high)."""
+    u = u.to(torch.int64)
+    return (u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)).to(torch.uint8)
 
 
 def unpack_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +59,8 @@ def unpack_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_q4_0(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(codes int in [-8, 7] [rows, in], scale [rows, in/32], exactly fp16-representable) -> Q4_0 rows."""
     rows = codes.shape[0]
-    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(rows, -1, BLOCK)
-    qs = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)
-    return _join(scale, qs)
+    u = (codes.to(torch.int16) + 8).reshape(rows, -1, BLOCK)
+    return _join(scale, nibbles(u))
 
 
 def unpack_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,62 +96,13 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-Q5_BYTES = {"Q5_0": 22, "Q5_1": 24, "Q4_1": 20}
-
-
-def _pack_5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [rows, nb, 32] in [0, 31] -> (qh [rows, nb, 4] fifth bits of weights 0..31 little-endian,
-    qs [rows, nb, 16] nibbles: byte j = weight j low, weight j + 16 high)."""
-    q = q.to(torch.int64)
-    bits = ((q >> 4) & 1) << torch.arange(32)
-    qh = bits.sum(-1, keepdim=True)  # one uint32 per block
-    qh = torch.cat([(qh >> (8 * i)) & 255 for i in range(4)], dim=-1)
-    lo = q & 15
-    return qh.to(torch.uint8), (lo[..., :16] | (lo[..., 16:] << 4)).to(torch.uint8)
-
-
-def quantize_block32(kind: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
-    """weight [rows, in] (in a multiple of 32) -> Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks [rows, in / 32 * size],
-    each block's scale (and offset) searched by weighted least squares (ops/kquant.py's scan) rather than
-    set from its extreme as llama.cpp's reference quantizer does; d and m stored as fp16, codes chosen for
-    the stored values."""
-    from fp8ptq.ops.kquant import error_weights, grid_codes, search_scales
-
-    rows, cols = weight.shape
-    x = weight.float().reshape(rows, cols // BLOCK, BLOCK)
-    w = error_weights(x.unsqueeze(1), importance.reshape(1, -1) if importance is not None else None)[:, 0]
-    symmetric = kind in ("Q4_0", "Q5_0")
-    qmax = 15 if kind.startswith("Q4") else 31
-    s, b = search_scales(x, w, qmax, symmetric)
-    d = s.to(torch.float16).float()
-    if symmetric:
-        lo = -(qmax + 1) // 2
-        q = grid_codes(x, d, torch.zeros_like(d), lo, qmax + lo) - lo  # unsigned: value = d * (q + lo)
-        if kind == "Q4_0":
-            return pack_q4_0(q.reshape(rows, -1) + lo, d)
-        qh, qs = _pack_5(q)
-        return torch.cat([_f16_bytes(d), qh, qs], dim=-1).reshape(rows, -1)
-    m = b.to(torch.float16).float()
-    q = grid_codes(x, d, m, 0, qmax)
-    if kind == "Q4_1":
-        u = q.to(torch.int64)
-        qs = (u[..., :16] | (u[..., 16:] << 4)).to(torch.uint8)
-        return torch.cat([_f16_bytes(d), _f16_bytes(m), qs], dim=-1).reshape(rows, -1)
-    qh, qs = _pack_5(q)
-    return torch.cat([_f16_bytes(d), _f16_bytes(m), qh, qs], dim=-1).reshape(rows, -1)
-
-
-def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)
-
-
 def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0 rows (22 bytes per 32: d fp16, 4 bytes of fifth bits, 16 bytes of nibbles; value = d * (q - 16))
     -> (codes int8 in [-16, 15] [rows, in], scale fp32 [rows, in/32]): an INT8 group-32 grid, exactly."""
-    d, rest = _split(blocks, Q5_BYTES["Q5_0"])
+    d, rest = _split(blocks, Q5_0_BYTES)
     qh = rest[..., :4].to(torch.int64)
     bits = (qh << (8 * torch.arange(4))).sum(-1, keepdim=True)  # one little-endian uint32 per block
     qs = rest[..., 4:].to(torch.int64)
     lo = torch.cat([qs & 15, qs >> 4], dim=-1)
-    q = lo | (((bits >> torch.arange(32)) & 1) << 4)
+    q = lo | (((bits >> torch.arange(BLOCK)) & 1) << 4)
     return (q - 16).to(torch.int8).reshape(blocks.shape[0], -1), d

@@ -15,15 +15,19 @@ weighted least squares; the sub-block scales and mins rounded to 6 bits (8 for Q
 super-block's d and dmin; then d and dmin refitted by least squares over the whole super-block for the
 codes chosen, and the codes chosen again. `importance` weighs the squared error per input column (a
 calibration's Hessian diagonal, what llama.cpp calls an importance matrix); without it, each weight
-counts by rms(sub-block) + |w| so that large weights are kept closer.
+counts by rms(sub-block) + |w| so that large weights are kept closer. The same scan sets the 32-block
+types llama.cpp's mixes fall back to (`quantize_block32`: Q4_0, Q5_0, Q5_1; layouts in ops/ggml.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from fp8ptq.ops.ggml import BLOCK, f16_bytes, nibbles, pack_q4_0
+
 QK_K = 256
 BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+K_TYPES = tuple(BYTES)
 SUB = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}  # weights per sub-block
 QMAX = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 63}
 CHUNK_ROWS = 1024  # rows searched at a time: bounds the candidate tensors' memory
@@ -31,11 +35,6 @@ CHUNK_ROWS = 1024  # rows searched at a time: bounds the candidate tensors' memo
 
 def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).float()
-
-
-def _bytes_f16(x: torch.Tensor) -> torch.Tensor:
-    """[..., n] float -> [..., 2] uint8 (little-endian fp16)."""
-    return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)
 
 
 def _unpack_scale_min(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,10 +119,10 @@ def pack_k(kind: str, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin=N
         scb = sc.to(torch.int8).view(torch.uint8).to(torch.int32)
         parts = [torch.cat(ql, -1), torch.cat(qh, -1), scb]
         body = torch.cat(parts, dim=-1).to(torch.uint8)
-        return torch.cat([body, _bytes_f16(d).reshape(rows, nb, 2)], dim=-1).reshape(rows, -1)
+        return torch.cat([body, f16_bytes(d).reshape(rows, nb, 2)], dim=-1).reshape(rows, -1)
     v = q.reshape(rows, nb, 4, 2, 32)
     qs = ((v[:, :, :, 0] & 15) | ((v[:, :, :, 1] & 15) << 4)).reshape(rows, nb, 128)
-    head = [_bytes_f16(d).reshape(rows, nb, 2), _bytes_f16(dmin).reshape(rows, nb, 2), _pack_scale_min(sc, m)]
+    head = [f16_bytes(d).reshape(rows, nb, 2), f16_bytes(dmin).reshape(rows, nb, 2), _pack_scale_min(sc, m)]
     if kind == "Q5_K":
         fifth = (q.reshape(rows, nb, 8, 32) >> 4) & 1
         head.append(sum(fifth[:, :, j] << j for j in range(8)).to(torch.uint8))
@@ -269,17 +268,47 @@ def quantize_k(kind: str, weight: torch.Tensor, importance: torch.Tensor | None 
     return torch.cat(out)
 
 
-def int8_grid(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def int8_grid(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A K-quant tensor onto compressed-tensors' INT8 symmetric group-32 grid (what vLLM's W8A16 kernels take):
-    (codes int8 [rows, in], scale fp32 [rows, in / 32], exact). Each 32-group's scale is its largest
-    magnitude / 127 and the codes its values rounded: an error of at most half of that step, about 1/8 of a
-    Q5_K / Q6_K step (their codes span 31 / 64 steps of up to two sub-block scales). Exact when every group's
-    values already lie on such a grid (all-zero groups, say)."""
+    (codes int8 [rows, in], scale fp32 [rows, in / 32]). Each 32-group's scale is its largest magnitude / 127
+    and the codes its values rounded: an error of at most half of that step, about 1/8 of a Q5_K / Q6_K step
+    (their codes span 31 / 64 steps of up to two sub-block scales)."""
     v = dequantize_k(kind, blocks)
     rows = v.shape[0]
     g = v.reshape(rows, -1, 32)
     scale = g.abs().amax(-1) / 127
     safe = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
     codes = torch.round(g / safe).clamp(-127, 127)
-    exact = bool(torch.equal(codes * scale.unsqueeze(-1), g))
-    return codes.to(torch.int8).reshape(rows, -1), scale, exact
+    return codes.to(torch.int8).reshape(rows, -1), scale
+
+
+def _pack_5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [rows, nb, 32] in [0, 31] -> (qh [rows, nb, 4]: the fifth bits of weights 0..31 as one
+    little-endian uint32, qs [rows, nb, 16]: the low nibbles, `ops.ggml.nibbles`)."""
+    q = q.to(torch.int64)
+    qh = (((q >> 4) & 1) << torch.arange(BLOCK)).sum(-1, keepdim=True)
+    qh = torch.cat([(qh >> (8 * i)) & 255 for i in range(4)], dim=-1)
+    return qh.to(torch.uint8), nibbles(q & 15)
+
+
+def quantize_block32(kind: str, weight: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """weight [rows, in] (in a multiple of 32) -> Q4_0 / Q5_0 / Q5_1 blocks [rows, in / 32 * size] (the
+    32-block types llama.cpp's mixes use: Q4_0, and the fallbacks of Q4_K / Q5_K), each block's scale (and
+    offset) searched by weighted least squares (`search_scales`, the K-quants' scan) rather than set from its extreme as
+    llama.cpp's reference quantizer does; d and m stored as fp16, codes chosen for the stored values."""
+    rows, cols = weight.shape
+    x = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+    symmetric = kind in ("Q4_0", "Q5_0")
+    qmax = 15 if kind == "Q4_0" else 31
+    s, b = search_scales(x, error_weights(x, importance), qmax, symmetric)
+    d = s.to(torch.float16).float()
+    if symmetric:
+        lo = -(qmax + 1) // 2
+        q = grid_codes(x, d, torch.zeros_like(d), lo, qmax + lo)  # value = d * q
+        if kind == "Q4_0":
+            return pack_q4_0(q.reshape(rows, -1), d)
+        qh, qs = _pack_5(q - lo)
+        return torch.cat([f16_bytes(d), qh, qs], dim=-1).reshape(rows, -1)
+    m = b.to(torch.float16).float()
+    qh, qs = _pack_5(grid_codes(x, d, m, 0, qmax))  # Q5_1: value = d * q + m
+    return torch.cat([f16_bytes(d), f16_bytes(m), qh, qs], dim=-1).reshape(rows, -1)

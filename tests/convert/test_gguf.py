@@ -271,7 +271,7 @@ def test_importance_weighs_the_search(k_model, k_gguf, tmp_path):
     assert wins == 2
 
 
-def test_tokenizer_pre_is_the_tokenizers_own(k_gguf, tmp_path):
+def test_tokenizer_pre_is_the_tokenizers_own(k_gguf):
     """llama.cpp picks its pre-tokenizer regex by `tokenizer.ggml.pre`: it is read off tokenizer.json's own
     pre-tokenizer ("default" split text differently from transformers on every held-out text of SmolLM2)."""
     from gguf import GGUFReader
@@ -282,10 +282,7 @@ def test_tokenizer_pre_is_the_tokenizers_own(k_gguf, tmp_path):
     assert bytes(field.parts[-1]).decode() == "gpt-2" and k_gguf[1].summary["tokenizer_pre"] == "gpt-2"
 
     def pre(spec) -> tuple[str, str]:
-        d = tmp_path / str(len(list(tmp_path.iterdir())))
-        d.mkdir()
-        (d / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": spec}))
-        return tokenizer_pre(d)
+        return tokenizer_pre({"pre_tokenizer": spec})
 
     byte = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
     assert pre(byte) == ("gpt-2", "")
@@ -302,3 +299,4 @@ def test_tokenizer_pre_is_the_tokenizers_own(k_gguf, tmp_path):
     assert pre({"type": "Sequence", "pretokenizers": [qwen, plain]}) == ("qwen2", "")
     name, why = pre({"type": "Metaspace"})
     assert name == "default" and "['Metaspace'] has no llama.cpp name" in why
+    assert tokenizer_pre(None) == ("default", "no readable tokenizer.json")

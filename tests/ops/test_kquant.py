@@ -102,11 +102,11 @@ def test_mix_is_llama_cpps():
     assert tensor_type("Q8_0", "blk.0.attn_q.weight", (48, 48), 2, True)[0] == "F16"  # not even 32-blocks
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q5_1"])
 def test_32_blocks_searched_beat_the_reference_quantizer(kind):
     """gguf-py decodes fp8ptq's 32-blocks (the layout is llama.cpp's) to a closer weight than its own
     reference quantizer (scale from the block's extreme) makes."""
-    from fp8ptq.ops.ggml import quantize_block32
+    from fp8ptq.ops.kquant import quantize_block32
 
     w = _weight(cols=256)
     ours = torch.from_numpy(quants.dequantize(quantize_block32(kind, w).numpy(), GGMLQuantizationType[kind]))
@@ -136,10 +136,10 @@ def test_k_quants_onto_the_int8_grid(kind):
 
     w = _weight()
     blocks = quantize_k(kind, w)
-    codes, scale, exact = int8_grid(kind, blocks)
+    codes, scale = int8_grid(kind, blocks)
     v = dequantize_k(kind, blocks)
     back = dequantize_groups(codes, scale)
-    assert not exact and int(codes.abs().max()) <= 127
+    assert not torch.equal(back, v) and int(codes.abs().max()) <= 127
     step = scale.repeat_interleave(32, dim=1)
     assert bool(((back - v).abs() <= step / 2 * (1 + 1e-5)).all())  # within half an INT8 step
     assert float((back - v).norm() / v.norm()) < 0.01 < float((v - w).norm() / w.norm())  # well inside Q*_K's own error
