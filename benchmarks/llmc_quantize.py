@@ -29,6 +29,8 @@ Schemes:
                  as in llm-compressor's examples/quantization_w4a4_fp4 and
                  examples/quantization_w4a16_fp4); nvfp4 calibrates its input global scale.
   nvfp4-gptq / nvfp4a16-gptq  GPTQModifier with the "NVFP4" / "NVFP4A16" preset.
+  mxfp4 / mxfp4-gptq  the "MXFP4" preset (W4A4), RTN / GPTQ.
+  mxfp4-fp8-gptq  GPTQModifier, MXFP4 weights with FP8_DYNAMIC's per-token FP8 inputs.
 
 Timings: quantize_wall_s covers only the oneshot() call (calibration +
 quantization); model load and compressed save are reported separately.
@@ -70,10 +72,13 @@ SCHEMES = (
     "mxfp8a16-gptq",
     "mxfp8",
     "mxfp8-gptq",
+    "mxfp4",
+    "mxfp4-gptq",
+    "mxfp4-fp8-gptq",
     "w8a16-channel-gptq",
     "w8a16-fp8-gptq",
 )
-DATA_FREE = ("fp8-dynamic", "fp8-block", "fp8-block-b64", "nvfp4a16", "mxfp4a16", "mxfp8a16", "mxfp8")
+DATA_FREE = ("fp8-dynamic", "fp8-block", "fp8-block-b64", "nvfp4a16", "mxfp4a16", "mxfp8a16", "mxfp8", "mxfp4")
 
 
 def parse_args(argv=None):
@@ -151,12 +156,16 @@ def build_format_recipe(scheme):
     if scheme == "w8a16-fp8-gptq":  # FP8_DYNAMIC's per-channel FP8 weights, no input quantization
         fp8 = QuantizationScheme(targets=["Linear"], weights=PRESET_SCHEMES["FP8_DYNAMIC"]["weights"].model_copy())
         return GPTQModifier(config_groups={"group_0": fp8}, ignore=["lm_head"])
+    if scheme == "mxfp4-fp8-gptq":  # MXFP4 weights + FP8_DYNAMIC's per-token FP8 inputs (ct 0.19 has no MXFP4XFP8)
+        s = preset("MXFP4")
+        s.input_activations = PRESET_SCHEMES["FP8_DYNAMIC"]["input_activations"].model_copy()
+        return GPTQModifier(config_groups={"group_0": s}, ignore=["lm_head"])
     if scheme == "w4afp8-g64-gptq":
         return GPTQModifier(config_groups={"group_0": preset("W4AFP8", group_size=64)}, ignore=["lm_head"])
     if scheme.endswith("-gptq"):
         return GPTQModifier(targets="Linear", scheme=scheme[: -len("-gptq")].upper(), ignore=["lm_head"])
     names = {"fp8-block": "FP8_BLOCK", "nvfp4": "NVFP4", "nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16"}
-    names.update({"mxfp8a16": "MXFP8A16", "mxfp8": "MXFP8"})
+    names.update({"mxfp8a16": "MXFP8A16", "mxfp8": "MXFP8", "mxfp4": "MXFP4"})
     return QuantizationModifier(targets="Linear", scheme=names[scheme], ignore=["lm_head"])
 
 

@@ -134,14 +134,25 @@ RECIPE_CI_ARGS = ["--num-samples", "8", "--seq-len", "128", "--eval-samples", "1
 # of the run (w8a16-int8: 31 of 37 s quantizing; mxfp8a16's test: 35 -> 20 s): this test checks the
 # mechanics (gates scored, report, exit code). GPTQ on the real model stays in the other recipes' runs,
 # and every recipe as shipped, GPTQ included, is `make bench`.
-RECIPE_CI_RTN = ("mxfp4a16", "mxfp8", "mxfp8a16", "nvfp4a16", "w4a8-fp8", "w8a16-fp8", "w8a16-int8")
-# nvfp4: one SmoothQuant alpha instead of the per-layer search (412 s -> 173 s on a slow day: the search
+RECIPE_CI_RTN = (
+    "mxfp4",
+    "mxfp4-fp8",
+    "mxfp4a16",
+    "mxfp8",
+    "mxfp8a16",
+    "nvfp4a16",
+    "w4a8-fp8",
+    "w8a16-fp8",
+    "w8a16-int8",
+)
+# nvfp4, mxfp4: one SmoothQuant alpha instead of the per-layer search (412 s -> 173 s on a slow day: the search
 # was the suite's largest item); the search itself is tested on tiny models (test_nvfp4_tiny, test_outliers)
 # and runs on the real model in the w8a8-int8 and flatten-w8a8 recipes here.
 RECIPE_CI_OPTIONS = {
     "fp8-block": ["--block-size", "64"],
     "w4a8-fp8": ["--group-size", "64"],
     "nvfp4": ["--smooth-alpha", "0.8"],
+    "mxfp4": ["--smooth-alpha", "0.8"],
 }
 
 

@@ -245,11 +245,16 @@ MADE_OR_EXAMPLE = {
 }
 
 
+def _in_venv(path: Path, root: Path) -> bool:
+    """Inside a virtual environment (benchmarks/.venv-llmc from setup_llmc_venv.sh): not the project's."""
+    return any(part.startswith(".venv") for part in path.relative_to(root).parts)
+
+
 def named_paths(root: Path) -> dict[str, list[str]]:
     """{path: [file:line, ...]} for every repository path the docs, BENCHMARKS.md and the sources' comments
     and docstrings name that does not exist. docs/notebook/ is history: it names what existed then."""
     texts = [root / "README.md", root / "BENCHMARKS.md", root / "CONTRIBUTING.md", *(root / "docs").glob("*.md")]
-    texts += [p for d in ("fp8ptq", "tests", "benchmarks") for p in (root / d).rglob("*.py")]
+    texts += [p for d in ("fp8ptq", "tests", "benchmarks") for p in (root / d).rglob("*.py") if not _in_venv(p, root)]
     texts += [*(root / "benchmarks").glob("*.sh"), root / "Makefile"]
     missing: dict[str, list[str]] = {}
     for f in sorted(t for t in texts if t.exists() and t.name != "test_house.py"):  # this file plants paths

@@ -131,6 +131,17 @@ def choose_mxfp4_scale(x: torch.Tensor, mse: bool = False, weight: torch.Tensor 
     return choose_mx_scale(x, _MX_OFFSET, fake_quant_mxfp4, mse, weight)
 
 
+def fake_quant_mxfp4_act(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic MXFP4 activations x [..., K] (K a multiple of 32; MXFP4 W4A4): groups of 32 along K, each
+    with the power-of-two scale vLLM 0.32 computes at run time -- its portable quantizer
+    (`mxfp4_utils._compute_quant_and_scale`, "round-to-nearest-even block scale (OCP MX spec), matching
+    hardware/aiter MXFP4 quantizers") rounds the group amax up to the next power of two when its
+    mantissa is >= 1.75, which is compressed-tensors' weight rule (`choose_mxfp4_scale` min-max) --
+    and E2M1 values rounded to nearest, ties to even, saturating at 6. Same dtype as x."""
+    rows = x.reshape(-1, MX_GROUP).float()
+    return fake_quant_mxfp4(rows, choose_mxfp4_scale(rows)).to(x.dtype).reshape(x.shape)
+
+
 # --- GPTQ / RTN grids (ops/weight_grid.py) ---------------------------------------------------
 
 

@@ -280,7 +280,8 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     from fp8ptq.quantize.plan import plan_layer
     from fp8ptq.quantize.weights import check_block_size, valid_block_sizes
 
-    args = [a for a in (recipe.scheme.weights, recipe.mixed.weights if recipe.mixed else None) if a is not None]
+    schemes = [recipe.scheme] + ([recipe.mixed] if recipe.mixed else [])
+    args = [a for s in schemes for a in (s.weights, s.input_activations) if a is not None]  # input groups too
     sizes = {a.group_size for a in args if a.group_size}
     blocks = {tuple(a.block_structure) for a in args if a.block_structure}
     if not sizes and not blocks:

@@ -2,12 +2,16 @@
 and its mxfp4-pack-quantized compressor decompressing our fake-quant bit for bit (RTN, the MSE
 exponent choice and GPTQ), with finite power-of-two scales for all-zero, tiny, huge and broken groups."""
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-from fp8ptq.ops.fp4 import choose_mxfp4_scale, fake_quant_mxfp4, mxfp4_grid
+from fp8ptq.ops.fp4 import choose_mxfp4_scale, fake_quant_mxfp4, fake_quant_mxfp4_act, mxfp4_grid
 from fp8ptq.ops.gptq import gptq
 
 from helpers import mx_round_trip, mx_rtn
@@ -81,3 +85,59 @@ def test_gptq_on_the_mx_grid_exports_exactly_and_helps(mse):
     rtn, _ = _rtn(W, mse)
     err = lambda q: float((((q - W) @ H) * (q - W)).sum())  # noqa: E731
     assert err(r.weight) < 0.9 * err(rtn)
+
+
+def test_dynamic_activations_are_per_group_of_32():
+    torch.manual_seed(5)
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    x[0, 0, 32:] *= 1000  # one loud group does not coarsen its neighbour
+    q = fake_quant_mxfp4_act(x)
+    assert q.shape == x.shape and q.dtype == x.dtype
+    assert torch.equal(q[0, 0, :32], fake_quant_mxfp4_act(x[0, 0, :32].reshape(1, 32)).reshape(32))
+    assert 0.05 < ((q - x).float().norm() / x.float().norm()).item() < 0.2  # E2M1: 1 mantissa bit
+
+
+# vLLM 0.32's portable MXFP4 activation quantizer is a Triton kernel (mxfp4_utils.downcast_to_mxfp); its
+# own functions, read from the installed file, run in Triton's interpreter on CPU (vLLM's import-time
+# placeholder for Triton on a CPU build is bypassed by executing them with the real triton module).
+_VLLM_CHECK = """
+import ast, torch, triton, triton.language as tl
+import vllm.model_executor.layers.quantization.utils.mxfp4_utils as m
+from fp8ptq.ops.fp4 import fake_quant_mxfp4_act
+tree = ast.parse(open(m.__file__).read())
+wanted = ("permute_shape", "_compute_quant_and_scale", "_downcast_to_mxfp", "downcast_to_mxfp")
+body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+assert len(body) == len(wanted), [n.name for n in body]
+ns = {"triton": triton, "tl": tl, "torch": torch}
+exec(compile(ast.Module(body=body, type_ignores=[]), m.__file__, "exec"), ns)
+torch.manual_seed(0)
+x = torch.randn(64, 256) * torch.logspace(-8, 8, 256)
+x[3, :32] = 0  # an all-zero group
+edges = torch.tensor([1.0, 1.5, 1.75, 1.7499, 7.0, 6.9, 0.25, 0.75, 2.5, 5.0, 3.5, 0.125])
+x[4:8, :12] = edges * torch.tensor([[1.0], [-1.0], [2.0**-20], [2.0**20]])  # amax mantissas and E2M1 ties
+x = x.to(torch.bfloat16)
+q, s, _ = ns["downcast_to_mxfp"](x, axis=-1)
+lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+codes = torch.stack([q & 15, q >> 4], -1).reshape(64, 256).long()
+deq = (lut[codes].view(64, 8, 32) * torch.exp2(s.float() - 127).unsqueeze(-1)).view(64, 256)
+print(torch.equal(deq, fake_quant_mxfp4_act(x).float()))
+"""
+
+
+@pytest.mark.slow  # needs .venv-vllm
+def test_dynamic_activations_are_vllms_own_quantizer():
+    """vLLM's MXFP4 activation quantizer (the portable one its W4A4 path falls back to), run from its
+    installed source in its own venv, gives the same values as fp8ptq's simulation, bit for bit."""
+    from fp8ptq.engine.vllm import vllm_python
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [str(vllm_python()), "-c", _VLLM_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "True", r.stdout

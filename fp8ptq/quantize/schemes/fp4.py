@@ -6,15 +6,19 @@ scale (compressed-tensors `strategy: tensor_group, group_size: 16`, format `nvfp
 ops/fp4.py; the weight global scale is taken over the stacked shards of a fused group, so q/k/v and
 gate/up share it (vLLM 0.32 takes the max of the shards'), as do their input scales.
 
-MXFP4 (OCP Microscaling, weight-only: compressed-tensors' `MXFP4A16` preset): `strategy: group,
-group_size: 32, scale_dtype: uint8`, format `mxfp4-pack-quantized`: `weight_packed` as NVFP4's,
-`weight_scale` uint8 [out, in / 32] holding E8M0 exponents (scale 2^(e - 127)), no global scale."""
+MXFP4 (OCP Microscaling, compressed-tensors' `MXFP4A16`, `MXFP4` and `MXFP4XFP8` presets): weights
+`strategy: group, group_size: 32, scale_dtype: uint8`, format `mxfp4-pack-quantized`: `weight_packed` as
+NVFP4's, `weight_scale` uint8 [out, in / 32] holding E8M0 exponents (scale 2^(e - 127)), no global scale.
+Inputs unquantized (A16), dynamic MXFP4 groups of 32 (W4A4, `fake_quant_mxfp4_act`: vLLM's own rule) or
+dynamic FP8 (the FP8 handler's; the pairing rule is in pairing.py). vLLM 0.32 reads all three as MXFP4
+weights (CompressedTensorsW4A4Mxfp4 / W4A8Mxfp4) and runs the inputs its kernel has: MXFP4 on Blackwell
+(FlashInfer), FP8 through Humming where installed, else bf16 through Marlin (weight-only)."""
 
 from __future__ import annotations
 
 import torch
 
-from fp8ptq.ops.fp4 import MX_GROUP, NVFP4_GROUP, mxfp4_grid, nvfp4_global_scale, nvfp4_grid
+from fp8ptq.ops.fp4 import MX_GROUP, NVFP4_GROUP, fake_quant_mxfp4_act, mxfp4_grid, nvfp4_global_scale, nvfp4_grid
 from fp8ptq.ops.grid import NVFP4_ACT_GRID
 from fp8ptq.quantize.schemes.base import SchemeHandler, register
 
@@ -47,12 +51,23 @@ class FP4(SchemeHandler):
             True,
             "local",
         )
-        if not nvfp4:
+        mx = (args.strategy, args.group_size, args.symmetric, args.dynamic, args.scale_dtype) == (
+            "group",
+            MX_GROUP,
+            True,
+            True,
+            torch.uint8,
+        )
+        if not (nvfp4 or mx):
             raise ValueError(
                 f"{where}: 4-bit float activations are NVFP4: {{num_bits: 4, type: float, strategy: tensor_group, "
                 f"group_size: {NVFP4_GROUP}, symmetric: true, dynamic: local}} (a calibrated global scale, "
-                "dynamic group scales)"
+                f"dynamic group scales) or MXFP4: {{..., strategy: group, group_size: {MX_GROUP}, scale_dtype: "
+                "uint8, dynamic: true}"
             )
+
+    def dynamic(self, args):
+        return fake_quant_mxfp4_act  # check_inputs admits no other dynamic FP4 inputs
 
     def act_grid(self, args):
         return NVFP4_ACT_GRID
