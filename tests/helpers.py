@@ -10,6 +10,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def vllm_venv_prints(script: str, **env: str) -> str:
+    """Run `script` in .venv-vllm's python with the repository importable (and `env` added); assert it
+    exits 0 and return the last line it printed (the check's verdict)."""
+    import os
+
+    from fp8ptq.engine.vllm import vllm_python
+
+    r = subprocess.run(
+        [str(vllm_python()), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
 def ct017_site() -> Path:
     return REPO / ".venv" / "ct017"
 

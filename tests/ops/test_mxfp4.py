@@ -2,10 +2,6 @@
 and its mxfp4-pack-quantized compressor decompressing our fake-quant bit for bit (RTN, the MSE
 exponent choice and GPTQ), with finite power-of-two scales for all-zero, tiny, huge and broken groups."""
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
@@ -14,7 +10,7 @@ from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 from fp8ptq.ops.fp4 import choose_mxfp4_scale, fake_quant_mxfp4, fake_quant_mxfp4_act, mxfp4_grid
 from fp8ptq.ops.gptq import gptq
 
-from helpers import mx_round_trip, mx_rtn
+from helpers import mx_round_trip, mx_rtn, vllm_venv_prints
 
 ARGS = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True, scale_dtype="uint8")
 
@@ -128,16 +124,4 @@ print(torch.equal(deq, fake_quant_mxfp4_act(x).float()))
 def test_dynamic_activations_are_vllms_own_quantizer():
     """vLLM's MXFP4 activation quantizer (the portable one its W4A4 path falls back to), run from its
     installed source in its own venv, gives the same values as fp8ptq's simulation, bit for bit."""
-    from fp8ptq.engine.vllm import vllm_python
-
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(
-        [str(vllm_python()), "-c", _VLLM_CHECK],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"},
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == "True", r.stdout
+    assert vllm_venv_prints(_VLLM_CHECK, TRITON_INTERPRET="1") == "True"

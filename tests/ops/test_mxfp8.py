@@ -3,10 +3,6 @@
 for bit (RTN, the MSE exponent choice, GPTQ); the dynamic activation scale is the smallest power of two
 that keeps every value of a group within E4M3's 448 (vLLM's rule)."""
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
@@ -15,7 +11,7 @@ from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 from fp8ptq.ops.gptq import gptq
 from fp8ptq.ops.mx import choose_mxfp8_scale, fake_quant_mxfp8, fake_quant_mxfp8_act, mxfp8_act_scale, mxfp8_grid
 
-from helpers import mx_round_trip, mx_rtn
+from helpers import mx_round_trip, mx_rtn, vllm_venv_prints
 
 ARGS = QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=32, symmetric=True, scale_dtype="uint8")
 
@@ -117,19 +113,7 @@ print(torch.equal(deq, fake_quant_mxfp8_act(x.float())))
 def test_dynamic_activations_are_vllms_own_quantizer():
     """vLLM 0.32's reference MXFP8 quantizer (the one its kernels are tested against), in its own venv,
     gives the same values as fp8ptq's simulation, bit for bit."""
-    from fp8ptq.engine.vllm import vllm_python
-
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(
-        [str(vllm_python()), "-c", _VLLM_CHECK],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == "True", r.stdout
+    assert vllm_venv_prints(_VLLM_CHECK) == "True"
 
 
 def test_weight_only_fp8_scales_are_bf16_and_never_saturate():
