@@ -104,12 +104,18 @@ test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-run; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s wall (budget 2700 s), exit $$rc"; exit $$rc
 
+# Two pytest-xdist workers (tests/conftest.py groups each module onto one worker, longest first, and
+# builds the real-model exports the modules share once for both): the suite kept one of the two cores
+# idle about half the time (docs/notebook/benchmarks.md, stop 46). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 test-run: lint $(CT017)/.ok browser vllm sglang
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # Unit and tiny-model tiers only (no real model, no vLLM): a few minutes on 2 cores.
 test-fast: lint $(CT017)/.ok browser
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 # Quality and speed measurements that are not tests: every recipe against its gates (JSON in
 # benchmarks/results/, cited by BENCHMARKS.md). RECIPES=a,b limits it; BENCH_ARGS=--full: recipe calibration.

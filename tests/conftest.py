@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,6 +19,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one thread each (torch and the processes the tests start). Two threads
+    # each made the workers spin against each other: tests/quantize + tests/ops took 75.7 s so, 58.9 s with
+    # one thread each, 93.1 s in one process (stop 46, docs/notebook/benchmarks.md).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -78,37 +84,43 @@ def smol_int8_target(tmp_path_factory, smol_dir) -> Path:
     from fp8ptq.api import QuantizeConfig, quantize
     from fp8ptq.recipe import builtin_names
 
-    from helpers import engine_recipe
+    from helpers import built_once, engine_recipe
 
     if "w8a8-int8" not in builtin_names():
         return smol_dir
-    d = tmp_path_factory.mktemp("spec_target")
-    recipe = engine_recipe(d, "w8a8-int8")
-    out = d / "smol-w8a8-int8"
-    quantize(
-        QuantizeConfig(model="smollm2-135m", recipe=recipe, output=out, num_samples=8, seq_len=256, eval_samples=0)
-    )
-    return out
+
+    def build(d: Path) -> None:
+        recipe = engine_recipe(d, "w8a8-int8")
+        cfg = QuantizeConfig(
+            model="smollm2-135m", recipe=recipe, output=d / "smol-w8a8-int8", num_samples=8, seq_len=256, eval_samples=0
+        )
+        quantize(cfg)
+
+    return built_once(tmp_path_factory, "spec_target", build) / "smol-w8a8-int8"
 
 
 @pytest.fixture(scope="session")
 def smol_kv8(tmp_path_factory):
     """The real model quantized with fp8-kv8 (small calibration): (output dir, manifest). Do not modify it."""
     from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.manifest import Manifest
 
-    out = tmp_path_factory.mktemp("real") / "smol-fp8-kv8"
-    manifest = quantize(
-        QuantizeConfig(
+    from helpers import built_once
+
+    def build(d: Path) -> None:
+        cfg = QuantizeConfig(
             model="smollm2-135m",
             recipe="fp8-kv8",
-            output=out,
+            output=d / "smol-fp8-kv8",
             num_samples=8,
             seq_len=256,
             eval_samples=2,
             eval_seq_len=256,
         )
-    )
-    return out, manifest
+        quantize(cfg)
+
+    out = built_once(tmp_path_factory, "real", build) / "smol-fp8-kv8"
+    return out, Manifest.load(out)
 
 
 @pytest.fixture(scope="session")
@@ -118,13 +130,18 @@ def smol_q4_0(tmp_path_factory, smol_dir):
     converted once for tests/e2e/test_convert_real.py and test_convert_vllm.py (the conversion alone took
     ~30 s a file). Do not modify them."""
     from fp8ptq.api import ConvertConfig, convert
+    from fp8ptq.convert.registry import ConversionReport
+    from fp8ptq.results import read_json, to_json
 
-    from helpers import write_gguf
+    from helpers import built_once, write_gguf
 
-    tmp = tmp_path_factory.mktemp("smol-q4_0")
-    gguf = write_gguf(smol_dir, tmp / "smol.Q4_0.gguf", {"embed": "Q8_0"}, "Q4_0")
-    out = tmp / "smol-w4a16-g32"
-    return gguf, out, convert(ConvertConfig(source=gguf, output=out, to="compressed-tensors"))
+    def build(d: Path) -> None:
+        gguf = write_gguf(smol_dir, d / "smol.Q4_0.gguf", {"embed": "Q8_0"}, "Q4_0")
+        report = convert(ConvertConfig(source=gguf, output=d / "smol-w4a16-g32", to="compressed-tensors"))
+        (d / "report.json").write_text(json.dumps(to_json(report)))
+
+    d = built_once(tmp_path_factory, "smol-q4_0", build)
+    return d / "smol.Q4_0.gguf", d / "smol-w4a16-g32", read_json(d / "report.json", ConversionReport)
 
 
 # The recipe CI run (tests/e2e/test_recipes_ci.py): small calibration, the mechanics not the quality.
@@ -166,15 +183,50 @@ def recipe_export(tmp_path_factory):
 
     from fp8ptq.cli import app
 
-    done: dict = {}
+    from helpers import built_once
 
     def run(name: str):
-        if name not in done:
-            out = tmp_path_factory.mktemp("recipe") / name
-            args = ["quantize", "smollm2-135m", "--recipe", name, "-o", str(out), *RECIPE_CI_ARGS]
+        def build(d: Path) -> None:
+            args = ["quantize", "smollm2-135m", "--recipe", name, "-o", str(d / name), *RECIPE_CI_ARGS]
             rtn = ["--weights", "rtn"] if name in RECIPE_CI_RTN else []
             r = CliRunner().invoke(app, args + RECIPE_CI_OPTIONS.get(name, []) + rtn)
-            done[name] = (out, r.output, r.exit_code)
-        return done[name]
+            (d / "cli.json").write_text(json.dumps({"output": r.output, "exit_code": r.exit_code}))
+
+        d = built_once(tmp_path_factory, f"recipe-{name}", build)  # with xdist: once for both workers
+        cli = json.loads((d / "cli.json").read_text())
+        return d / name, cli["output"], cli["exit_code"]
 
     return run
+
+
+# pytest-xdist (`make test` runs two workers, --dist loadgroup --no-loadscope-reorder): each module's tests
+# stay on one worker, where its module-scoped fixtures are built once; the modules in SPREAD (no module
+# fixtures, independent tests) go test by test to whichever worker is free. The session exports several
+# modules share are built once for both workers (helpers.built_once). Modules run longest first (LONGEST,
+# measured: docs/notebook/benchmarks.md, stop 46) so that neither worker is left with a long one at the end.
+SPREAD = {"tests/e2e/test_recipes_ci.py"}
+LONGEST = (  # pytest's seconds per module on one process, stop 46 (AMX Xeon): 266, 171, 185, 161, ...
+    "tests/e2e/test_vllm_real.py",  # builds smol_int8_target and smol_kv8 first ...
+    "tests/contracts/test_contracts.py",  # ... while the other worker needs neither
+    "tests/e2e/test_spec_real.py",
+    "tests/e2e/test_eagle3_real.py",
+    "tests/e2e/test_convert_real.py",
+    "tests/e2e/test_vllm_families.py",
+    "tests/e2e/test_convert_vllm.py",
+    "tests/e2e/test_scale.py",
+    "tests/e2e/test_real_eval.py",
+    "tests/convert/test_sources.py",
+    "tests/e2e/test_real_model.py",
+    "tests/e2e/test_rotate_real.py",
+    "tests/e2e/test_recipes_ci.py",  # 450 s in 19 independent tests: they even out the two workers' ends
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {m: i for i, m in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(LONGEST)))  # stable: else as collected
+    for item in items:
+        module = item.nodeid.partition("::")[0]
+        if module not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(module))

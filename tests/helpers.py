@@ -29,6 +29,31 @@ def vllm_venv_prints(script: str, **env: str) -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The directory `name`, filled by build(directory) once per test session: under pytest-xdist (`make
+    test` runs two workers) once for all workers, in the base temp directory they share. The first worker
+    to ask builds it under a file lock; another asking meanwhile waits, then reuses it. A build that raised
+    leaves no `.built` mark: the next asker builds again (and fails with its own error)."""
+    import fcntl
+    import os
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # xdist: each worker's base temp is popen-gwN inside the session's
+    shared = root / "built-once"
+    shared.mkdir(exist_ok=True)
+    d = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / ".built").is_file():
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+            build(d)
+            (d / ".built").touch()
+    return d
+
+
 def ct017_site() -> Path:
     return REPO / ".venv" / "ct017"
 
