@@ -108,7 +108,7 @@ test:
 # builds the real-model exports the modules share once for both): the suite kept one of the two cores
 # idle about half the time (docs/notebook/benchmarks.md, stop 46). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 test-run: lint $(CT017)/.ok browser vllm sglang
 	$(PY) -m pytest -q $(XDIST)

@@ -199,13 +199,13 @@ def recipe_export(tmp_path_factory):
     return run
 
 
-# pytest-xdist (`make test` runs two workers, --dist loadgroup --no-loadscope-reorder): each module's tests
-# stay on one worker, where its module-scoped fixtures are built once; the modules in SPREAD (no module
-# fixtures, independent tests) go test by test to whichever worker is free. The session exports several
-# modules share are built once for both workers (helpers.built_once). Modules run longest first (LONGEST,
-# measured: docs/notebook/benchmarks.md, stop 46) so that neither worker is left with a long one at the end.
+# pytest-xdist (`make test` runs two workers): each module's tests stay on one worker, where its
+# module-scoped fixtures are built once; the modules in SPREAD (no module fixtures, independent tests) go
+# test by test to whichever worker is free. The session exports several modules share are built once for
+# both workers (helpers.built_once). Modules run longest first (LONGEST, measured: docs/notebook/benchmarks.md,
+# stop 46) so that neither worker is left with a long one at the end.
 SPREAD = {"tests/e2e/test_recipes_ci.py"}
-LONGEST = (  # pytest's seconds per module on one process, stop 46 (AMX Xeon): 266, 171, 185, 161, ...
+LONGEST = (  # pytest's seconds per module in one process, stop 46 (AMX Xeon): 266, 171, 185, 161, ...
     "tests/e2e/test_vllm_real.py",  # builds smol_int8_target and smol_kv8 first ...
     "tests/contracts/test_contracts.py",  # ... while the other worker needs neither
     "tests/e2e/test_spec_real.py",
@@ -222,11 +222,31 @@ LONGEST = (  # pytest's seconds per module on one process, stop 46 (AMX Xeon): 2
 )
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     rank = {m: i for i, m in enumerate(LONGEST)}
     items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(LONGEST)))  # stable: else as collected
-    for item in items:
-        module = item.nodeid.partition("::")[0]
-        if module not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(module))
+
+
+class ByModule:
+    """The suite's pytest-xdist scheduler: xdist's LoadScopeScheduling with the scope a module (a test of
+    SPREAD: itself), in collection order (LONGEST's). Not xdist's `--dist loadgroup` with xdist_group marks:
+    xdist 3.8 groups by rewriting `item._nodeid`, which pytest 9.2 no longer reads (its `nodeid` comes
+    from `_id`), so the marks were silently ignored and module fixtures built on both workers (measured:
+    test_vllm_real's vLLM fixture twice, 603 + 600 s)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.partition("::")[0]
+                return nodeid if module in SPREAD else module
+
+        config.option.loadscopereorder = False  # LONGEST's order, not the number of tests per module
+        return Scheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(ByModule(), "fp8ptq-by-module")
