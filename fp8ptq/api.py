@@ -125,6 +125,11 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
             text_field=cfg.text_field,
             chat_template=cfg.chat_template,
         )
+        if cfg.images is not None:  # rows 0..n-1 become image+text samples (calibrate/images.py)
+            from fp8ptq.calibrate.images import image_rows
+
+            ctx.images = image_rows(cfg.images, ctx.src, ctx.ids, ctx.tokenizer.eos_token_id)
+            ctx.ids = ctx.images.merged(ctx.ids)
     ctx.timings["load_s"] = time.perf_counter() - t0
     with open_run(ctx):
         t1 = time.perf_counter()

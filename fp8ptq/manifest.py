@@ -25,12 +25,18 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class CalibrationImages(_Part):
+    source: str  # the --images file
+    samples: int  # image+text samples: the first of `samples`
+
+
 class CalibrationData(_Part):
     source: str
     samples: int
     seq_len: int
     tokens: int
     seed: int
+    images: CalibrationImages | None = None  # written only when present (text-only manifests unchanged)
 
 
 class RunInfo(_Part):
@@ -193,6 +199,8 @@ class Manifest(BaseModel):
         for key in _OMITTED_WHEN_NONE:
             if data[key] is None:
                 del data[key]
+        if data["calibration"] is not None and data["calibration"]["images"] is None:
+            del data["calibration"]["images"]
         return data
 
     def write(self, out_dir: Path) -> None:

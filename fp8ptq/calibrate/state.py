@@ -88,6 +88,7 @@ class CalibrationSetup:
     restore: object = None  # Path of the activation checkpoint to restore (resume)
     prefetch: bool | None = None  # read layer i+1 in a thread while i calibrates; None: on a CUDA device
     compute_dtype: str = "fp32"  # the layer passes: fp32, tf32 (CUDA) or bf16 (ops/precision.py)
+    images: object = None  # calibrate/images.ImageRows: samples 0..n-1 are image+text (their towers run)
 
 
 def prepare(
@@ -111,6 +112,7 @@ def prepare(
     shape = (len(local), input_ids.shape[1], src.text_config.hidden_size)
     store = ActivationStore(*shape, setup.offload_dir, device=_store_device(device, math.prod(shape) * 4))
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
+    text_inputs = inputs(0)
     if layer_dtype(setup.compute_dtype) != torch.float32:
         inputs = _cast_inputs(inputs, layer_dtype(setup.compute_dtype))
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
@@ -128,6 +130,12 @@ def prepare(
             x = torch.nn.functional.embedding(input_ids[r.start : r.stop].to(device), table).float()
             state.write(r.start, x if scale is None else x * scale)
         del table
+        if setup.images is not None:  # their first layer's input: the model's own forward, towers included
+            from fp8ptq.calibrate.images import embed
+
+            captured = (getattr(text_inputs, "args", ()), getattr(text_inputs, "kwargs", {}))
+            for i, x in embed(model, src, arch, setup.images, captured, local, device):
+                state.write(i, x)
     return model, state
 
 

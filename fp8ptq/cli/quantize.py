@@ -37,6 +37,11 @@ def quantize(
         help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder; PATH:WEIGHT, repeated: a mix",
     ),
     text_field: str = typer.Option("text", help="field holding the text in .jsonl/.parquet/datasets"),
+    images: Optional[str] = typer.Option(
+        None,
+        help='multimodal checkpoints: a .jsonl of {"image": PATH, "text": TEXT}, each line one image+text '
+        "calibration sample in place of a text sample",
+    ),
     num_samples: Optional[int] = typer.Option(None, help="calibration samples (default: the recipe's)"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sample (default: the recipe's)"),
     seed: Optional[int] = typer.Option(None, help="sample-selection seed (default: the recipe's)"),
@@ -124,6 +129,7 @@ def quantize(
       fp8ptq quantize ./my-model -r nvfp4 --smooth-alpha 0.8 -o out/nvfp4  # no alpha search
       fp8ptq quantize ./my-model -r w4a16 --set calibration.gptq_damp=0.05 -o out/w4
       fp8ptq quantize smollm2-135m -r fp8-kv8 --quantize-lm-head -o out/q  # LM head too
+      fp8ptq quantize ./smolvlm -r w8a8-int8 --images cal.jsonl -o out/vlm  # image+text
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
@@ -141,6 +147,7 @@ def quantize(
         output=output,
         data=",".join(data),
         text_field=text_field,
+        images=images,
         num_samples=num_samples,
         seq_len=seq_len,
         seed=seed,

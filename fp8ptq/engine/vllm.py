@@ -183,6 +183,7 @@ class VllmRun:
     ok: bool
     token_ids: list[list[int]] = field(default_factory=list)
     prompt_logprobs: list | None = None  # per prompt: log p(token | prefix), first entry None
+    prompt_token_ids: list | None = None  # image prompts ({"prompt", "image"}): the tokens vLLM made of them
     layer_outputs: list | None = None  # first decoder layers' outputs [tokens, hidden] for prompt 0
     capture_error: str | None = None
     probed: dict | None = None  # "layer.module" (vLLM's names) -> effective weight [out, in] fp32
@@ -198,7 +199,10 @@ class VllmRun:
     speculative: dict | None = None  # a validate_only job: the SpeculativeConfig vLLM resolved
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("log_tail", "layer_outputs", "probed")}
+        skip = ("log_tail", "layer_outputs", "probed") + (
+            ("prompt_token_ids",) if self.prompt_token_ids is None else ()
+        )
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
 
 def _max_positions(model: Path) -> int | None:
@@ -212,7 +216,7 @@ def _max_positions(model: Path) -> int | None:
 
 def vllm_request(
     model: Path,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | list[dict],
     max_tokens: int,
     *,
     temperature: float = 0.0,
@@ -228,7 +232,8 @@ def vllm_request(
     warmup: bool = False,
     validate_only: bool = False,
 ) -> dict:
-    """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts.
+    """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts (or
+    {"prompt": TEXT, "image": PATH} ones for a multimodal model).
     warmup: one untimed 1-token generate first, so generate_s is the engine's steady rate; validate_only:
     only vLLM's config classes over the arguments (no weights, no generation)."""
     positions = _max_positions(Path(model))
@@ -339,6 +344,7 @@ def _parse(res: dict, log: str, wall: float) -> VllmRun:
         ok=True,
         token_ids=res["token_ids"],
         prompt_logprobs=res.get("prompt_logprobs"),
+        prompt_token_ids=res.get("prompt_token_ids"),
         layer_outputs=layers,
         capture_error=res.get("capture_error"),
         probed=probed,

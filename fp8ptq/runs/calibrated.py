@@ -60,6 +60,7 @@ def calibrate_into(ctx: RunContext) -> None:
         chunk_samples=ctx.chunk_samples,
         device=ctx.device,
         compute_dtype=ctx.compute_dtype,
+        images=ctx.images,
         offload_dir=resume_dir if ctx.cfg.offload_activations else None,
         start_layer=start,
         restore=checkpoint_file(resume_dir, comm.rank, start) if start > 0 else None,

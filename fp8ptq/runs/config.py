@@ -33,6 +33,7 @@ class QuantizeConfig:
     output: Path
     data: str = data_mod.BUILTIN
     text_field: str = "text"
+    images: str | None = None  # image+text calibration rows (JSONL of image, text): calibrate/images.py
     revision: str | None = None  # hub ids: branch, tag or commit
     num_samples: int | None = None  # None: the recipe's
     seq_len: int | None = None

