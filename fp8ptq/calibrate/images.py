@@ -195,7 +195,7 @@ def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, local
                     f"--images: the forward of '{arch.name}' failed on image row {i + 1}: {type(err).__name__}: {err}",
                     fix=_TEXT_ONLY,
                 ) from None
-            differs = _differs((seen["args"], seen["kwargs"]), text_inputs)
+            differs = _differs(seen["args"], text_inputs[0], "args") or _differs(seen["kwargs"], text_inputs[1])
             if differs:
                 raise ModelError(
                     f"--images: the decoder of '{arch.name}' takes image-dependent inputs besides the hidden "

@@ -204,34 +204,53 @@ VLM_TEMPLATE = (
 )
 
 
-def write_random_vlm(out: Path, tokenizer_dir: Path, *, layers: int = 2, seed: int = 0, **text) -> Path:
-    """A random image-text model of SmolVLM's layout (`idefics3`: SigLIP tower, pixel-shuffle connector,
-    Llama decoder) with its processor: 64-pixel images (one tile) that take 4 image tokens, the PIL image
-    processor (no torchvision), the tokenizer's ChatML template taking image parts. **text: the decoder's
-    config (vocab_size and token ids come from the tokenizer)."""
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+def write_random_vlm(
+    out: Path, tokenizer_dir: Path, model_type: str = "idefics3", *, layers: int = 2, seed: int = 0, **text
+) -> Path:
+    """A random image-text model with its processor: 64-pixel images (one tile) that take 4 image tokens,
+    PIL image processors (no torchvision), the tokenizer's ChatML template taking image parts.
+    `idefics3`: SmolVLM's layout (SigLIP tower, pixel-shuffle connector, Llama decoder); `gemma3`: Gemma 3's
+    (SigLIP tower, pooling projector, Gemma 3 decoder with bidirectional attention inside an image).
+    **text: the decoder's config (vocab_size and token ids come from the tokenizer)."""
+    import transformers as tf
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
-    size, patch, shuffle = 64, 16, 2
-    images = Idefics3ImageProcessorPil(
-        size={"longest_edge": size}, max_image_size={"longest_edge": size}, do_image_splitting=False
-    )
-    seq = (size // patch) ** 2 // shuffle**2
-    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=seq, chat_template=VLM_TEMPLATE)
-    ids = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    size, patch = 64, 16
     vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
-    cfg = Idefics3Config(
+    vision |= dict(image_size=size, patch_size=patch)
+    if model_type == "idefics3":
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as Images
+
+        tok = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+        tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
+        edge = {"longest_edge": size}
+        images = Images(size=edge, max_image_size=edge, do_image_splitting=False)
+        template = VLM_TEMPLATE
+        processor = tf.Idefics3Processor(images, tok, image_seq_len=4, chat_template=template)
+        top = dict(scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+        config, model_cls = tf.Idefics3Config, tf.Idefics3ForConditionalGeneration
+    elif model_type == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Images
+
+        marks = dict(boi_token="<start_of_image>", image_token="<image_soft_token>", eoi_token="<end_of_image>")
+        tok = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False, extra_special_tokens=marks)
+        template = VLM_TEMPLATE.replace("<image>", marks["boi_token"])
+        processor = tf.Gemma3Processor(Images(size={"height": size, "width": size}), tok, template, image_seq_length=4)
+        ids = {k: tok.convert_tokens_to_ids(v) for k, v in marks.items()}
+        top = dict(mm_tokens_per_image=4, image_token_index=ids["image_token"])
+        top |= dict(boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"])
+        text = {"query_pre_attn_scalar": text.get("head_dim", 32), **text}
+        config, model_cls = tf.Gemma3Config, tf.Gemma3ForConditionalGeneration
+    else:
+        raise ValueError(f"write_random_vlm: no processor recipe for '{model_type}' (idefics3, gemma3)")
+    ids = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    cfg = config(
         text_config={**ids, "num_hidden_layers": layers, "vocab_size": len(tok), **text},
-        vision_config={**vision, "image_size": size, "patch_size": patch},
-        scale_factor=shuffle,
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_config=vision,
         pad_token_id=tok.pad_token_id,
+        **top,
     )
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(cfg).to(torch.bfloat16)
-    model.save_pretrained(str(out))
+    model_cls(cfg).to(torch.bfloat16).save_pretrained(str(out))
     processor.save_pretrained(str(out))
     return Path(out)
 

@@ -113,9 +113,21 @@ def test_image_dependent_layer_inputs_are_named():
 
     pos = torch.arange(8)[None]
     cos = (torch.ones(1, 8, 4), torch.zeros(1, 8, 4))
-    text = ((), {"position_ids": pos, "position_embeddings": cos, "attention_mask": None})
-    assert _differs(((), {"position_ids": pos.clone(), "position_embeddings": cos, "attention_mask": None}), text) == ""
+    text = {"position_ids": pos, "position_embeddings": cos, "attention_mask": None}
+    assert _differs({"position_ids": pos.clone(), "position_embeddings": cos, "attention_mask": None}, text) == ""
     moved = (cos[0], cos[1] + 1)
-    assert _differs(((), {**text[1], "position_embeddings": moved}), text) == "[1].position_embeddings[1]"
-    mask = torch.zeros(1, 1, 8, 8)
-    assert _differs(((), {**text[1], "attention_mask": mask}), text) == "[1].attention_mask"
+    assert _differs({**text, "position_embeddings": moved}, text) == "position_embeddings[1]"
+    assert _differs({**text, "attention_mask": torch.zeros(1, 1, 8, 8)}, text) == "attention_mask"  # Gemma 3's
+    assert _differs((pos + 1,), (pos,), "args") == "args[0]"
+
+
+def test_gemma3_bidirectional_image_masks_are_refused_before_any_layer(vlm, tokenizer_dir, tmp_path):
+    """Gemma 3 attends both ways inside an image: its first layer's mask depends on where the image is,
+    which the layer-by-layer pipeline cannot share across samples. Refused by name, nothing written."""
+    model = write_random_vlm(tmp_path / "gemma3", tokenizer_dir, "gemma3", layers=2, **DENSE)
+    out = tmp_path / "out"
+    rc, text = run_cli("quantize", model, "-r", "fp8-kv8", "--images", vlm[1], "-o", out, *QUICK[:2], "--seq-len", "48")
+    assert_one_line_error(rc, text, "'gemma3'", "image-dependent", "attention_mask", "leave out --images")
+    assert not out.exists()
+    rc, text = run_cli("quantize", model, "-r", "fp8-kv8", "-o", out, *QUICK)  # text calibration works
+    assert rc == 0, text
