@@ -26,6 +26,7 @@ GENERIC = {
     "exaone4": DENSE,
     "seed_oss": DENSE,
     "gemma3": dict(DENSE, query_pre_attn_scalar=32),  # Gemma3ForConditionalGeneration: a SigLIP tower
+    "idefics3": DENSE,  # SmolVLM's layout, with its processor (models/synthetic.write_random_vlm)
     "qwen3_next": dict(
         DENSE,
         num_experts=8,
@@ -53,7 +54,7 @@ def main() -> None:
 
     from fp8ptq.api import QuantizeConfig, quantize
     from fp8ptq.eval.engine_check import EngineCheck, check_engine
-    from fp8ptq.models.synthetic import write_random, write_tokenizer
+    from fp8ptq.models.synthetic import write_random, write_random_vlm, write_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-families"))
@@ -68,7 +69,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for family in a.families.split(","):
         src = a.work / family
-        if not (src / "config.json").is_file():
+        if not (src / "config.json").is_file() and family == "idefics3":
+            write_random_vlm(src, tok, family, layers=3, **shapes[family])
+        elif not (src / "config.json").is_file():
             write_random(src, family, tok, layers=3, **shapes[family])
         for recipe in a.recipes.split(","):
             out = a.work / f"{family}-{recipe}"

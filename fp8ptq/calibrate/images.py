@@ -157,7 +157,7 @@ def _fit(value, tokens: int, seq_len: int):
 
 
 @torch.inference_mode()
-def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, local: range, device):
+def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, *, local: range, device):
     """(sample index, first-layer input [1, seq_len, hidden] fp32) for the image rows in `local`: the model's
     own forward with its towers and embedding loaded, its decoder layers replaced by a recorder. Checks that
     the first layer's other arguments equal the text-only ones (`text_inputs`: (args, kwargs))."""

@@ -134,7 +134,7 @@ def prepare(
             from fp8ptq.calibrate.images import embed
 
             captured = (getattr(text_inputs, "args", ()), getattr(text_inputs, "kwargs", {}))
-            for i, x in embed(model, src, arch, setup.images, captured, local, device):
+            for i, x in embed(model, src, arch, setup.images, captured, local=local, device=device):
                 state.write(i, x)
     return model, state
 

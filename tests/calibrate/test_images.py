@@ -49,7 +49,9 @@ def test_first_layer_input_is_the_models_own_forward(vlm):
     assert len(rows) == 2 and torch.equal(rows.merged(text)[2], text[2])  # 2 image rows, then text
     skeleton = build_skeleton(src.config, attn_implementation=register_attention())
     first = src.arch.layer_inputs(skeleton, 48, torch.device("cpu"))(0)
-    got = dict(embed(skeleton, src, src.arch, rows, (first.args, first.kwargs), range(3), torch.device("cpu")))
+    got = dict(
+        embed(skeleton, src, src.arch, rows, (first.args, first.kwargs), local=range(3), device=torch.device("cpu"))
+    )
     assert sorted(got) == [0, 1]
     assert all(p.is_meta for p in skeleton.model.vision_model.parameters())  # the tower is released after
     hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
