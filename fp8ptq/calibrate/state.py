@@ -9,7 +9,7 @@ FlattenQuant all read it). The layout of a layer comes from the model's architec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -19,6 +19,7 @@ from fp8ptq.dist import ChunkPlan, LocalComm
 from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Arch
 from fp8ptq.models.arch.base import LayerInputs
+from fp8ptq.models.arch.generic import CapturedInputs, cast_arguments
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.ops.precision import layer_dtype
@@ -114,7 +115,7 @@ def prepare(
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
     text_inputs = inputs(0)
     if layer_dtype(setup.compute_dtype) != torch.float32:
-        inputs = _cast_inputs(inputs, layer_dtype(setup.compute_dtype))
+        inputs = _cast_inputs(inputs, layer_dtype(setup.compute_dtype), device)
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
     state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache, setup.compute_dtype)
     if setup.restore is not None:
@@ -139,10 +140,11 @@ def prepare(
     return model, state
 
 
-def _cast_inputs(inputs: Callable[[int], LayerInputs], dtype: torch.dtype) -> Callable[[int], LayerInputs]:
+def _cast_inputs(inputs: Callable[[int], LayerInputs], dtype: torch.dtype, device) -> Callable[[int], LayerInputs]:
     """Position embeddings and additive masks in the passes' dtype (bf16 layers reject fp32 operands), each
     distinct tensor cast once (layers of one type share theirs; a pass asks once per chunk)."""
     done: dict[int, torch.Tensor] = {}  # id of the fp32 tensor (kept alive by `inputs`) -> its cast
+    layers: dict[int, CapturedInputs] = {}  # the generic path's arguments per layer, cast once
 
     def cast(t):
         if t is None or not t.is_floating_point():
@@ -153,10 +155,20 @@ def _cast_inputs(inputs: Callable[[int], LayerInputs], dtype: torch.dtype) -> Ca
 
     def get(i: int) -> LayerInputs:
         x = inputs(i)
+        if isinstance(x, CapturedInputs):  # the generic path: every argument the stack passes the layer
+            if i not in layers:
+                short = replace(x.short, **_cast_captured(x.short, dtype, device)) if x.short is not None else None
+                layers[i] = replace(x, **_cast_captured(x, dtype, device), short=short)
+            return layers[i]
         pos = None if x.position_embeddings is None else tuple(cast(t) for t in x.position_embeddings)
         return LayerInputs(pos, cast(x.attention_mask))
 
     return get
+
+
+def _cast_captured(x: CapturedInputs, dtype: torch.dtype, device) -> dict:
+    args, kwargs = cast_arguments((x.args, x.kwargs), device, dtype)
+    return {"args": args, "kwargs": kwargs}
 
 
 def _store_device(device: torch.device, nbytes: int) -> torch.device | None:

@@ -172,7 +172,8 @@ _ROOT = re.compile(r"((?:[A-Za-z_]+Error|NotImplementedError|AssertionError|Valu
 
 def root_cause(log: str) -> str | None:
     """The most specific error line vLLM printed (its engine wraps worker errors in a generic one)."""
-    generic = ("Engine core initialization failed", "Worker failed with error")
+    # wrappers around the real error: the engine's, and the registry's subprocess that inspects a model
+    generic = ("Engine core initialization failed", "Worker failed with error", "CalledProcessError", "in subprocess")
     lines = [m.group(1).strip() for l in log.splitlines() if (m := _ROOT.search(l))]
     specific = [l for l in lines if not any(g in l for g in generic)]
     return (specific or lines or [None])[0]

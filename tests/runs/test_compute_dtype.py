@@ -73,3 +73,27 @@ def test_bf16_passes_on_a_cpu(tiny_dir, tmp_path):
     assert torch.allclose(s32, s16, rtol=0.02), (s32, s16)
     for q in (q32, q16):
         assert q.tensor(f"{Q_PROJ}.weight").dtype == torch.float8_e4m3fn
+
+
+def test_bf16_passes_on_the_generic_path(tiny_model, tmp_path):
+    """The generic path runs whole layers with every argument the stack captured (rotary cos/sin, masks):
+    bf16 passes cast them with the layer, in the passes and in the trace (they failed before: an fp32
+    query against bf16 values). A Qwen3-Next layer stack (gated DeltaNet + attention) and Gemma 3's
+    multimodal one, each close to its fp32 run."""
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    hybrid = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    for model_type, extra in (("qwen3_next", dict(hybrid, layer_types=("linear_attention", "full_attention"))),
+                              ("gemma3", {})):  # fmt: skip
+        model = tiny_model(model_type, max_position_embeddings=512, **sizes, **extra)
+        scales = []
+        for cd in ("auto", "bf16"):
+            cfg = QuantizeConfig(
+                model=str(model), recipe="fp8-kv8", output=tmp_path / f"{model_type}-{cd}", num_samples=4,
+                seq_len=32, eval_samples=0, device="cpu", compute_dtype=cd, weights="rtn",
+            )  # fmt: skip
+            assert quantize(cfg).run.compute_dtype == ("fp32" if cd == "auto" else "bf16")
+            q = open_hf_dir(tmp_path / f"{model_type}-{cd}")
+            scales.append({n: q.tensor(n).float() for n in q.weight_map if n.endswith("input_scale")})
+        ratio = {n: float(scales[1][n] / scales[0][n]) for n in scales[0]}
+        print(model_type, {n: round(r, 3) for n, r in ratio.items() if abs(r - 1) > 0.03})
+        assert any(r != 1 for r in ratio.values()) and all(abs(r - 1) < 0.05 for r in ratio.values()), ratio

@@ -64,6 +64,17 @@ class CapturedInputs(LayerInputs):
         return self.short
 
 
+def cast_arguments(value, device, dtype: torch.dtype):
+    """Captured layer arguments on `device`, floating tensors in `dtype` (nested tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, dtype) if value.is_floating_point() else value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_arguments(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_arguments(v, device, dtype) for k, v in value.items()}
+    return value
+
+
 @dataclass(frozen=True)
 class GenericArch(Arch):
     """An `Arch` discovered from a transformers model (see module doc)."""
@@ -230,9 +241,7 @@ class GenericArch(Arch):
             self._cache["short"] = capture(self, self.skeleton, TRACE_TOKENS, "cpu")
         args, kwargs = self._cache["short"][index]
         p = next(layer.parameters())
-        move = lambda t: t.to(p.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        args = tuple(move(a) for a in args)
-        kwargs = {k: (tuple(move(t) for t in v) if isinstance(v, tuple) else move(v)) for k, v in kwargs.items()}
+        args, kwargs = cast_arguments((args, kwargs), p.device, p.dtype)  # a bf16 layer takes bf16 rotary
         gen = torch.Generator().manual_seed(index)
         x = torch.randn(1, TRACE_TOKENS, self.skeleton.config.get_text_config().hidden_size, generator=gen).to(
             p.device, p.dtype
