@@ -32,16 +32,19 @@ def is_pow2(n: int) -> bool:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """`samples` calibration samples cut into chunks of `chunk_samples`; which chunks this rank owns."""
+    """`samples` calibration samples cut into chunks of `chunk_samples`; which chunks this rank owns. The
+    first `singles` samples are one chunk each (image+text samples whose layers take their own arguments:
+    calibrate/images.py)."""
 
     samples: int
     chunk_samples: int
     rank: int = 0
     world: int = 1
+    singles: int = 0
 
     @property
     def chunks(self) -> int:
-        return -(-self.samples // self.chunk_samples)
+        return self.singles + -(-(self.samples - self.singles) // self.chunk_samples)
 
     def owned(self, rank: int | None = None) -> range:
         rank = self.rank if rank is None else rank
@@ -53,7 +56,9 @@ class ChunkPlan:
         return range(lo, min(lo + span, self.chunks))
 
     def sample_range(self, chunk: int) -> range:
-        lo = chunk * self.chunk_samples
+        if chunk < self.singles:
+            return range(chunk, chunk + 1)
+        lo = self.singles + (chunk - self.singles) * self.chunk_samples
         return range(lo, min(lo + self.chunk_samples, self.samples))
 
     def local_samples(self) -> range:

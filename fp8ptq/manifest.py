@@ -28,6 +28,7 @@ class _Part(BaseModel):
 class CalibrationImages(_Part):
     source: str  # the --images file
     samples: int  # image+text samples: the first of `samples`
+    own_arguments: bool  # their layers took image-dependent masks/positions (each sample calibrated alone)
 
 
 class CalibrationData(_Part):

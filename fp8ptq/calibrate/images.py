@@ -9,17 +9,18 @@ calibration sample, in file order, taking the place of a text sample (the first 
   run with the checkpoint's weights (fp32) and their features land where the family merges them. Every
   later layer sees these hidden states through the usual layer-by-layer pipeline.
 
-The pipeline shares one set of per-layer arguments (positions, masks) across samples. Families whose
-decoder takes image-dependent ones (Qwen-VL's M-RoPE positions, Gemma 3's bidirectional image masks) are
-refused at the first image, by comparing what their forward passes the first layer with the text-only
-arguments, before any layer is calibrated. Nothing is guessed: refused families calibrate with text.
+The pipeline shares one set of per-layer arguments (positions, masks) across text samples. Families whose
+decoder takes image-dependent ones (Gemma 3's bidirectional attention inside an image, Qwen-VL's M-RoPE
+positions) are found by comparing what their forward passes every layer for the first image row with the
+text-only arguments: their image rows are then calibrated one sample per chunk, each with the arguments
+the model's own forward gave it (`ImageRows.own_arguments`, `dist.ChunkPlan.singles`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from fp8ptq.errors import DataError, ModelError
 
 _SKIP = ("past_key_values", "past_key_value", "cache_params", "use_cache", "output_attentions")
-_TEXT_ONLY = "calibrate it with text: leave out --images"
+_TEXT_ONLY = "calibrate it with text: leave out --images"  # for a forward that fails on an image
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class ImageRows:
     source: str
     ids: torch.Tensor  # [n, seq_len]: processor tokens (image placeholders expanded), then text
     extras: tuple[dict[str, torch.Tensor], ...]  # per row: the processor's other outputs (pixel_values, ...)
+    # the family's layers take image-dependent arguments (masks, positions): each row is its own chunk
+    own_arguments: bool = False
+
+    @property
+    def singles(self) -> int:
+        """Leading samples calibrated one per chunk (dist.ChunkPlan.singles)."""
+        return len(self) if self.own_arguments else 0
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -111,7 +119,9 @@ def image_rows(source: str, src, text_ids: torch.Tensor, eos: int | None) -> Ima
     rows = read_rows(source)[: text_ids.shape[0]]
     proc = processor_of(src)
     seq_len = text_ids.shape[1]
-    image_token = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
+    config = src.config  # the placeholder the projector's features replace (Gemma 3: not the processor's <boi>)
+    image_token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+    image_token = image_token or proc.tokenizer.convert_tokens_to_ids(proc.image_token)
     ids, extras = [], []
     for n, (path, text) in enumerate(rows, 1):
         try:
@@ -133,7 +143,24 @@ def image_rows(source: str, src, text_ids: torch.Tensor, eos: int | None) -> Ima
         extras.append(
             {k: _fit(v, len(tokens), seq_len) for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
         )
-    return ImageRows(source, torch.stack(ids), tuple(extras))
+    rows = ImageRows(source, torch.stack(ids), tuple(extras))
+    return replace(rows, own_arguments=_own_arguments(src, rows))
+
+
+def _own_arguments(src, rows: ImageRows) -> bool:
+    """Whether the family's layers take other arguments for an image row than for text (Gemma 3's
+    bidirectional image mask, Qwen-VL's M-RoPE positions): the first row run through `embed` on the CPU."""
+    from fp8ptq.models.skeleton import build_skeleton
+    from fp8ptq.quantize.numerics import register_attention
+
+    cpu = torch.device("cpu")
+    model = build_skeleton(src.config, attn_implementation=register_attention())
+    text = src.arch.layer_inputs(model, rows.ids.shape[1], cpu)
+    first = embed(model, src, src.arch, rows, text, local=range(1), device=cpu)
+    try:
+        return next(first)[2] is not None
+    finally:
+        first.close()  # puts the decoder layers back and the towers on meta
 
 
 def _prompt(proc, text: str) -> str:
@@ -158,34 +185,45 @@ def _fit(value, tokens: int, seq_len: int):
 
 @torch.inference_mode()
 def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, *, local: range, device):
-    """(sample index, first-layer input [1, seq_len, hidden] fp32) for the image rows in `local`: the model's
-    own forward with its towers and embedding loaded, its decoder layers replaced by a recorder. Checks that
-    the first layer's other arguments equal the text-only ones (`text_inputs`: (args, kwargs))."""
+    """(sample index, first-layer input [1, seq_len, hidden] fp32, own arguments) for the image rows in
+    `local`: the model's own forward with its towers and embedding loaded, its decoder layers replaced by
+    recorders. Own arguments: None where every layer's other arguments equal the text-only ones
+    (`text_inputs`: layer index -> CapturedInputs), else each layer's CapturedInputs for this row."""
+    from fp8ptq.models.arch.capture import returns_tuple
+    from fp8ptq.models.arch.generic import CapturedInputs
+
     stack_name, _, attr = arch.layers.rpartition(".")
     stack = model.get_submodule(stack_name)
     layers = getattr(stack, attr)
-    loaded = [model.get_submodule(p) for p in (*arch.towers, arch.embed)]
     prefixes = (*arch.towers, arch.embed)
+    loaded = [model.get_submodule(p) for p in prefixes]
     seen: dict = {}
 
     class _Stop(Exception):
         pass
 
     class Recorder(torch.nn.Module):
+        def __init__(self, index: int):
+            super().__init__()
+            self.index = index
+
         def forward(self, hidden_states, *args, **kwargs):
-            seen.update(h=hidden_states, args=args, kwargs={k: v for k, v in kwargs.items() if k not in _SKIP})
-            raise _Stop
+            seen[self.index] = (hidden_states, args, {k: v for k, v in kwargs.items() if k not in _SKIP})
+            if self.index + 1 == len(layers):
+                raise _Stop
+            return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states
 
     for prefix, module in zip(prefixes, loaded):
         state = {n: src.tensor(f"{prefix}.{n}").float() for n, _ in module.named_parameters()}
         module.load_state_dict(state, strict=False, assign=True)
         module.to(device)
-    setattr(stack, attr, torch.nn.ModuleList(Recorder() for _ in layers))
+    setattr(stack, attr, torch.nn.ModuleList(Recorder(i) for i in range(len(layers))))
     try:
         for i in range(len(rows)):
             if i not in local:
                 continue
             extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rows.extras[i].items()}
+            seen.clear()
             try:
                 model(input_ids=rows.ids[i : i + 1].to(device), use_cache=False, **extra)
             except _Stop:
@@ -195,14 +233,17 @@ def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, *, lo
                     f"--images: the forward of '{arch.name}' failed on image row {i + 1}: {type(err).__name__}: {err}",
                     fix=_TEXT_ONLY,
                 ) from None
-            differs = _differs(seen["args"], text_inputs[0], "args") or _differs(seen["kwargs"], text_inputs[1])
-            if differs:
+            if len(seen) != len(layers):
                 raise ModelError(
-                    f"--images: the decoder of '{arch.name}' takes image-dependent inputs besides the hidden "
-                    f"states ({differs}); fp8ptq's layer-by-layer calibration shares those across samples",
-                    fix=_TEXT_ONLY,
+                    f"--images: the forward of '{arch.name}' called {len(seen)} of its {len(layers)} layers"
                 )
-            yield i, seen["h"].float()
+            shared = all(
+                not _differs(seen[j][1], text_inputs(j).args, "args")
+                and not _differs(seen[j][2], text_inputs(j).kwargs)
+                for j in range(len(layers))
+            )
+            own = None if shared else [CapturedInputs(None, None, seen[j][1], seen[j][2]) for j in range(len(layers))]
+            yield i, seen[0][0].float(), own
     finally:
         setattr(stack, attr, layers)
         for module in loaded:

@@ -73,7 +73,7 @@ def output_sensitivity(
                 with torch.inference_mode():
                     for c, first, x in state.each_chunk():
                         current["c"] = c
-                        state.write(first, state.run_layer(layer, i, x))
+                        state.write(first, state.run_layer(layer, i, x, first))
             finally:
                 for h in handles:
                     h.remove()

@@ -111,7 +111,7 @@ class LayerCalibrator:
                 self.replay.at = c
                 seen.add(c)
                 try:
-                    y = self._run_block(block, x)
+                    y = self._run_block(block, x, self.state.inputs_at(self.index, first))
                 except Stop:
                     continue
                 if write:

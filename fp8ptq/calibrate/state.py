@@ -9,7 +9,7 @@ FlattenQuant all read it). The layout of a layer comes from the model's architec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -47,6 +47,8 @@ class RunState:
     inputs: Callable[[int], LayerInputs]  # layer index -> its position embeddings and attention mask
     cache_bytes: int = 0  # budget for keeping a block's final Linear input between passes (0: recompute)
     compute: str = "fp32"  # the layer passes' arithmetic (ops/precision.py: fp32, tf32 or bf16)
+    # image+text samples whose layers take their own arguments (calibrate/images.py): sample -> inputs
+    own: dict[int, Callable[[int], LayerInputs]] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,9 +72,15 @@ class RunState:
     def new_stats(self, channels: int, spec: StatsSpec) -> ActStats:
         return ActStats(spec, channels, self.total_rows, self.seq_len)
 
-    def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Every block of a decoder layer, in order."""
-        inputs = self.inputs(index)
+    def inputs_at(self, index: int, first: int) -> LayerInputs:
+        """Layer `index`'s arguments for the chunk starting at sample `first` (its own, for an image+text
+        sample whose layers take image-dependent masks or positions: such a sample is a chunk alone)."""
+        own = self.own.get(first)
+        return self.inputs(index) if own is None else own(index)
+
+    def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor, first: int) -> torch.Tensor:
+        """Every block of a decoder layer, in order, for the chunk starting at sample `first`."""
+        inputs = self.inputs_at(index, first)
         for block in self.arch.blocks:
             x = self.arch.run_block(layer, block, x, inputs)
         return x
@@ -108,12 +116,13 @@ def prepare(
     model = build_skeleton(src.config, attn_implementation=register_attention())
     if built is not None:
         built(model)
-    chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world)
+    singles = 0 if setup.images is None else setup.images.singles
+    chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world, singles)
     local = chunks.local_samples()
     shape = (len(local), input_ids.shape[1], src.text_config.hidden_size)
     store = ActivationStore(*shape, setup.offload_dir, device=_store_device(device, math.prod(shape) * 4))
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
-    text_inputs = inputs(0)
+    text_inputs = inputs
     if layer_dtype(setup.compute_dtype) != torch.float32:
         inputs = _cast_inputs(inputs, layer_dtype(setup.compute_dtype), device)
     cache = 0 if setup.offload_dir is not None else setup.cache_bytes
@@ -134,9 +143,12 @@ def prepare(
         if setup.images is not None:  # their first layer's input: the model's own forward, towers included
             from fp8ptq.calibrate.images import embed
 
-            captured = (getattr(text_inputs, "args", ()), getattr(text_inputs, "kwargs", {}))
-            for i, x in embed(model, src, arch, setup.images, captured, local=local, device=device):
+            dtype = layer_dtype(setup.compute_dtype)
+            for i, x, own in embed(model, src, arch, setup.images, text_inputs, local=local, device=device):
                 state.write(i, x)
+                if own is not None:
+                    own_at = own.__getitem__
+                    state.own[i] = own_at if dtype == torch.float32 else _cast_inputs(own_at, dtype, device)
     return model, state
 
 
@@ -231,7 +243,7 @@ def observe_layer(
         with torch.inference_mode():
             for c, first, x in state.each_chunk():
                 current.update(chunk=c, first=first)
-                x = state.run_layer(layer, index, x)
+                x = state.run_layer(layer, index, x, first)
                 if massive:
                     found.extend(massive_activations(x, first))
                 if write:

@@ -40,7 +40,7 @@ def checkpoint_file(resume_dir: Path, rank: int, layer: int) -> Path:
 
 
 def chunks_per_rank(ctx: RunContext, world: int) -> list[int]:
-    plan = ChunkPlan(ctx.ids.shape[0], ctx.chunk_samples, 0, world)
+    plan = ChunkPlan(ctx.ids.shape[0], ctx.chunk_samples, 0, world, 0 if ctx.images is None else ctx.images.singles)
     return [len(plan.owned(r)) for r in range(world)]
 
 

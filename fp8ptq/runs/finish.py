@@ -62,7 +62,11 @@ def finish(ctx: RunContext) -> Manifest:
             seq_len=ids.shape[1],
             tokens=ids.numel(),
             seed=recipe.calibration.seed,
-            images=None if ctx.images is None else CalibrationImages(source=ctx.cfg.images, samples=len(ctx.images)),
+            images=None
+            if ctx.images is None
+            else CalibrationImages(
+                source=ctx.cfg.images, samples=len(ctx.images), own_arguments=ctx.images.own_arguments
+            ),
         ),
         run=RunInfo(
             device=ctx.device,

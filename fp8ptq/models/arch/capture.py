@@ -52,7 +52,7 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
             if self.index + 1 == len(layers):
                 raise _Stop
             # a layer whose forward returns a tuple: (hidden, None) reads as either `out[0]` or `h, _ = out`
-            return (hidden_states, None) if _returns_tuple(layers[self.index]) else hidden_states
+            return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states
 
     if arch.rotary:
         model.get_submodule(arch.rotary).to(device)
@@ -79,7 +79,7 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
     return seen
 
 
-def _returns_tuple(layer: torch.nn.Module) -> bool:
+def returns_tuple(layer: torch.nn.Module) -> bool:
     ann = inspect.signature(type(layer).forward).return_annotation
     return "tuple" in str(ann).lower()
 
