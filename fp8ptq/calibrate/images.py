@@ -27,7 +27,6 @@ import torch
 
 from fp8ptq.errors import DataError, ModelError
 
-_SKIP = ("past_key_values", "past_key_value", "cache_params", "use_cache", "output_attentions")
 _TEXT_ONLY = "calibrate it with text: leave out --images"  # for a forward that fails on an image
 
 
@@ -58,7 +57,13 @@ class ImageRows:
         h = hashlib.sha256()
         for extra in self.extras:
             for key in sorted(extra):
-                h.update(key.encode() + extra[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                value = extra[key]
+                data = (
+                    value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    if torch.is_tensor(value)
+                    else repr(value).encode()
+                )
+                h.update(key.encode() + data)
         return h.hexdigest()
 
 
@@ -189,7 +194,7 @@ def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, *, lo
     `local`: the model's own forward with its towers and embedding loaded, its decoder layers replaced by
     recorders. Own arguments: None where every layer's other arguments equal the text-only ones
     (`text_inputs`: layer index -> CapturedInputs), else each layer's CapturedInputs for this row."""
-    from fp8ptq.models.arch.capture import returns_tuple
+    from fp8ptq.models.arch.capture import SKIP_KWARGS, returns_tuple
     from fp8ptq.models.arch.generic import CapturedInputs
 
     stack_name, _, attr = arch.layers.rpartition(".")
@@ -208,7 +213,7 @@ def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, *, lo
             self.index = index
 
         def forward(self, hidden_states, *args, **kwargs):
-            seen[self.index] = (hidden_states, args, {k: v for k, v in kwargs.items() if k not in _SKIP})
+            seen[self.index] = (hidden_states, args, {k: v for k, v in kwargs.items() if k not in SKIP_KWARGS})
             if self.index + 1 == len(layers):
                 raise _Stop
             return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states

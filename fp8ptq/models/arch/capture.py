@@ -12,7 +12,8 @@ import torch
 from fp8ptq.errors import ModelError
 
 MODEL_FREE = "quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`"
-_SKIP_KWARGS = ("past_key_values", "past_key_value", "cache_params", "use_cache", "output_attentions")
+# what a recorder drops from a layer's arguments: the cache and output switches, not the layer's inputs
+SKIP_KWARGS = ("past_key_values", "past_key_value", "cache_params", "use_cache", "output_attentions")
 
 
 def uses_attention_interface(cls: type) -> bool:
@@ -47,7 +48,7 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
                     self.__dict__.setdefault(k, v)
 
         def forward(self, hidden_states, *args, **kwargs):
-            kwargs = {k: v for k, v in kwargs.items() if k not in _SKIP_KWARGS}
+            kwargs = {k: v for k, v in kwargs.items() if k not in SKIP_KWARGS}
             seen[self.index] = (args, kwargs)
             if self.index + 1 == len(layers):
                 raise _Stop
