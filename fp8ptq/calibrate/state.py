@@ -140,15 +140,19 @@ def prepare(
             x = torch.nn.functional.embedding(input_ids[r.start : r.stop].to(device), table).float()
             state.write(r.start, x if scale is None else x * scale)
         del table
-        if setup.images is not None:  # their first layer's input: the model's own forward, towers included
-            from fp8ptq.calibrate.images import embed
+    images = setup.images
+    if images is not None and (setup.restore is None or images.own_arguments):
+        from fp8ptq.calibrate.images import embed
 
-            dtype = layer_dtype(setup.compute_dtype)
-            for i, x, own in embed(model, src, arch, setup.images, text_inputs, local=local, device=device):
+        # their first layer's input (the model's own forward, towers included; a resumed run has its
+        # layers' outputs already) and, where the family's layers take them, their own arguments
+        dtype = layer_dtype(setup.compute_dtype)
+        for i, x, own in embed(model, src, arch, images, text_inputs, local=local, device=device):
+            if setup.restore is None:
                 state.write(i, x)
-                if own is not None:
-                    own_at = own.__getitem__
-                    state.own[i] = own_at if dtype == torch.float32 else _cast_inputs(own_at, dtype, device)
+            if own is not None:
+                own_at = own.__getitem__
+                state.own[i] = own_at if dtype == torch.float32 else _cast_inputs(own_at, dtype, device)
     return model, state
 
 

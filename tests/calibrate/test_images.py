@@ -169,3 +169,42 @@ def test_the_calibration_runs_each_image_row_as_the_model_does(model_type, vlm, 
         assert rc == 0, out
         images = json.loads((tmp_path / "q" / "fp8ptq_manifest.json").read_text())["calibration"]["images"]
         assert images == {"source": str(vlm[1]), "samples": 2, "own_arguments": True}
+
+
+def test_a_resumed_image_run_equals_the_uninterrupted_one(vlm, tokenizer_dir, tmp_path, monkeypatch):
+    """Gemma 3's image rows need their own masks in every layer: a run resumed from layer 1's checkpoint
+    (its activations restored, the towers not run again) must still give them theirs."""
+    from fp8ptq.api import QuantizeConfig, quantize
+    from fp8ptq.export.rundir import RunDir
+
+    model = write_random_vlm(tmp_path / "gemma3", tokenizer_dir, "gemma3", layers=2, **DENSE)
+    kw = dict(recipe="fp8-kv8", images=str(vlm[1]), num_samples=3, seq_len=48, eval_samples=0, weights="rtn")
+    kw |= dict(checkpoint_every_s=0.0, recipe_gates=False)
+    real = RunDir.save_state
+
+    def crash_naming_checkpoint_2(self, **updates):
+        if updates.get("checkpoint") == 2:
+            raise RuntimeError("simulated kill before the state names the last checkpoint")
+        real(self, **updates)
+
+    monkeypatch.setattr(RunDir, "save_state", crash_naming_checkpoint_2)
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        quantize(QuantizeConfig(model=str(model), output=tmp_path / "x", **kw))
+    monkeypatch.setattr(RunDir, "save_state", real)
+    from fp8ptq.calibrate.state import RunState
+
+    own_runs, inputs_at = [], RunState.inputs_at
+
+    def spy(self, index, first):
+        own_runs.append((index, first)) if first in self.own else None
+        return inputs_at(self, index, first)
+
+    monkeypatch.setattr(RunState, "inputs_at", spy)
+    resumed = quantize(QuantizeConfig(model=str(model), output=tmp_path / "x", resume=True, **kw))
+    assert resumed.run.resumed_from_layer == 1 and resumed.calibration.images.own_arguments
+    # layer 1 ran each image row with its own arguments (on this tiny model the outputs alone would not show
+    # a shared mask: 4 image tokens do not move the abs-max scales)
+    assert {(1, 0), (1, 1)} <= set(own_runs), own_runs
+    quantize(QuantizeConfig(model=str(model), output=tmp_path / "y", **kw))
+    x, y = _tensors(tmp_path / "x"), _tensors(tmp_path / "y")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
