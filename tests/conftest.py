@@ -254,5 +254,13 @@ class ByModule:
 
 
 def pytest_configure(config):
+    # datasets gives its logger a StreamHandler on sys.stderr when it is first imported. Imported first
+    # inside a CliRunner run (the CLI tests run commands in process), that handler writes to the runner's
+    # stream, closed once the command returns: a later datasets log line then prints a "--- Logging error
+    # ---" traceback into another test's output (stop 47: test_binary_data_files_are_refused, on a worker
+    # whose first datasets import happened inside an earlier CLI run; reproduced with two in-process runs
+    # on a bad parquet file). Import it here, outside any runner.
+    import datasets  # noqa: F401
+
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(ByModule(), "fp8ptq-by-module")

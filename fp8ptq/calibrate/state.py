@@ -72,14 +72,15 @@ class RunState:
     def new_stats(self, channels: int, spec: StatsSpec) -> ActStats:
         return ActStats(spec, channels, self.total_rows, self.seq_len)
 
-    def inputs_at(self, index: int, first: int) -> LayerInputs:
+    def inputs_at(self, index: int, first: int | None) -> LayerInputs:
         """Layer `index`'s arguments for the chunk starting at sample `first` (its own, for an image+text
         sample whose layers take image-dependent masks or positions: such a sample is a chunk alone)."""
         own = self.own.get(first)
         return self.inputs(index) if own is None else own(index)
 
-    def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor, first: int) -> torch.Tensor:
-        """Every block of a decoder layer, in order, for the chunk starting at sample `first`."""
+    def run_layer(self, layer: torch.nn.Module, index: int, x: torch.Tensor, first: int | None = None) -> torch.Tensor:
+        """Every block of a decoder layer, in order, for the chunk starting at sample `first` (None: the
+        arguments text samples share)."""
         inputs = self.inputs_at(index, first)
         for block in self.arch.blocks:
             x = self.arch.run_block(layer, block, x, inputs)
