@@ -86,6 +86,21 @@ def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
+def crash_at_checkpoint(monkeypatch, checkpoint: int) -> None:
+    """Make a quantize run die just before its state names `checkpoint` (RunDir.save_state): the window
+    where activations are on disk but not yet recorded. monkeypatch.undo() (or a new setattr) ends it."""
+    from fp8ptq.export.rundir import RunDir
+
+    real = RunDir.save_state
+
+    def save_state(self, **updates):
+        if updates.get("checkpoint") == checkpoint:
+            raise RuntimeError(f"simulated kill before the state names checkpoint {checkpoint}")
+        real(self, **updates)
+
+    monkeypatch.setattr(RunDir, "save_state", save_state)
+
+
 def read_tensors(path: Path) -> dict:
     """Every tensor of a checkpoint directory, from all its safetensors shards."""
     from safetensors import safe_open

@@ -18,6 +18,7 @@ the model's own forward gave it (`ImageRows.own_arguments`, `dist.ChunkPlan.sing
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, replace
@@ -192,65 +193,41 @@ def _fit(value, tokens: int, seq_len: int):
 def embed(model: torch.nn.Module, src, arch, rows: ImageRows, text_inputs, *, local: range, device):
     """(sample index, first-layer input [1, seq_len, hidden] fp32, own arguments) for the image rows in
     `local`: the model's own forward with its towers and embedding loaded, its decoder layers replaced by
-    recorders. Own arguments: None where every layer's other arguments equal the text-only ones
-    (`text_inputs`: layer index -> CapturedInputs), else each layer's CapturedInputs for this row."""
-    from fp8ptq.models.arch.capture import SKIP_KWARGS, returns_tuple
+    recorders (capture.record_layers). Own arguments: None where every layer's other arguments equal the
+    text-only ones (`text_inputs`: layer index -> CapturedInputs), else each layer's for this row."""
+    from fp8ptq.models.arch.capture import record_layers
     from fp8ptq.models.arch.generic import CapturedInputs
 
-    stack_name, _, attr = arch.layers.rpartition(".")
-    stack = model.get_submodule(stack_name)
-    layers = getattr(stack, attr)
+    layers = len(arch.decoder_layers(model))
     prefixes = (*arch.towers, arch.embed)
     loaded = [model.get_submodule(p) for p in prefixes]
-    seen: dict = {}
-
-    class _Stop(Exception):
-        pass
-
-    class Recorder(torch.nn.Module):
-        def __init__(self, index: int):
-            super().__init__()
-            self.index = index
-
-        def forward(self, hidden_states, *args, **kwargs):
-            seen[self.index] = (hidden_states, args, {k: v for k, v in kwargs.items() if k not in SKIP_KWARGS})
-            if self.index + 1 == len(layers):
-                raise _Stop
-            return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states
-
     for prefix, module in zip(prefixes, loaded):
         state = {n: src.tensor(f"{prefix}.{n}").float() for n, _ in module.named_parameters()}
         module.load_state_dict(state, strict=False, assign=True)
         module.to(device)
-    setattr(stack, attr, torch.nn.ModuleList(Recorder(i) for i in range(len(layers))))
     try:
         for i in range(len(rows)):
             if i not in local:
                 continue
             extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rows.extras[i].items()}
-            seen.clear()
+            forward = functools.partial(model, input_ids=rows.ids[i : i + 1].to(device), use_cache=False, **extra)
             try:
-                model(input_ids=rows.ids[i : i + 1].to(device), use_cache=False, **extra)
-            except _Stop:
-                pass
+                seen = record_layers(arch, model, forward)
             except Exception as err:  # noqa: BLE001 - a foreign forward's failure is reported by name
                 raise ModelError(
                     f"--images: the forward of '{arch.name}' failed on image row {i + 1}: {type(err).__name__}: {err}",
                     fix=_TEXT_ONLY,
                 ) from None
-            if len(seen) != len(layers):
-                raise ModelError(
-                    f"--images: the forward of '{arch.name}' called {len(seen)} of its {len(layers)} layers"
-                )
+            if len(seen) != layers:
+                raise ModelError(f"--images: the forward of '{arch.name}' called {len(seen)} of its {layers} layers")
             shared = all(
                 not _differs(seen[j][1], text_inputs(j).args, "args")
                 and not _differs(seen[j][2], text_inputs(j).kwargs)
-                for j in range(len(layers))
+                for j in range(layers)
             )
-            own = None if shared else [CapturedInputs(None, None, seen[j][1], seen[j][2]) for j in range(len(layers))]
+            own = None if shared else [CapturedInputs(None, None, seen[j][1], seen[j][2]) for j in range(layers)]
             yield i, seen[0][0].float(), own
     finally:
-        setattr(stack, attr, layers)
         for module in loaded:
             module.to("meta")
 

@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from fp8ptq.models.synthetic import write_images, write_random_vlm
 
-from helpers import QUICK, assert_one_line_error, run_cli
+from helpers import QUICK, assert_one_line_error, crash_at_checkpoint, read_tensors, run_cli
 
 pytestmark = pytest.mark.tiny
 DENSE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
@@ -23,14 +22,6 @@ ARGS = ["--num-samples", "3", "--seq-len", "48", "--eval-samples", "0", "--no-re
 def vlm(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("vlm")
     return write_random_vlm(root / "model", tokenizer_dir, layers=2, **DENSE), write_images(root / "images", 2)
-
-
-def _tensors(path):
-    out = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out |= {k: f.get_tensor(k) for k in f.keys()}
-    return out
 
 
 def test_first_layer_input_is_the_models_own_forward(vlm):
@@ -76,7 +67,7 @@ def test_images_reach_the_calibration_and_the_towers_are_copied(vlm, tmp_path):
     manifest = json.loads((tmp_path / "img" / "fp8ptq_manifest.json").read_text())
     assert manifest["calibration"]["images"] == {"source": str(jsonl), "samples": 2, "own_arguments": False}
     assert "images" not in json.loads((tmp_path / "text" / "fp8ptq_manifest.json").read_text())["calibration"]
-    src, img, text = _tensors(model_dir), _tensors(tmp_path / "img"), _tensors(tmp_path / "text")
+    src, img, text = read_tensors(model_dir), read_tensors(tmp_path / "img"), read_tensors(tmp_path / "text")
     tower = [k for k in src if ".vision_model." in k or ".connector." in k]
     assert tower and all(torch.equal(img[k], src[k]) for k in tower)  # kept as stored
     # static input scales of layer 0 come from calibration: image features change them
@@ -175,22 +166,14 @@ def test_a_resumed_image_run_equals_the_uninterrupted_one(vlm, tokenizer_dir, tm
     """Gemma 3's image rows need their own masks in every layer: a run resumed from layer 1's checkpoint
     (its activations restored, the towers not run again) must still give them theirs."""
     from fp8ptq.api import QuantizeConfig, quantize
-    from fp8ptq.export.rundir import RunDir
 
     model = write_random_vlm(tmp_path / "gemma3", tokenizer_dir, "gemma3", layers=2, **DENSE)
     kw = dict(recipe="fp8-kv8", images=str(vlm[1]), num_samples=3, seq_len=48, eval_samples=0, weights="rtn")
     kw |= dict(checkpoint_every_s=0.0, recipe_gates=False)
-    real = RunDir.save_state
-
-    def crash_naming_checkpoint_2(self, **updates):
-        if updates.get("checkpoint") == 2:
-            raise RuntimeError("simulated kill before the state names the last checkpoint")
-        real(self, **updates)
-
-    monkeypatch.setattr(RunDir, "save_state", crash_naming_checkpoint_2)
+    crash_at_checkpoint(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="simulated kill"):
         quantize(QuantizeConfig(model=str(model), output=tmp_path / "x", **kw))
-    monkeypatch.setattr(RunDir, "save_state", real)
+    monkeypatch.undo()
     from fp8ptq.calibrate.state import RunState
 
     own_runs, inputs_at = [], RunState.inputs_at
@@ -206,5 +189,5 @@ def test_a_resumed_image_run_equals_the_uninterrupted_one(vlm, tokenizer_dir, tm
     # a shared mask: 4 image tokens do not move the abs-max scales)
     assert {(1, 0), (1, 1)} <= set(own_runs), own_runs
     quantize(QuantizeConfig(model=str(model), output=tmp_path / "y", **kw))
-    x, y = _tensors(tmp_path / "x"), _tensors(tmp_path / "y")
+    x, y = read_tensors(tmp_path / "x"), read_tensors(tmp_path / "y")
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -8,7 +8,7 @@ import torch
 
 from fp8ptq.api import QuantizeConfig, quantize
 
-from helpers import read_config, read_tensors
+from helpers import crash_at_checkpoint, read_config, read_tensors
 
 pytestmark = pytest.mark.tiny
 
@@ -155,20 +155,11 @@ def test_a_crash_between_saving_activations_and_naming_them_resumes_exactly(tmp_
     """The window the SIGKILL test hit on a slow machine (tests/e2e/test_scale.py): layer 2's input
     activations are on disk but the state still names layer 1's checkpoint. The resumed run must read
     layer 1's activations, not the newer file, and equal the uninterrupted run bit for bit."""
-    from fp8ptq.export.rundir import RunDir
-
     kw = dict(eval_samples=0, checkpoint_every_s=0.0)  # a checkpoint after every layer
-    real = RunDir.save_state
-
-    def crash_naming_checkpoint_2(self, **updates):
-        if updates.get("checkpoint") == 2:
-            raise RuntimeError("simulated kill before the state names the new checkpoint")
-        real(self, **updates)
-
-    monkeypatch.setattr(RunDir, "save_state", crash_naming_checkpoint_2)
+    crash_at_checkpoint(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="simulated kill"):
         _run(tiny_sharded_dir, tmp_path / "x", "fp8-kv8", **kw)
-    monkeypatch.setattr(RunDir, "save_state", real)
+    monkeypatch.undo()
     resumed = _run(tiny_sharded_dir, tmp_path / "x", "fp8-kv8", resume=True, **kw)
     assert resumed.run.resumed_from_layer == 1
     _run(tiny_sharded_dir, tmp_path / "y", "fp8-kv8", **kw)

@@ -31,13 +31,15 @@ class _Stop(Exception):
     pass
 
 
-def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tuple[tuple, dict]]:
-    """(args, kwargs) besides the hidden states that the decoder stack passes each layer for positions
-    0..seq_len-1 (batch 1), recorded by stubs in place of the layers while the stack runs on zeros."""
+def record_layers(arch, model: torch.nn.Module, run) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
+    """(hidden states, args, kwargs) that `run()` (a forward of the model or of its decoder stack) passes
+    each decoder layer, recorded by stubs in place of the layers: each passes its hidden states on, the
+    last one stops the forward. The stubs carry the layers' plain attributes (stacks read attention_type
+    and the like off a layer). run()'s own exceptions propagate; the layers are always put back."""
     stack_name, _, attr = arch.layers.rpartition(".")
     stack = model.get_submodule(stack_name)
     layers = getattr(stack, attr)
-    seen: dict[int, tuple[tuple, dict]] = {}
+    seen: dict[int, tuple[torch.Tensor, tuple, dict]] = {}
 
     class Recorder(torch.nn.Module):
         def __init__(self, index: int, like: torch.nn.Module):
@@ -49,35 +51,45 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
 
         def forward(self, hidden_states, *args, **kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k not in SKIP_KWARGS}
-            seen[self.index] = (args, kwargs)
+            seen[self.index] = (hidden_states, args, kwargs)
             if self.index + 1 == len(layers):
                 raise _Stop
             # a layer whose forward returns a tuple: (hidden, None) reads as either `out[0]` or `h, _ = out`
             return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states
 
-    if arch.rotary:
-        model.get_submodule(arch.rotary).to(device)
     setattr(stack, attr, torch.nn.ModuleList(Recorder(i, layer) for i, layer in enumerate(layers)))
-    hidden = model.config.get_text_config().hidden_size
     try:
         with torch.inference_mode():
-            stack(inputs_embeds=torch.zeros(1, seq_len, hidden, device=device), use_cache=False)
+            run()
     except _Stop:
         pass
+    finally:
+        setattr(stack, attr, layers)
+    return seen
+
+
+def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tuple[tuple, dict]]:
+    """(args, kwargs) besides the hidden states that the decoder stack passes each layer for positions
+    0..seq_len-1 (batch 1), recorded (record_layers) while the stack runs on zeros."""
+    stack = model.get_submodule(arch.layers.rpartition(".")[0])
+    if arch.rotary:
+        model.get_submodule(arch.rotary).to(device)
+    zeros = torch.zeros(1, seq_len, model.config.get_text_config().hidden_size, device=device)
+    try:
+        seen = record_layers(arch, model, lambda: stack(inputs_embeds=zeros, use_cache=False))
     except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
         raise ModelError(
             f"the generic path could not run the decoder stack of '{arch.name}' to capture its layers' "
             f"inputs: {type(err).__name__}: {err}",
             fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
         ) from None
-    finally:
-        setattr(stack, attr, layers)
-    if len(seen) != len(layers):
+    layers = len(arch.decoder_layers(model))
+    if len(seen) != layers:
         raise ModelError(
-            f"the decoder stack of '{arch.name}' called {len(seen)} of its {len(layers)} layers",
+            f"the decoder stack of '{arch.name}' called {len(seen)} of its {layers} layers",
             fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
         )
-    return seen
+    return {i: (args, kwargs) for i, (_hidden, args, kwargs) in seen.items()}
 
 
 def returns_tuple(layer: torch.nn.Module) -> bool:
