@@ -15,7 +15,7 @@ import re
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fp8ptq.errors import Fp8ptqError
@@ -215,48 +215,39 @@ def _max_positions(model: Path) -> int | None:
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def vllm_request(
-    model: Path,
-    prompts: list[list[int]] | list[dict],
-    max_tokens: int,
-    *,
-    temperature: float = 0.0,
-    seed: int = 0,
-    dtype: str = "bfloat16",
-    kv_cache_dtype: str = "auto",
-    max_model_len: int = 1024,
-    speculative_config: dict | None = None,
-    extra: dict | None = None,
-    prompt_logprobs: bool = False,
-    capture_layers: int = 0,
-    probe_layers: int = 0,
-    warmup: bool = False,
-    validate_only: bool = False,
-) -> dict:
-    """One job for vllm_worker.py (its module doc lists the keys): generate from token-id prompts (or
-    {"prompt": TEXT, "image": PATH} ones for a multimodal model).
+@dataclass(frozen=True)
+class VllmJob:
+    """One job for vllm_worker.py, field for field the JSON its module doc lists: generate from token-id
+    prompts (or {"prompt": TEXT, "image": PATH} ones for a multimodal model).
     warmup: one untimed 1-token generate first, so generate_s is the engine's steady rate; validate_only:
     only vLLM's config classes over the arguments (no weights, no generation)."""
+
+    model: str
+    prompts: list
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int = 1024
+    speculative_config: dict | None = None
+    extra: dict = field(default_factory=dict)
+    prompt_logprobs: bool = False
+    capture_layers: int = 0
+    probe_layers: int = 0
+    warmup: bool = False
+    validate_only: bool = False
+
+
+def vllm_request(model: Path, prompts: list[list[int]] | list[dict], max_tokens: int, **options) -> dict:
+    """A VllmJob (options: its fields) as the worker's JSON: the model path absolute, max_model_len
+    capped at the model's own positions (vLLM refuses more; small test models have 512)."""
     positions = _max_positions(Path(model))
-    if positions:  # vLLM refuses a max_model_len beyond the model's (small test models: 512)
-        max_model_len = min(max_model_len, positions)
-    return dict(
-        model=str(Path(model).resolve()),
-        prompts=prompts,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        max_model_len=max_model_len,
-        speculative_config=speculative_config,
-        extra=extra or {},
-        prompt_logprobs=prompt_logprobs,
-        capture_layers=capture_layers,
-        probe_layers=probe_layers,
-        warmup=warmup,
-        validate_only=validate_only,
-    )
+    if positions and options.get("max_model_len", VllmJob.max_model_len) > positions:
+        options["max_model_len"] = positions
+    if options.get("extra") is None:
+        options.pop("extra", None)
+    return asdict(VllmJob(str(Path(model).resolve()), prompts, max_tokens, **options))
 
 
 def run_vllm(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -93,23 +94,39 @@ def _prepare(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return W, H, dead
 
 
-def _solve(
-    W, H, order, quant_col, *, block_size, damp, natural, group_size=None, start_group=None, fused=None, indexed=True
-):
-    """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
+@dataclass(frozen=True)
+class Columns:
+    """How the solve visits and rounds columns.
 
+    order: the column visit order (a permutation of in_features); natural: it is the identity.
+    quant(w, j) rounds one column w [out] onto the grid; j is the column's index (indexed: group grids)
+    or its solve position.
     start_group(slab [out, group_size]) is called when the solve reaches the first column of each
     group, with that group's current (error-updated) weights; blocks must then be group-aligned.
     fused: the grid as `gptq_kernel.FusedGrid`: each block is one kernel launch where that runs (CUDA).
-    indexed: quant_col reads its column's index (group grids); else it gets the solve position.
+    """
+
+    order: torch.Tensor
+    quant: Callable[[torch.Tensor, int], torch.Tensor]
+    natural: bool
+    group_size: int | None = None
+    start_group: Callable[[torch.Tensor], None] | None = None
+    fused: gptq_kernel.FusedGrid | None = None
+    indexed: bool = True
+
+
+def _solve(W, H, cols: Columns, *, block_size, damp):
+    """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
     Returns (Q [out, in] in original column order, damping used).
     """
+    order, quant_col, natural, fused = cols.order, cols.quant, cols.natural, cols.fused
+    group_size, start_group = cols.group_size, cols.start_group
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
     Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
     # column indices for quant_col: a host copy, needed only by the per-column loop of a group grid
-    js = None if natural or fused is not None or not indexed else order.tolist()
+    js = None if natural or fused is not None or not cols.indexed else order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
     # rounding of the original implementation bit for bit, without a temporary per column
     buf = torch.empty(min(block_size, n), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)
@@ -181,9 +198,8 @@ def gptq(
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
             fused = fuse(*params, None)
-            Q, used = _solve(
-                W, H, order, quant, block_size=block_size, damp=damp, natural=not act_order, fused=fused, indexed=False
-            )
+            cols = Columns(order, quant, natural=not act_order, fused=fused, indexed=False)
+            Q, used = _solve(W, H, cols, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
             if grid.row_separable:
@@ -201,28 +217,19 @@ def gptq(
                 zero_point = None if slabs[0][1] is None else torch.cat([p[1] for p in slabs], dim=1)
             if grid.refine is not None:
                 scale, zero_point = grid.refine((scale, zero_point))
-            cols = [
+            per_group = [
                 (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1]) for k in range(n // n_g)
             ]
-            quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), cols[j // n_g])[:, 0]  # noqa: E731
-            fused = fuse(scale, zero_point, n_g)
-            Q, used = _solve(W, H, order, quant, block_size=block_size, damp=damp, natural=not act_order, fused=fused)
+            quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), per_group[j // n_g])[:, 0]  # noqa: E731
+            cols = Columns(order, quant, natural=not act_order, fused=fuse(scale, zero_point, n_g))
+            Q, used = _solve(W, H, cols, block_size=block_size, damp=damp)
         else:
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
             aligned = max(1, block_size // n_g) * n_g
             start = lambda slab: groups.append(grid.choose(slab))
-            Q, used = _solve(
-                W,
-                H,
-                order,
-                quant,
-                block_size=aligned,
-                damp=damp,
-                natural=not act_order,
-                group_size=n_g,
-                start_group=start,
-            )
+            cols = Columns(order, quant, natural=not act_order, group_size=n_g, start_group=start)
+            Q, used = _solve(W, H, cols, block_size=aligned, damp=damp)
             scale = torch.cat([p[0] for p in groups], dim=1)
             zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)
     return GPTQResult(Q, scale, zero_point, dead, used)

@@ -282,7 +282,6 @@ def int_grid(
     g: Granularity,
     *,
     mse: bool = False,
-    shrink_grid: tuple[float, ...] = DEFAULT_SHRINK_GRID,
     scale_dtype: torch.dtype | None = None,
     params: Params | None = None,
     refine: Callable[[Params], Params] | None = None,
@@ -290,8 +289,9 @@ def int_grid(
 ) -> WeightGrid:
     """Integer grid (compressed-tensors conventions, see ops.intq): g is TENSOR, CHANNEL or group(n).
 
-    mse: choose each scale (per row, per group) by the clipping search of `mse_int_qparams`
-    instead of plain min-max; hessian: GPTQ's static groups weight that search's error by diag(H).
+    mse: choose each scale (per row, per group) by the clipping search of `mse_int_qparams` (over
+    DEFAULT_SHRINK_GRID's clip factors) instead of plain min-max; hessian: GPTQ's static groups weight
+    that search's error by diag(H).
     scale_dtype: round scales to the dtype the engine loads them in.
     params: fixed (scale, zero_point) for TENSOR / CHANNEL grids (e.g. a scale shared by fused shards).
     """
@@ -301,7 +301,7 @@ def int_grid(
         assert g.kind != "group", "fixed params are for per-tensor / per-channel grids"
         choose = lambda w: params  # noqa: E731
     elif mse:
-        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype)  # noqa: E731
+        choose = lambda w: mse_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
     else:
         choose = lambda w: choose_int_qparams(w, within, bits, symmetric, scale_dtype=scale_dtype)  # noqa: E731
     if params is None:  # scales of a group's finite values (refused at load anyway: defence in depth)
@@ -309,7 +309,7 @@ def int_grid(
     weighted = None
     if mse and hessian and params is None:
         weighted = lambda w, d: mse_int_qparams(  # noqa: E731
-            finite_values(w), within, bits, symmetric, grid=shrink_grid, scale_dtype=scale_dtype, col_weight=d
+            finite_values(w), within, bits, symmetric, scale_dtype=scale_dtype, col_weight=d
         )
     return WeightGrid(
         choose,
