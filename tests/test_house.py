@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fp8ptq"
 
 # Lowest first. A module may import fp8ptq packages of its own layer or a lower one, never a higher one.
 LAYERS: list[tuple[str, ...]] = [
-    ("fp8ptq", "errors", "io", "ops", "results"),  # the floor: pure math, typed errors and results, durable writes
+    ("fp8ptq", "errors", "fields", "io", "ops", "results"),  # the floor: math, typed errors/results/fields, I/O
     ("dist", "data", "gates", "models"),  # processes, text, gate syntax, model intake + architecture adapters
     ("quantize", "outliers", "manifest"),  # scheme handlers and numerics, statistics, the run record
     ("recipe", "calibrate"),  # user configuration; the sequential pipeline

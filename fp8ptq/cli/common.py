@@ -164,7 +164,6 @@ def record_eval(model, name: str, result: dict):
 
 GATE_FAILED_EXIT = 3
 ENGINE_FAILED_EXIT = 4
-GATE_HELP = "quality gate METRIC OP NUMBER, e.g. kl<=0.05, top1>=0.9 (repeatable); a failed gate exits 3"
 
 
 def finish_gates(results: list[dict]) -> None:

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import (
-    GATE_HELP,
     console,
     finish_gates,
     human,
@@ -23,91 +22,49 @@ from fp8ptq.cli.common import (
     return_freed_memory,
     user_errors,
 )
-from fp8ptq.draft.auto import DRAFT_TIME_BUDGET_S
+from fp8ptq.draft.auto import DraftBundleConfig as D
+from fp8ptq.fields import default_of as d
+from fp8ptq.fields import help_of as h
+from fp8ptq.runs.config import QuantizeConfig as Q
 
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="HF model dir, hub id (org/name), .gguf file, or alias (smollm2-135m)"),
-    recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help="built-in recipe name or YAML path"),
-    revision: Optional[str] = typer.Option(None, help="hub ids: branch, tag or commit (default: main)"),
-    output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
-    data: List[str] = typer.Option(
-        ["builtin"],
-        help="calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder; PATH:WEIGHT, repeated: a mix",
-    ),
-    text_field: str = typer.Option("text", help="field holding the text in .jsonl/.parquet/datasets"),
-    images: Optional[str] = typer.Option(
-        None,
-        help='multimodal checkpoints: a .jsonl of {"image": PATH, "text": TEXT}, each line one image+text '
-        "calibration sample in place of a text sample",
-    ),
-    num_samples: Optional[int] = typer.Option(None, help="calibration samples (default: the recipe's)"),
-    seq_len: Optional[int] = typer.Option(None, help="tokens per calibration sample (default: the recipe's)"),
-    seed: Optional[int] = typer.Option(None, help="sample-selection seed (default: the recipe's)"),
-    chat_template: bool = typer.Option(False, help="wrap each calibration text in the tokenizer's chat template"),
-    eval_samples: int = typer.Option(8, help="held-out samples for the quality check (0 = skip)"),
-    gate: List[str] = typer.Option([], "--gate", help=GATE_HELP),
+    model: str = typer.Argument(..., help=h(Q, "model")),
+    recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help=h(Q, "recipe")),
+    revision: Optional[str] = typer.Option(d(Q, "revision"), help=h(Q, "revision")),
+    output: Path = typer.Option(..., "--output", "-o", help=h(Q, "output")),
+    data: List[str] = typer.Option([d(Q, "data")], help=h(Q, "data")),
+    text_field: str = typer.Option(d(Q, "text_field"), help=h(Q, "text_field")),
+    images: Optional[str] = typer.Option(d(Q, "images"), help=h(Q, "images")),
+    num_samples: Optional[int] = typer.Option(d(Q, "num_samples"), help=h(Q, "num_samples")),
+    seq_len: Optional[int] = typer.Option(d(Q, "seq_len"), help=h(Q, "seq_len")),
+    seed: Optional[int] = typer.Option(d(Q, "seed"), help=h(Q, "seed")),
+    chat_template: bool = typer.Option(d(Q, "chat_template"), help=h(Q, "chat_template")),
+    eval_samples: int = typer.Option(d(Q, "eval_samples"), help=h(Q, "eval_samples")),
+    gate: List[str] = typer.Option(list(d(Q, "gates")), "--gate", help=h(Q, "gates")),
     no_recipe_gates: bool = typer.Option(False, "--no-recipe-gates", help="ignore the gates the recipe carries"),
-    overwrite: bool = typer.Option(False, help="replace an existing output directory (or discard an interrupted run)"),
-    resume: bool = typer.Option(False, help="continue an interrupted run of the same command from its last checkpoint"),
-    device: str = typer.Option(
-        "auto", help="auto (CUDA when present), cpu, cuda or cuda:N (one layer at a time is moved there)"
-    ),
-    compute_dtype: str = typer.Option(
-        "auto",
-        help="arithmetic of the calibration passes: auto (tf32 on CUDA, fp32 on a CPU), fp32, tf32 (CUDA) or "
-        "bf16; Hessians and GPTQ stay fp32",
-    ),
-    chunk_tokens: int = typer.Option(
-        8192, help="calibration tokens per step: bounds activation memory, not the result"
-    ),
-    offload_activations: bool = typer.Option(False, help="keep calibration activations on disk (RAM: one chunk)"),
-    int4_fraction: Optional[float] = typer.Option(None, help="mixed recipes: share of linear FLOPs at 4 bit"),
-    tp: Optional[int] = typer.Option(None, help="flatten recipes: tensor-parallel size the MLP width must divide"),
-    group_size: Optional[int] = typer.Option(
-        None, help="group-weight recipes (w4a16, w4a8-fp8): input channels per weight scale"
-    ),
-    block_size: Optional[int] = typer.Option(
-        None, help="block recipes: B of the [B, B] weight blocks and input groups (must divide every width)"
-    ),
-    weights: Optional[str] = typer.Option(
-        None, help="rtn (round to nearest: fastest) or gptq: override the recipe's weight rounding"
-    ),
-    smooth_alpha: Optional[str] = typer.Option(
-        None,
-        help="SmoothQuant recipes (w8a8-int8, nvfp4, flatten-w8a8): 'auto' (measured per layer) or one "
-        "alpha in [0, 1] for every layer: no search, a faster calibration",
-    ),
-    set_: list[str] = typer.Option(
-        [],
-        "--set",
-        metavar="KEY=VALUE",
-        help="change any recipe key, repeatable: --set calibration.gptq_damp=0.05 (VALUE is YAML; the flags "
-        "above are aliases with their own checks; keys: fp8ptq recipes show NAME)",
-    ),
-    rotate: bool = typer.Option(
-        False, "--rotate", help="add the recipe transform 'rotate': Hadamard rotations folded into the float model"
-    ),
+    overwrite: bool = typer.Option(d(Q, "overwrite"), help=h(Q, "overwrite")),
+    resume: bool = typer.Option(d(Q, "resume"), help=h(Q, "resume")),
+    device: str = typer.Option(d(Q, "device"), help=h(Q, "device")),
+    compute_dtype: str = typer.Option(d(Q, "compute_dtype"), help=h(Q, "compute_dtype")),
+    chunk_tokens: int = typer.Option(d(Q, "chunk_tokens"), help=h(Q, "chunk_tokens")),
+    offload_activations: bool = typer.Option(d(Q, "offload_activations"), help=h(Q, "offload_activations")),
+    int4_fraction: Optional[float] = typer.Option(d(Q, "int4_fraction"), help=h(Q, "int4_fraction")),
+    tp: Optional[int] = typer.Option(d(Q, "tp"), help=h(Q, "tp")),
+    group_size: Optional[int] = typer.Option(d(Q, "group_size"), help=h(Q, "group_size")),
+    block_size: Optional[int] = typer.Option(d(Q, "block_size"), help=h(Q, "block_size")),
+    weights: Optional[str] = typer.Option(d(Q, "weights"), help=h(Q, "weights")),
+    smooth_alpha: Optional[str] = typer.Option(d(Q, "smooth_alpha"), help=h(Q, "smooth_alpha")),
+    set_: list[str] = typer.Option(list(d(Q, "sets")), "--set", metavar="KEY=VALUE", help=h(Q, "sets")),
+    rotate: bool = typer.Option(d(Q, "rotate"), "--rotate", help=h(Q, "rotate")),
     quantize_lm_head: bool = typer.Option(
-        False,
-        "--quantize-lm-head",
-        help="quantize the LM head too (the recipe's weights per channel, dynamic inputs; a tied head is untied)",
+        d(Q, "quantize_lm_head"), "--quantize-lm-head", help=h(Q, "quantize_lm_head")
     ),
-    draft: str = typer.Option(
-        "none",
-        help="auto: also distil a draft from the quantized model (eagle3: train an EAGLE-3 head for it), "
-        "measure it and write speculative_config.json + sglang_flags.txt beside it",
-    ),
-    draft_trim: Optional[int] = typer.Option(
-        None, help="with --draft auto: also a VocabTrim draft keeping N tokens; eagle3: the head's draft vocabulary"
-    ),
-    draft_steps: Optional[int] = typer.Option(
-        None, help="with --draft: training steps at most (default: draft-train's, 400; eagle3 2000)"
-    ),
-    draft_time_budget: Optional[float] = typer.Option(
-        DRAFT_TIME_BUDGET_S, help="with --draft auto: training seconds at most"
-    ),
+    draft: str = typer.Option("none", help=h(Q, "draft")),
+    draft_trim: Optional[int] = typer.Option(d(D, "trim_keep"), help=h(D, "trim_keep")),
+    draft_steps: Optional[int] = typer.Option(d(D, "max_steps"), help=h(D, "max_steps")),
+    draft_time_budget: Optional[float] = typer.Option(d(D, "time_budget_s"), help=h(D, "time_budget_s")),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):
     """Calibrate, quantize and export a compressed-tensors checkpoint.

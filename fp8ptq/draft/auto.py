@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fp8ptq.fields import documented
 from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.recommend import sglang_flags, vllm_config
@@ -51,9 +52,15 @@ class DraftBundleConfig:
 
     kind: str = "model"  # model (a small draft LLM) | eagle3 (an EAGLE-3 head)
     layers: int = 2  # kind model: the draft's decoder layers
-    max_steps: int | None = None  # None: the kind's trainer default (DraftTrainConfig / Eagle3TrainConfig)
-    time_budget_s: float | None = DRAFT_TIME_BUDGET_S  # training seconds at most (None: no budget)
-    trim_keep: int | None = None  # model: also a VocabTrim draft keeping N tokens; eagle3: the head's vocabulary
+    max_steps: int | None = documented(  # None: the kind's trainer default (DraftTrainConfig / Eagle3TrainConfig)
+        None,
+        "with --draft: training steps at most (default: draft-train's, 400; eagle3 2000)",
+        shown="the kind's (400; eagle3 2000)",
+    )
+    time_budget_s: float | None = documented(DRAFT_TIME_BUDGET_S, "with --draft auto: training seconds at most")
+    trim_keep: int | None = documented(
+        None, "with --draft auto: also a VocabTrim draft keeping N tokens; eagle3: the head's draft vocabulary"
+    )
     gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     temperature: float = 0.0  # the temperature the recommendation is for
     num_prompts: int = 8  # held-out prompts measured

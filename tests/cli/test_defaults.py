@@ -9,10 +9,12 @@ import re
 
 import typer.main
 
-from fp8ptq.cli import app
+from fp8ptq.cli import app, options
 from fp8ptq.draft.auto import DraftBundleConfig
 from fp8ptq.draft.eagle3_train import Eagle3TrainConfig
 from fp8ptq.draft.train import DraftTrainConfig
+from fp8ptq.fields import default_of, help_of
+from fp8ptq.recipe import Calibration
 from fp8ptq.runs.config import QuantizeConfig, draft_bundle
 
 
@@ -41,35 +43,63 @@ def test_draft_defaults_live_in_the_trainer_configs_and_the_help_states_them():
     assert by_name["draft_time_budget"] == bundle.time_budget_s and by_name["draft_steps"] is None
 
 
-def test_readme_option_table_names_every_quantize_option_and_no_other():
+def _readme_table() -> list[str]:
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("| option | default | meaning |")
-    rows = readme[start:].split("\n\n")[0].splitlines()[2:]
+    return readme[start : readme.index(options.END, start)].splitlines()[2:]
+
+
+def test_readme_option_table_is_rendered_from_the_command():
+    """The table is what `python -m fp8ptq.cli.options --write` prints: names and defaults from the
+    command, meanings from its help (+ the field's `more`)."""
+    text = options.README.read_text()
+    assert options.rendered(text) == text, "README's quantize table is stale: python -m fp8ptq.cli.options --write"
+
+
+def test_quantize_help_and_defaults_are_the_config_fields():
+    """Every quantize option that fills a config field shows that field's help and starts at its default:
+    help, behaviour and README cannot disagree. A field left undocumented fails here by name."""
+    cmd = typer.main.get_command(app).commands["quantize"]
+    checked = 0
+    for p in cmd.params:
+        where = options.field_of(p.name)
+        if where is None or p.required or p.name in ("draft", "recipe"):  # --draft: a kind name; a value
+            continue
+        assert p.help == help_of(*where), p.name
+        default = default_of(*where)
+        assert p.default == (list(default) if isinstance(default, tuple) else [default] if p.multiple else default)
+        checked += 1
+    assert checked >= 28
+    assert help_of(QuantizeConfig, "draft") == next(p.help for p in cmd.params if p.name == "draft")
+
+
+def test_readme_option_table_names_every_quantize_option_and_no_other():
+    rows = _readme_table()
     documented = {o for row in rows for o in re.findall(r"`(--[\w-]+)", row.split(" | ")[0])}
     cmd = typer.main.get_command(app).commands["quantize"]
-    options = {o for p in cmd.params for o in p.opts if o.startswith("--")} - {"--help"}
-    assert documented == options, (sorted(options - documented), sorted(documented - options))
+    options_ = {o for p in cmd.params for o in p.opts if o.startswith("--")} - {"--help"}
+    assert documented == options_, (sorted(options_ - documented), sorted(documented - options_))
 
 
 def test_readme_option_table_states_the_commands_defaults():
-    """Where README's quantize table gives a literal default (a number, `name`, off), it is the command's."""
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("| option | default | meaning |")
-    rows = readme[start:].split("\n\n")[0].splitlines()[2:]
+    """Where README's quantize table gives a literal default (a number, `name`, off), it is the command's;
+    a "recipe's (N)" default is the recipe schema's."""
     cmd = typer.main.get_command(app).commands["quantize"]
     by_opt = {o: p for p in cmd.params for o in p.opts}
     checked = 0
-    for row in rows:
+    for row in _readme_table():
         cells = row.split(" | ")
         opts, stated = re.findall(r"`(--[\w-]+)", cells[0]), cells[1].strip()
         if len(opts) != 1:
             continue
         default = by_opt[opts[0]].default
-        if stated == "off":
+        recipe_default = re.fullmatch(r"recipe's \((\d+)\)", stated)
+        if recipe_default and opts[0] != "--block-size":
+            field = opts[0][2:].replace("-", "_")
+            assert Calibration.model_fields[field].default == int(recipe_default.group(1)), opts
+        elif stated == "off":
             assert default is False, opts
         elif re.fullmatch(r"`?[\w.-]+`?", stated) and stated not in ("main", "—"):
             literal = stated.strip("`")
@@ -79,4 +109,4 @@ def test_readme_option_table_states_the_commands_defaults():
         else:
             continue
         checked += 1
-    assert checked >= 15  # the table's literal defaults are all compared, not skipped
+    assert checked >= 18  # the table's literal defaults are all compared, not skipped
