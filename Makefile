@@ -58,7 +58,7 @@ $(SGLANG_SITE)/.ok: $(SGLANG_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok
 sglang: $(SGLANG_SITE)/.ok
 
 # llama.cpp (llama-cpp-python, built from its sdist: ~40 min on 2 busy cores, so not in `make test`) for
-# benchmarks/llamacpp_check.py. The built wheel is cached in LLAMA_WHEELS and reused; portable flags (AVX2,
+# benchmarks/engines/llamacpp_check.py. The built wheel is cached in LLAMA_WHEELS and reused; portable flags (AVX2,
 # no -march=native) so one wheel serves AVX2-only and AVX-512 machines alike.
 LLAMA_VENV   := .venv-llama
 LLAMA_PIN    := llama-cpp-python==0.3.36
@@ -71,7 +71,7 @@ $(LLAMA_VENV)/.ok:
 	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
 	  $(LLAMA_VENV)/bin/python -m pip wheel -q --no-deps --no-binary llama-cpp-python -w $(LLAMA_WHEELS) $(LLAMA_PIN)
 	$(LLAMA_VENV)/bin/python -m pip install -q --find-links $(LLAMA_WHEELS) $(LLAMA_PIN)
-	$(LLAMA_VENV)/bin/python benchmarks/llamacpp_worker.py version
+	$(LLAMA_VENV)/bin/python benchmarks/engines/llamacpp_worker.py version
 	touch $@
 
 llama: $(LLAMA_VENV)/.ok
@@ -79,7 +79,7 @@ llama: $(LLAMA_VENV)/.ok
 # fp8ptq's GGUF exports of the demo model in llama.cpp vs fp8ptq's simulation and llama.cpp's own quantizer
 # (~8 min on 2 cores after the build; benchmarks/results/llamacpp.json).
 bench-llama: $(STAMP) $(LLAMA_VENV)/.ok
-	$(PY) benchmarks/llamacpp_check.py
+	$(PY) benchmarks/engines/llamacpp_check.py
 
 install: $(STAMP)
 
@@ -120,7 +120,7 @@ test-fast: lint $(CT017)/.ok browser
 # Quality and speed measurements that are not tests: every recipe against its gates (JSON in
 # benchmarks/results/, cited by BENCHMARKS.md). RECIPES=a,b limits it; BENCH_ARGS=--full: recipe calibration.
 bench: $(STAMP)
-	$(PY) benchmarks/recipes_bench.py $(if $(RECIPES),--recipes $(RECIPES)) $(BENCH_ARGS)
+	$(PY) benchmarks/quality/recipes_bench.py $(if $(RECIPES),--recipes $(RECIPES)) $(BENCH_ARGS)
 
 # Refresh the locks on purpose: resolve both venvs afresh from the index, show what moved, run the suite.
 lock:

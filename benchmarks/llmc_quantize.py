@@ -1,6 +1,7 @@
 """Quantize a HF causal LM with llm-compressor, for side-by-side benchmarks with fp8ptq.
 
-Run with the dedicated venv (see benchmarks/setup_llmc_venv.sh):
+Run with the dedicated venv (see benchmarks/setup_llmc_venv.sh). It stays at the top of benchmarks/, not
+in a subfolder: ../shared/gpu/README.md, outside this repository, names it by this path.
 
     benchmarks/.venv-llmc/bin/python benchmarks/llmc_quantize.py \
         --model DIR --calib FILE --scheme fp8-kv8 --out DIR

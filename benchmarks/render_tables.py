@@ -23,7 +23,7 @@ def _machine(m: dict) -> str:
 
 
 def recipes(data: dict) -> str:
-    """`make bench` (benchmarks/recipes_bench.py): one row per recipe, the row's own commit where it was
+    """`make bench` (benchmarks/quality/recipes_bench.py): one row per recipe, the row's own commit where it was
     re-run, else the file's."""
     flag = re.compile(r" (--(?:block|group)-size \d+)")
     head = "| recipe | KL | top-1 | size ratio | wall s | peak RSS MiB | gates | passed | commit |\n"

@@ -251,7 +251,7 @@ def named_paths(root: Path) -> dict[str, list[str]]:
     and docstrings name that does not exist. docs/notebook/ is history: it names what existed then."""
     texts = [root / "README.md", root / "BENCHMARKS.md", root / "CONTRIBUTING.md", *(root / "docs").glob("*.md")]
     texts += [p for d in ("fp8ptq", "tests", "benchmarks") for p in (root / d).rglob("*.py") if not _in_venv(p, root)]
-    texts += [*(root / "benchmarks").glob("*.sh"), root / "Makefile"]
+    texts += [p for p in (root / "benchmarks").rglob("*.sh") if not _in_venv(p, root)] + [root / "Makefile"]
     missing: dict[str, list[str]] = {}
     for f in sorted(t for t in texts if t.exists() and t.name != "test_house.py"):  # this file plants paths
         for i, line in enumerate(f.read_text().splitlines(), 1):

@@ -85,7 +85,7 @@ def fake_quant_nvfp4(x: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
 # NVFP4's clip search also tries scales above min-max, up to amax mapped to FP4's 4 instead of its 6
 # (x 1.5, and one FP8 step beyond): E2M1's grid is finest near 0, so a group's typical values can lose
 # less there than its largest loses to the 4..6 gap ("Four Over Six"). SmolLM2's Linears: weight MSE
-# -18% against the shrink-only search (benchmarks/nvfp4_scale_search.py).
+# -18% against the shrink-only search (benchmarks/quality/nvfp4_scale_search.py).
 NVFP4_SCALE_SEARCH: tuple[float, ...] = DEFAULT_SHRINK_GRID + tuple(round(1.0 + 0.02 * i, 2) for i in range(1, 31))
 
 

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # (output channels per program, warps per program) for full 128-column blocks; narrower blocks take 2x the
-# channels. A setting, not a constant, so benchmarks/gptq_kernel_bench.py can sweep it on a GPU.
+# channels. A setting, not a constant, so benchmarks/speed/gptq_kernel_bench.py can sweep it on a GPU.
 TILE = (32, 4)
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_bench.py end to end on the CPU with a tiny Llama: the one-command GPU benchmark runs
+"""benchmarks/speed/gpu_bench.py end to end on the CPU with a tiny Llama: the one-command GPU benchmark runs
 (every fp8ptq row, timings, memory, KL from the shared evaluator) wherever the test suite runs; on a GPU
 machine the same command with --device cuda and the 8B shape is the measurement."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "speed"
 
 
 @pytest.mark.slow  # three quantize processes and four evaluations: ~1 min quiet, 4 min contended

@@ -6,7 +6,7 @@ conftest.RECIPE_CI_RTN, nvfp4 with one SmoothQuant alpha: conftest.RECIPE_CI_OPT
 conftest.recipe_export, whose exports the engine tests in test_vllm_real.py serve too): the mechanics,
 not the quality.
 Each recipe's quality against its own gates, on the 8 x 256 calibration and 4 held-out samples the gates
-were set for (what this test asserted until issue 31), is `make bench` (benchmarks/recipes_bench.py;
+were set for (what this test asserted until issue 31), is `make bench` (benchmarks/quality/recipes_bench.py;
 results in BENCHMARKS.md)."""
 
 import math

@@ -11,7 +11,7 @@ what the activations and the KV cache cost on their own. The row with every part
 llm-compressor's FP8 + KV8 preset computes (min-max everywhere), a check that this script's evaluator
 agrees with `fp8ptq eval quality` (BENCHMARKS.md compares the two).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_floor.py --eval-data licences.txt
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quality/fp8_floor.py --eval-data licences.txt
 """
 
 from __future__ import annotations

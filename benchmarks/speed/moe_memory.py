@@ -4,7 +4,7 @@ bf16 weights, a 1024-token in-process tokenizer (so the embedding is small and R
 next to what one layer and the activation store weigh; and llm-compressor's FP8 + KV8 on the same
 model and tokens when its venv exists (benchmarks/setup_llmc_venv.sh).
 
-    .venv/bin/python benchmarks/moe_memory.py [--layers 2] [--samples 16] [--seq 256] [--work /tmp/fp8ptq-moe]
+    .venv/bin/python benchmarks/speed/moe_memory.py [--layers 2] [--samples 16] [--seq 256] [--work /tmp/fp8ptq-moe]
 
 Prints a markdown table for BENCHMARKS.md.
 """
@@ -16,9 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from probe import child
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: probe.py, llmc_quantize.py, .venv-llmc
+sys.path.insert(0, str(BENCH))
+from probe import child  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 SHAPE = dict(
     hidden_size=2048,
@@ -96,7 +97,7 @@ def main() -> None:
     tokens = [sum(x["tokens"]) for layer in manifest["layers"] for x in layer["experts"].values()]
     starved = [len(x["all_tokens"]) for layer in manifest["layers"] for x in layer["experts"].values()]
     print(f"routed pairs per layer: {tokens}; experts calibrated on all tokens per layer: {starved}")
-    llmc = HERE / ".venv-llmc" / "bin" / "python"
+    llmc = BENCH / ".venv-llmc" / "bin" / "python"
     if a.no_llmc:
         return
     if not llmc.is_file():
@@ -110,7 +111,7 @@ def main() -> None:
     ids = load_samples("builtin", open_hf_dir(model).tokenizer(), a.samples, a.seq, "calibration", 0)
     calib = a.work / "calib.safetensors"
     save_file({"input_ids": ids.contiguous()}, str(calib))
-    cmd = [str(llmc), str(HERE / "llmc_quantize.py"), "--model", str(model), "--calib", str(calib)]
+    cmd = [str(llmc), str(BENCH / "llmc_quantize.py"), "--model", str(model), "--calib", str(calib)]
     meta, lines, err = child([*cmd, "--scheme", "fp8-kv8", "--out", str(a.work / "llmc-out")])
     if meta["rc"] != 0:
         print(f"\nllm-compressor 0.14 fp8-kv8 failed (peak RSS {meta['rss']:.0f} MiB, {meta['wall']:.0f} s):")

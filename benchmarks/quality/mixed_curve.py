@@ -1,6 +1,6 @@
 """KL vs 4-bit FLOP share of the automatic 4/8-bit mix (recipe mixed-w4-w8), per sensitivity measure.
 
-    .venv/bin/python benchmarks/mixed_curve.py [--fractions 0 0.25 0.5 0.75 1] [--sensitivity output kl]
+    .venv/bin/python benchmarks/quality/mixed_curve.py [--fractions 0 0.25 0.5 0.75 1] [--sensitivity output kl]
         [--num-samples 32 --seq-len 512 --eval-samples 32] [--png docs/mixed-kl-vs-int4-share.png]
 
 Every point is a full `fp8ptq quantize` (same calibration tokens) scored by the same evaluator (engine

@@ -2,7 +2,7 @@
 scales, of the shrink-only clip search (DEFAULT_SHRINK_GRID) and of fp8ptq's search that also tries
 larger scales (NVFP4_SCALE_SEARCH, up to amax -> 4 instead of 6). Weight error only (no GPTQ, no data).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/nvfp4_scale_search.py [--layers 40]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/quality/nvfp4_scale_search.py [--layers 40]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ wall-clock tokens/s of speculative decoding (fp8ptq.spec.measure.speculative_gen
 decoding with the same cache and sampling code (plain_generate), plus the costs (draft step, target over
 k tokens) and the predicted speedup from them.
 
-    python3 benchmarks/spec_gpu.py --target DIR --draft DIR --prompts prompts.json --out result.json
+    python3 benchmarks/spec/spec_gpu.py --target DIR --draft DIR --prompts prompts.json --out result.json
     (prompts.json: a list of token-id lists, e.g. the held-out prompts `spec measure --save` stored)
 """
 

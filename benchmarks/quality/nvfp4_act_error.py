@@ -7,7 +7,7 @@ divided by the output's energy ||x W^T||^2. Columns: the static per-tensor scale
 at the min-max power of two (what fp8ptq calibrates, x 1) and multiples of it (below 1: the largest groups
 saturate), and exact group scales (no FP8 rounding: what any static scale could at best buy).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/nvfp4_act_error.py
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quality/nvfp4_act_error.py
 """
 
 from __future__ import annotations

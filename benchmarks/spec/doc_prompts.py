@@ -6,7 +6,7 @@ prompts repeat each topic ~15 times; the docstrings of the stdlib's modules, cla
 same kind of text (Python documentation) from a few thousand distinct sources. The measurement prompts
 (the evaluation split of the pydoc topics) are not in either.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/doc_prompts.py -o prompts.jsonl --num 2048 --builtin 256
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/spec/doc_prompts.py -o prompts.jsonl --num 2048 --builtin 256
     fp8ptq draft-train TARGET --kind eagle3 --prompts prompts.jsonl --num-prompts 2304 ...
 """
 

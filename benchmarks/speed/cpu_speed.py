@@ -1,6 +1,6 @@
 """Calibrate+quantize time against one plain fp32 forward over the same tokens, in the same process.
 
-    .venv/bin/python benchmarks/cpu_speed.py [--recipe fp8-kv8] [--weights default rtn gptq] [--repeat 2]
+    .venv/bin/python benchmarks/speed/cpu_speed.py [--recipe fp8-kv8] [--weights default rtn gptq] [--repeat 2]
         [--num-samples 64 --seq-len 512] [--model smollm2-135m] [--profile 25]
 
 Each repeat times, back to back so both see the same machine load: (1) one plain `model.model(...)`
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

@@ -1,6 +1,6 @@
 """fp8ptq vs llm-compressor on the same model, calibration tokens and evaluator.
 
-    .venv/bin/python benchmarks/compare_llmc.py --schemes fp8-kv8 fp8-dynamic w4a16=w4a16-g64-gptq \
+    .venv/bin/python benchmarks/quality/compare_llmc.py --schemes fp8-kv8 fp8-dynamic w4a16=w4a16-g64-gptq \
         w8a8-int8 [--num-samples 64 --seq-len 512 --eval-samples 32] [--work /tmp/fp8ptq-bench] [--reuse]
         [--fp8ptq-args '--offload-activations --chunk-tokens 1024'] [--eval-data licences.txt]
 
@@ -27,12 +27,14 @@ import time
 from pathlib import Path
 
 import torch
-from probe import child
 from safetensors.torch import save_file
 
-HERE = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: probe.py, llmc_quantize.py, .venv-llmc
+sys.path.insert(0, str(BENCH))
+from probe import child  # noqa: E402
+
 # LLMC_PYTHON overrides (e.g. a git worktree using the main checkout's venv)
-LLMC_PY = Path(os.environ.get("LLMC_PYTHON", HERE / ".venv-llmc" / "bin" / "python"))
+LLMC_PY = Path(os.environ.get("LLMC_PYTHON", BENCH / ".venv-llmc" / "bin" / "python"))
 
 
 def child_run(cmd: list[str], env=None) -> tuple[float, float, str]:
@@ -151,7 +153,7 @@ def main():
                 wall, rss, stdout = child_run(
                     [
                         str(LLMC_PY),
-                        str(HERE / "llmc_quantize.py"),
+                        str(BENCH / "llmc_quantize.py"),
                         "--model",
                         str(src.path),
                         "--calib",

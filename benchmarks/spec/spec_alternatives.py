@@ -1,8 +1,8 @@
 """Cheap alternatives to a long draft distillation, measured on SmolLM2-135M (BENCHMARKS.md, issue 4).
 
-    python benchmarks/spec_alternatives.py subsets              # target layer subsets as drafts, untrained
-    python benchmarks/spec_alternatives.py lens --data DRAFT/fp8ptq_draft_data.st   # tuned-lens exits
-    python benchmarks/spec_alternatives.py ngram --target Q [--prompts 16] [--max-tokens 64] [--vllm 4]
+    python benchmarks/spec/spec_alternatives.py subsets              # target layer subsets as drafts, untrained
+    python benchmarks/spec/spec_alternatives.py lens --data DRAFT/fp8ptq_draft_data.st   # tuned-lens exits
+    python benchmarks/spec/spec_alternatives.py ngram --target Q [--prompts 16] [--max-tokens 64] [--vllm 4]
 
 subsets: top-1 agreement / KL of drafts made of some of the target's layers (+ final norm + head), no
 training, against the bf16 target on 4 × 256 held-out tokens. lens: a least-squares linear map from the

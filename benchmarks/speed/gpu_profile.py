@@ -1,9 +1,9 @@
 """Where the calibrate+quantize time of one fp8ptq run goes on a GPU: host regions and device kernels.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_profile.py --layers 4 --weights rtn [--compute-dtype tf32] \
+    PYTHONPATH=$PWD python3 benchmarks/speed/gpu_profile.py --layers 4 --weights rtn [--compute-dtype tf32] \
         [--work /tmp/fp8ptq-gpubench] [--json out.json]
 
-The synthetic Llama-3-8B-width model and calibration tokens of benchmarks/gpu_bench.py (same --work cache).
+The synthetic Llama-3-8B-width model and calibration tokens of benchmarks/speed/gpu_bench.py (same --work cache).
 One quantize (fp8-kv8; --weights rtn|gptq) runs in this process under torch.profiler, with fp8ptq's own
 steps labelled (record_function around the calibration's passes and stages, the layer reader, the
 writer, the embedding lookup, the assembly). Printed, and written to --json: the run's timings, each

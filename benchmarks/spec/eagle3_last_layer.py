@@ -7,7 +7,7 @@ RMS (the linear warm start's target). With `fc_norm` (fp8ptq's default) each aux
 before fc, so that chunk is exactly what vLLM would feed for aux id L (vLLM 0.32 records id idx + 1 after
 decoder layer idx: `_maybe_add_hidden_state` in llama.py), up to bf16 rounding of the stored values.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/eagle3_last_layer.py SRC_OUT DST_OUT
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/spec/eagle3_last_layer.py SRC_OUT DST_OUT
     fp8ptq draft-train TARGET -o DST_OUT --kind eagle3 --layer-ids 2,15,30 ...  # the same data flags as SRC
 
 SRC_OUT / DST_OUT are draft-train output paths; their work dirs are .NAME.draft-work beside them (SRC's

@@ -6,7 +6,7 @@ Models: `fp8ptq.models.synthetic.write_synthetic` (hidden 1024, intermediate 409
 a 1024-token in-process tokenizer so the layers dominate), converted data-free with `fp8-dynamic` (the
 candidate); each measurement runs in its own process (benchmarks/probe.py).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/eval_memory.py [--depths 8 32] [--samples 4] [--seq 256]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/speed/eval_memory.py [--depths 8 32] [--samples 4] [--seq 256]
         [--work /tmp/fp8ptq-evalmem] [--no-whole]
 
 Prints a markdown table for BENCHMARKS.md.
@@ -20,9 +20,10 @@ import os
 import sys
 from pathlib import Path
 
-from probe import child
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared probe.py
+from probe import child  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 WHOLE = (
     "import json, sys; from fp8ptq.api import EvalConfig; from fp8ptq import data; "
     "from fp8ptq.eval.quality import compare, load_simulated; from fp8ptq.models.loader import open_hf_dir; "

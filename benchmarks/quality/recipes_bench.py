@@ -1,6 +1,6 @@
 """`make bench`: every built-in recipe on the demo model, held to its own quality gates, results as JSON.
 
-    .venv/bin/python benchmarks/recipes_bench.py [--recipes fp8-kv8,nvfp4] [--full] [--out FILE]
+    .venv/bin/python benchmarks/quality/recipes_bench.py [--recipes fp8-kv8,nvfp4] [--full] [--out FILE]
 
 The recipe gates used to be asserted in the test suite (tests/e2e/test_recipes_ci.py, 8 x 256 calibration
 tokens, 4 held-out samples). The suite now checks the recipes' mechanics on less calibration (gates
@@ -26,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from probe import child
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the shared probe.py
+from probe import child  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 # SmolLM2's widths (576, 1536) take 64, not the recipes' 128 defaults: what its users pass
 OPTIONS = {"fp8-block": ["--block-size", "64"], "w4a8-fp8": ["--group-size", "64"]}
 CI_CALIBRATION = ["--num-samples", "8", "--seq-len", "256", "--eval-samples", "4"]

@@ -2,7 +2,7 @@
 models generated on the fly (random weights with injected outlier channels, sharded safetensors), and
 how fast the data-free fp8-dynamic conversion runs next to the disk's own read+write speed.
 
-    .venv/bin/python benchmarks/scale.py [--work /tmp/fp8ptq-scale] [--png docs/scale.png] [--quick]
+    .venv/bin/python benchmarks/speed/scale.py [--work /tmp/fp8ptq-scale] [--png docs/scale.png] [--quick]
         [--llmc [--llmc-shape 8x2048x8192] | --only-llmc | --only-data-free]
 
 Every point is one `fp8ptq quantize` subprocess (recipe fp8-kv8: static FP8 inputs, FP8 KV, GPTQ);
@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from probe import child
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: probe.py, llmc_quantize.py, .venv-llmc
+sys.path.insert(0, str(BENCH))
+from probe import child  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 
 
@@ -141,11 +142,11 @@ def compare_llmc(model_dir: Path, work: Path, samples: int, seq: int, offload_on
     for extra in [offload] if offload_only else [(), offload]:
         r = quantize(model_dir, work / "cmp-fp8ptq", "fp8-kv8", samples, seq, *extra)
         rows.append((f"fp8ptq {' '.join(extra)}".strip(), r["manifest"]["timings"]["quantize_s"], r["wall"], r["rss"]))
-    llmc = HERE / ".venv-llmc" / "bin" / "python"
+    llmc = BENCH / ".venv-llmc" / "bin" / "python"
     meta, lines, err = child(
         [
             str(llmc),
-            str(HERE / "llmc_quantize.py"),
+            str(BENCH / "llmc_quantize.py"),
             "--model",
             str(model_dir),
             "--calib",

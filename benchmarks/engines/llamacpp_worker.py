@@ -1,4 +1,4 @@
-"""llama.cpp's side of benchmarks/llamacpp_check.py, run by .venv-llama's python (`make llama`): it imports
+"""llama.cpp's side of benchmarks/engines/llamacpp_check.py, run by .venv-llama's python (`make llama`): it imports
 llama-cpp-python and numpy only.
 
     python llamacpp_worker.py logits GGUF TOKENS.npy OUT.npz [GREEDY_PROMPT_LEN GREEDY_NEW]

@@ -3,7 +3,7 @@ identical training (issue 20): the same fc / decoder layer / norm, and an LM hea
 whole vocabulary whose rows for the kept ids are the trimmed head's trained rows and whose other rows
 are the target's own LM-head rows (what draft-train starts every row from). No d2t / t2d.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/eagle3_untrim.py TARGET TRIMMED_HEAD -o FULL_HEAD
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/spec/eagle3_untrim.py TARGET TRIMMED_HEAD -o FULL_HEAD
 
 Training a full-vocabulary head directly is the other comparison; on the 2-core CPU its LM head (49152
 rows) made a training step ~4.5x slower than the 8192-row head's (BENCHMARKS.md), too slow to repeat

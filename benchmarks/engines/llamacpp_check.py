@@ -14,7 +14,7 @@ activations in quantized dot products, an F16 KV cache). Exports: fp8ptq's `--gg
 export carried as exact Q4_0 codes (--calibrated), and llama.cpp's own Q4_K_M / Q4_0 (llama_model_quantize,
 no importance matrix) of fp8ptq's F32 GGUF, for the quality comparison.
 
-    make llama && .venv/bin/python benchmarks/llamacpp_check.py [--work /tmp/fp8ptq-llamacpp] [--calibrated]
+    make llama && .venv/bin/python benchmarks/engines/llamacpp_check.py [--work /tmp/fp8ptq-llamacpp] [--calibrated]
 
 Writes benchmarks/results/llamacpp.json and prints a markdown table.
 """
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PY = ROOT / ".venv-llama" / "bin" / "python"
-WORKER = ROOT / "benchmarks" / "llamacpp_worker.py"
+WORKER = Path(__file__).resolve().parent / "llamacpp_worker.py"
 
 
 def worker(*args) -> str:

@@ -1,7 +1,7 @@
 """fp8-kv8 ablation: observer (minmax | mse) x weight method (rtn | gptq | gptq-act: GPTQ with static
 act-order), same data and evaluator.
 
-    .venv/bin/python benchmarks/ablation.py [--num-samples 16 --seq-len 512 --eval-samples 32] \
+    .venv/bin/python benchmarks/quality/ablation.py [--num-samples 16 --seq-len 512 --eval-samples 32] \
         [--observers minmax,mse] [--methods rtn,gptq,gptq-act]
 
 Prints a markdown table for BENCHMARKS.md. Variants are built from the built-in fp8-kv8 recipe by

@@ -2,7 +2,7 @@
 # Issue 21: SmolLM2-135M fp8-kv8 (FP8 static W8A8 + FP8 KV), fp8ptq default vs --rotate, scored in-domain
 # (built-in evaluation split) and off-domain (Debian's licence texts, /usr/share/common-licenses: legal
 # prose, never used for calibration) by the same evaluator. One run at a time.
-#   bash benchmarks/offdomain_rotate.sh [CALIB_SAMPLES=16] [EVAL_SAMPLES=16] [WORK=/tmp/i21]
+#   bash benchmarks/quality/offdomain_rotate.sh [CALIB_SAMPLES=16] [EVAL_SAMPLES=16] [WORK=/tmp/i21]
 set -euo pipefail
 CAL=${1:-16}; EV=${2:-16}; WORK=${3:-/tmp/i21}
 mkdir -p "$WORK"

@@ -2,9 +2,9 @@
 (ops.gptq_kernel) vs llm-compressor's `quantize_weight` (0.14, its own Triton block kernel where it has
 one), with the same W, H and scales; checks the kernel against the eager loop bit for bit.
 
-    PYTHONPATH=$PWD python3 benchmarks/gptq_kernel_bench.py --device cuda --json out.json
+    PYTHONPATH=$PWD python3 benchmarks/speed/gptq_kernel_bench.py --device cuda --json out.json
     # tiny smoke run on the CPU (the kernel then runs only under TRITON_INTERPRET=1):
-    PYTHONPATH=$PWD python3 benchmarks/gptq_kernel_bench.py --device cpu --shapes 64x128 --no-eager-big
+    PYTHONPATH=$PWD python3 benchmarks/speed/gptq_kernel_bench.py --device cpu --shapes 64x128 --no-eager-big
 
 Rows: shape x grid, each with seconds for eager / kernel / llm-compressor (median of --repeats after one
 warm-up, CUDA synchronised), the kernel's speedup and `bit_equal`. llm-compressor's FP8 grids take
