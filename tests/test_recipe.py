@@ -90,3 +90,32 @@ def test_fp8_channel_weights_refuse_a_weight_search_unless_a_mixed_part_takes_it
     data["scheme"]["weights"] = {"num_bits": 8, "type": "float", "strategy": "channel"}
     data["scheme"]["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
     assert parse_recipe(data, "x.yaml").calibration.weight_observer == "mse"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"group_size": 64},
+        {"group_size": 32},
+        {"block_size": 64},
+        {"smooth_alpha": "0.5"},
+        {"tp": 2},
+        {"int4_fraction": 0.3},
+    ],
+)
+def test_a_flag_the_recipe_lacks_names_built_in_recipes_that_take_it(flags):
+    """The fix of `--group-size on fp8-dynamic` (and the other alias flags) names built-in recipes found
+    in the recipe files, and each one named really takes the flag."""
+    import re
+
+    from fp8ptq.runs.config import QuantizeConfig
+    from fp8ptq.runs.overrides import recipe_overrides
+
+    cfg = QuantizeConfig(model="m", recipe="fp8-dynamic", output="o", **flags)
+    with pytest.raises(RecipeError, match="needs a recipe with") as err:
+        recipe_overrides(cfg, load_recipe("fp8-dynamic"))
+    named = re.findall(r"[\w.-]+", err.value.fix.split(" use ", 1)[1].replace(" or ", ", "))
+    named = [n for n in named if n in builtin_names()]
+    assert named, err.value.fix
+    for name in named:
+        recipe_overrides(QuantizeConfig(model="m", recipe=name, output="o", **flags), load_recipe(name))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import yaml
 
 from fp8ptq.errors import RecipeError
-from fp8ptq.recipe import Recipe, head_from, parse_recipe
+from fp8ptq.recipe import Recipe, builtin_names, head_from, load_recipe, parse_recipe
 from fp8ptq.runs.config import QuantizeConfig
 
 WEIGHT_METHODS = ("rtn", "gptq")
@@ -44,15 +44,16 @@ def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
         if data.get(section) is None:
             raise RecipeError(
                 f"{flag} needs a recipe with a '{section}' section; '{recipe.name}' has none",
-                fix=f"drop {flag} or use a recipe such as {'mixed-w4-w8' if section == 'mixed' else 'flatten-w8a8'}",
+                fix=f"drop {flag} or use {such_as(lambda r, s=section: getattr(r, s) is not None)}",
             )
         data[section][key] = value
     if cfg.group_size is not None:
         w = data["scheme"]["weights"]
         if w.get("strategy") != "group":
+            has = lambda r: takes(r, "scheme.weights.group_size", cfg.group_size)  # noqa: E731
             raise RecipeError(
                 f"--group-size needs a recipe with group weights; '{recipe.name}' has {w.get('strategy')} weights",
-                fix="drop --group-size or use a recipe such as w4a16 or w4a8-fp8",
+                fix=f"drop --group-size or use {such_as(has)}",
             )
         w["group_size"] = cfg.group_size
     if cfg.block_size is not None:
@@ -60,7 +61,7 @@ def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
         if w.get("strategy") != "block":
             raise RecipeError(
                 f"--block-size needs a recipe with block weights; '{recipe.name}' has {w.get('strategy')} weights",
-                fix="drop --block-size or use the recipe fp8-block",
+                fix=f"drop --block-size or use {such_as(lambda r: r.scheme.weights.strategy == 'block')}",
             )
         w["block_structure"] = [cfg.block_size, cfg.block_size]
         if a is not None and a.get("strategy") == "group":
@@ -70,12 +71,37 @@ def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
     return parse_recipe(data, f"{recipe.name} with command-line overrides")
 
 
+def such_as(has, most: int = 3) -> str:
+    """'the recipe X' / 'a recipe such as X, Y or Z': the built-in recipes for which has(recipe) holds,
+    found in the recipe files (a new recipe is named without an edit here)."""
+    names = [n for n in builtin_names() if has(load_recipe(n))][:most]
+    if len(names) <= 1:
+        return f"the recipe {names[0]}" if names else "a recipe YAML that has it"
+    return "a recipe such as " + ", ".join(names[:-1]) + f" or {names[-1]}"
+
+
+def takes(recipe: Recipe, key: str, value) -> bool:
+    """Whether `recipe` validates with KEY (dotted, on a section it has) set to VALUE."""
+    data = recipe.model_dump(mode="json")
+    node = data
+    for part in key.split(".")[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or key.split(".")[-1] not in node:
+        return False
+    node[key.split(".")[-1]] = value
+    try:
+        parse_recipe(data, "probe")
+    except RecipeError:
+        return False
+    return True
+
+
 def _smooth_alpha(value: str, recipe: Recipe, smooth: dict | None) -> dict:
     """--smooth-alpha: 'auto' (the recipe's measured search) or one alpha for every layer (no search)."""
     if smooth is None:
         raise RecipeError(
             f"--smooth-alpha needs a recipe with a 'smooth' section; '{recipe.name}' has none",
-            fix="drop --smooth-alpha or use a recipe such as w8a8-int8 or nvfp4",
+            fix=f"drop --smooth-alpha or use {such_as(lambda r: r.smooth is not None)}",
         )
     if value != "auto":
         try:
