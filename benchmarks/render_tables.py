@@ -65,7 +65,47 @@ def ci_suite(data: dict) -> str:
     return head + "".join(rows)
 
 
-RENDERERS = {"recipes": recipes, "ci-suite": ci_suite}
+# The GGUF table's rows: a label and the export(s) of benchmarks/results/llamacpp.json it shows; a row of two
+# exports shows "first / second" in each cell (the llama.cpp gap: mean |Δlog p| only).
+GGUF_ROWS = (
+    ("fp8ptq `--gguf-type Q4_K_M`", ("fp8ptq Q4_K_M",)),
+    ("fp8ptq `--gguf-type Q4_K_M --importance builtin` (32×512 calibration)", ("fp8ptq Q4_K_M --importance builtin",)),
+    ("llama.cpp `llama_model_quantize` Q4_K_M (no imatrix)", ("llama.cpp Q4_K_M",)),
+    ("fp8ptq `--gguf-type Q4_0` / llama.cpp Q4_0", ("fp8ptq Q4_0", "llama.cpp Q4_0")),
+    ("fp8ptq Q6_K / Q8_0", ("fp8ptq Q6_K", "fp8ptq Q8_0")),
+    ("F32 (control)", ("F32 (control: llama.cpp's own numerics)",)),
+)
+
+
+def llamacpp(data: dict) -> str:
+    """fp8ptq's GGUF exports scored by llama.cpp (benchmarks/engines/llamacpp_check.py): size, the
+    quantization's KL, and how far llama.cpp's log-probs are from fp8ptq's simulation of the same file."""
+
+    def kl(v: float) -> str:
+        return "0" if v == 0 else f"{v:.4f}" if v < 0.1 else f"{v:.3f}"
+
+    def dlogp(v: float) -> str:
+        return f"{v:.4f}" if v < 0.01 else f"{v:.3f}"
+
+    def both(values: list[str]) -> str:
+        return " / ".join(dict.fromkeys(values))  # equal values shown once
+
+    head = "| GGUF (same model) | MiB | KL | llama.cpp gap: mean \\|Δlog p\\| / KL / top-1 | commit | machine | |\n"
+    head += "|---|---:|---:|---|---|---|---|\n"
+    rows = []
+    for label, names in GGUF_ROWS:
+        ex = [data["exports"][n] for n in names]
+        gap = [dlogp(e["engine_dlogp"]) for e in ex]
+        if len(ex) == 1:
+            gap += [f"{ex[0]['engine_kl']:.4f}", f"{ex[0]['engine_top1']:.3f}"]
+        cells = [label, both([f"{e['mb']:.1f}" for e in ex]), both([kl(e["quant_kl"]) for e in ex]), " / ".join(gap)]
+        cells += [ex[0].get("commit", data["commit"]), data["machine"], f"[§]({data['link']})" if data["link"] else "—"]
+        rows.append("| " + " | ".join(cells) + " |\n")
+    run = f"{data['rows']}×{data['seq']} held-out tokens, llama-cpp-python {data['version']['llama_cpp_python']}"
+    return head + "".join(rows) + f"\nCommand: `{data['command']}`; {run}.\n"
+
+
+RENDERERS = {"recipes": recipes, "ci-suite": ci_suite, "llamacpp": llamacpp}
 
 
 def render_page(text: str, root: Path = REPO) -> str:

@@ -16,13 +16,16 @@ no importance matrix) of fp8ptq's F32 GGUF, for the quality comparison.
 
     make llama && .venv/bin/python benchmarks/engines/llamacpp_check.py [--work /tmp/fp8ptq-llamacpp] [--calibrated]
 
-Writes benchmarks/results/llamacpp.json and prints a markdown table.
+Writes benchmarks/results/llamacpp.json (BENCHMARKS.md's GGUF table is rendered from it: benchmarks/render_tables.py;
+relabel `machine` with the page's name for the machine and set `link` to the notebook section) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -102,6 +105,13 @@ def compare(ref: torch.Tensor, sim: torch.Tensor, eng: torch.Tensor, tokens: np.
     }
 
 
+def commit() -> str:
+    """The checkout's short commit, "-dirty" when fp8ptq/ has uncommitted changes (as recipes_bench.py)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "fp8ptq"], cwd=ROOT, capture_output=True, text=True)
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
@@ -150,7 +160,10 @@ def main() -> None:
         convert(ConvertConfig(source=ckpt, output=out, to="gguf", overwrite=True))
         exports["fp8ptq w4a16-gguf (calibrated) Q4_0"] = out
 
-    results = {"version": json.loads(worker("version")), "rows": a.rows, "seq": a.seq, "exports": {}}
+    machine = f"{os.cpu_count()}-core {platform.machine()}"  # relabel with the page's name (M1, M2, ...)
+    command = "make llama && .venv/bin/python benchmarks/engines/llamacpp_check.py"
+    results = {"version": json.loads(worker("version")), "commit": commit(), "machine": machine, "command": command}
+    results |= {"link": None, "rows": a.rows, "seq": a.seq, "exports": {}}  # link: the notebook section
     results["tokenizer"] = tokenizer_agreement(exports["fp8ptq Q4_K_M"], smol, a.work)
     print("tokenizer: llama.cpp == transformers on", results["tokenizer"], flush=True)
     for name, path in exports.items():
