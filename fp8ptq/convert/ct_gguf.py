@@ -33,6 +33,7 @@ from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.ops.ggml import BLOCK, pack_q4_0, pack_q8_0
+from fp8ptq.quantize.schemes import handler
 
 LINEAR_KEYS = (
     "weight",
@@ -61,12 +62,11 @@ class Planned:
 def _exact_bits(scheme, shape) -> int | None:
     """4 or 8 when the weights are a symmetric INT grid GGUF's Q4_0 / Q8_0 hold code for code."""
     w = scheme.weights
-    if w is None or w.type != "int" or not w.symmetric or w.num_bits not in (4, 8) or w.dynamic:
+    codes = None if w is None else handler(w).symmetric_codes(w, shape[1])
+    if codes is None or codes[0] not in (4, 8):
         return None
-    if str(getattr(w, "actorder", None) or "") == "group":  # g_idx reorders groups: not contiguous blocks
-        return None
-    group = shape[1] if w.strategy == "channel" else w.group_size if w.strategy == "group" else None
-    return w.num_bits if group and group % BLOCK == 0 and shape[1] % BLOCK == 0 else None
+    bits, cols = codes
+    return bits if cols % BLOCK == 0 and shape[1] % BLOCK == 0 else None
 
 
 def plan(src: ModelSource, dtype: torch.dtype, ftype: str | None = None) -> tuple[list[Planned], list[str]]:

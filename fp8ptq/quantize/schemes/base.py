@@ -95,6 +95,11 @@ class SchemeHandler:
         args, or None for inputs it leaves unquantized. Default: as declared."""
         return acts
 
+    def symmetric_codes(self, args: QuantizationArgs, in_features: int) -> tuple[int, int] | None:
+        """(bits, columns per scale) when these weights are symmetric integer codes with one scale per row
+        over contiguous columns (a converter can carry them code for code), else None."""
+        return None
+
     def fixed_group_size(self, args: QuantizationArgs) -> int | None:
         """The group size the format itself fixes (a weight width it does not divide cannot be fixed by
         another --group-size), or None when it is the recipe's choice."""

