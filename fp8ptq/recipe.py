@@ -160,8 +160,12 @@ class Smooth(_Frozen):
     """SmoothQuant: per-channel scales s folded into the RMSNorm before q/k/v and gate/up (x/s, W·s).
     Exact in fp32; moves activation outliers into the weights. alpha 'auto' picks, per layer and per
     group, the alpha in `alphas` with the smallest measured quantized-output error; no smoothing is
-    always a candidate, so a group is only smoothed where it measurably helps."""
+    always a candidate, so a group is only smoothed where it measurably helps.
+    method: smoothquant (s from the channels' max |x| and max |W|) or awq (activation-aware weight
+    scaling: s from their mean magnitudes, as AWQ; for weight-only recipes too, where the error is the
+    weights' alone)."""
 
+    method: Literal["smoothquant", "awq"] = "smoothquant"
     alpha: Fraction | Literal["auto"] = "auto"
     alphas: tuple[Fraction, ...] = Field((0.2, 0.35, 0.5, 0.65, 0.8, 0.95), min_length=1)
     groups: tuple[Literal["qkv", "gate_up"], ...] = ("qkv", "gate_up")
@@ -269,8 +273,11 @@ class Recipe(_Frozen):
             raise ValueError("mixed: the main scheme is the 8-bit one; its weights must be 8-bit")
         if self.flatten is not None and self.scheme.input_activations is None:
             raise ValueError("flatten shrinks activation scales: it needs input_activations")
-        if self.smooth is not None and self.scheme.input_activations is None:
-            raise ValueError("smooth migrates activation outliers into weights: it needs input_activations")
+        if self.smooth is not None and self.smooth.method == "smoothquant" and self.scheme.input_activations is None:
+            raise ValueError(
+                "smooth (SmoothQuant) migrates activation outliers into weights: it needs input_activations "
+                "(weight-only recipes: smooth.method awq)"
+            )
         w, a = self.scheme.weights, self.scheme.input_activations
         # the weight search of a mixed recipe is its 4-bit part's, not the 8-bit main scheme's
         handler(w).check_calibration(w, a, self.calibration, searched=self.mixed is None)
@@ -358,7 +365,12 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 # Keys added after recipes were first written, left out of recipe.yaml at their default so that recipes not
 # using them are written (and outputs hash) as before the keys existed.
-_WRITTEN_ONLY_IF_SET = {("transforms",): [], ("calibration", "kv_observer"): "minmax", ("scheme", "lm_head"): None}
+_WRITTEN_ONLY_IF_SET = {
+    ("transforms",): [],
+    ("calibration", "kv_observer"): "minmax",
+    ("scheme", "lm_head"): None,
+    ("smooth", "method"): "smoothquant",
+}
 
 
 def recipe_record(recipe: Recipe) -> dict:
@@ -367,6 +379,8 @@ def recipe_record(recipe: Recipe) -> dict:
     data = recipe.model_dump(mode="json")
     if data["scheme"]["lm_head"] is None:
         del data["scheme"]["lm_head"]
+    if data["smooth"] is not None and data["smooth"]["method"] == "smoothquant":
+        del data["smooth"]["method"]
     return data
 
 
@@ -375,7 +389,7 @@ def recipe_yaml(recipe: Recipe) -> str:
     for (*path, key), default in _WRITTEN_ONLY_IF_SET.items():
         section = data
         for p in path:
-            section = section[p]
-        if section[key] == default:
+            section = section[p] if section is not None else None
+        if section is not None and section[key] == default:
             del section[key]
     return yaml.safe_dump(data, sort_keys=False)

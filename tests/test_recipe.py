@@ -119,3 +119,20 @@ def test_a_flag_the_recipe_lacks_names_built_in_recipes_that_take_it(flags):
     assert named, err.value.fix
     for name in named:
         recipe_overrides(QuantizeConfig(model="m", recipe=name, output="o", **flags), load_recipe(name))
+
+
+def test_awq_is_the_smooth_method_weight_only_recipes_take():
+    """smooth.method awq works without input activations; SmoothQuant still needs them (the error says
+    awq). Recipes that leave method at smoothquant are written and recorded without the key, as before."""
+    from fp8ptq.recipe import recipe_record
+
+    data = load_recipe("w4a16").model_dump(mode="json")
+    with pytest.raises(RecipeError, match="it needs input_activations .weight-only recipes: smooth.method awq"):
+        parse_recipe(data | {"smooth": {"alpha": "auto"}}, "t")
+    awq = parse_recipe(data | {"smooth": {"method": "awq"}}, "t")
+    assert awq.smooth.method == "awq" and recipe_record(awq)["smooth"]["method"] == "awq"
+    assert "method: awq" in recipe_yaml(awq)
+    sq = load_recipe("w8a8-int8")
+    assert sq.smooth.method == "smoothquant" and "method" not in recipe_record(sq)["smooth"]
+    assert "method" not in yaml.safe_load(recipe_yaml(sq))["smooth"]
+    assert yaml.safe_load(recipe_yaml(load_recipe("fp8-kv8")))["smooth"] is None  # no section: unchanged

@@ -16,7 +16,7 @@ from fp8ptq.calibrate.state import RunState, observe_layer
 from fp8ptq.errors import RecipeError
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.outliers.flatten import apply_flatten, flattened_amax, flattened_width, plan_flatten
-from fp8ptq.outliers.smooth import choose_alpha, fold, smooth_scales
+from fp8ptq.outliers.smooth import awq_stats, choose_alpha, fold, smooth_scales, weight_amax
 from fp8ptq.outliers.stats import StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer
 from fp8ptq.quantize.results import LayerResult
@@ -53,6 +53,8 @@ def make_transforms(recipe, src: ModelSource) -> Callable | None:
 
 def _act_quant(recipe):
     acts = recipe.scheme.input_activations
+    if acts is None:  # weight-only (smooth.method awq): the inputs stay as they are
+        return lambda x, _amax: x
     grid = handler(acts).act_grid(acts)
     if dynamic_inputs(acts):
         q = input_quantizer(acts, None)
@@ -82,17 +84,27 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
             continue
         weights = [modules[n].weight.data for n in names]
         rows = st.rows.to(weights[0].device)
+        if recipe.smooth.method == "awq":
+            x_stat, w_stat = awq_stats(rows, weights)
+        else:
+            x_stat, w_stat = st.channel_amax, weight_amax(weights)
         if recipe.smooth.alpha == "auto":
             alpha, errors = choose_alpha(
-                rows, st.channel_amax, weights, recipe.smooth.alphas, _act_quant(recipe), wq, screen_quant=screen
+                rows,
+                x_stat,
+                weights,
+                recipe.smooth.alphas,
+                _act_quant(recipe),
+                wq,
+                screen_quant=screen,
+                w_stat=w_stat,
             )
         else:
             alpha, errors = recipe.smooth.alpha, {}
         out[key] = {"alpha": alpha, "errors": errors}
         if alpha is None:
             continue
-        w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
-        s = smooth_scales(st.channel_amax.to(w_amax.device), w_amax, alpha)
+        s = smooth_scales(x_stat.to(w_stat.device), w_stat, alpha)
         norm = modules[norm_name]
         full_norm = f"{prefix}{norm_name}.weight"
         offset = arch.norm_offset if groups[key].offset is None else groups[key].offset

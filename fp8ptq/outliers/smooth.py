@@ -70,6 +70,20 @@ def quantized_output_error(
     return err
 
 
+def weight_amax(weights: list[torch.Tensor]) -> torch.Tensor:
+    """SmoothQuant's weight statistic: max |W| per input channel over the group's Linears."""
+    return torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+
+
+def awq_stats(rows: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's statistics per input channel: mean |x| over the calibration rows, and the mean over the
+    group's output rows of |W| relative to its row's max (llm-compressor's duo scaling); the scales are
+    then smooth_scales(x_mean, w_mean, alpha) = x_mean^alpha / w_mean^(1 - alpha)."""
+    w = torch.cat([w.float() for w in weights])
+    rel = w.abs() / w.abs().amax(dim=1, keepdim=True).clamp_min(_EPS)
+    return rows.float().abs().mean(dim=0), rel.mean(dim=0)
+
+
 def choose_alpha(
     rows: torch.Tensor,
     act_amax: torch.Tensor,
@@ -80,13 +94,16 @@ def choose_alpha(
     *,
     screen_quant=None,
     rescore: int = RESCORE,
+    w_stat: torch.Tensor | None = None,
 ) -> tuple[float | None, dict]:
     """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors).
 
+    act_amax / w_stat: the activation and weight statistics the scales come from (SmoothQuant: max |x|
+    and, by default, max |W| per channel; AWQ: awq_stats).
     screen_quant: a cheaper weight rounding (min-max scales where the recipe searches them): every
     candidate is scored with it first and only the `rescore` best are scored again with weight_quant,
     which decides; errors then holds the final scores and, under "screen", the screening ones."""
-    w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    w_amax = weight_amax(weights) if w_stat is None else w_stat
     candidates = {"none": None} | {f"{a:g}": a for a in alphas}  # grid order: ties go to the earlier one
     scales = {
         n: torch.ones(rows.shape[1]) if a is None else smooth_scales(act_amax, w_amax, a) for n, a in candidates.items()

@@ -5,7 +5,7 @@ import torch
 
 from fp8ptq.dist import ChunkPlan, LocalComm, TreeSum
 from fp8ptq.outliers.flatten import apply_flatten, flattened_amax, flattened_width, plan_flatten
-from fp8ptq.outliers.smooth import choose_alpha, fold, smooth_scales
+from fp8ptq.outliers.smooth import awq_stats, choose_alpha, fold, smooth_scales
 from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
 
 
@@ -76,6 +76,28 @@ def test_smooth_fold_is_exact_and_alpha_search_can_decline():
     y = torch.randn(64, 16, generator=g)
     best2, errors2 = choose_alpha(y, y.abs().amax(0), ws, (0.5,), int8, lambda w: w)
     assert (best2 is None) == (errors2["none"] <= errors2["0.5"])
+
+
+def test_awq_scales_protect_salient_input_channels_of_weight_only_int4():
+    """AWQ (smooth.method awq): with inputs left unquantized, scaling the channels that carry large mean
+    |x| up before 4-bit group rounding (and x down, folded) lowers the layer's output error; the search
+    takes the best alpha, and its stats are mean |x| and the row-relative mean |W| per input channel."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 64, generator=g)
+    x[:, :4] *= 20  # salient channels
+    ws = [torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)]
+    x_mean, w_mean = awq_stats(x, ws)
+    torch.testing.assert_close(x_mean, x.abs().mean(0))
+    w = torch.cat(ws)
+    torch.testing.assert_close(w_mean, (w.abs() / w.abs().amax(1, keepdim=True)).mean(0))
+
+    def int4_g16(w):
+        q = w.reshape(w.shape[0], -1, 16)
+        sc = q.abs().amax(-1, keepdim=True) / 7
+        return ((q / sc).round().clamp(-8, 7) * sc).reshape(w.shape)
+
+    best, errors = choose_alpha(x, x_mean, ws, (0.25, 0.5, 0.75), lambda t, _a: t, int4_g16, w_stat=w_mean)
+    assert best is not None and errors[f"{best:g}"] < 0.9 * errors["none"]
 
 
 def test_actstats_chunks_equal_one_pass_and_summary():

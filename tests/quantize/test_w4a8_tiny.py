@@ -42,3 +42,37 @@ def test_export_layout_and_scales(tmp_path, tiny_dir):
     assert s.shape == (64, 4) and torch.equal(fp8_row_group_scales(s), s)  # already on vLLM's grid
     sim = load_simulated(open_hf_dir(out))
     assert sim.numerics["dynamic_inputs"] == sim.numerics["quantized_linears"] == 14
+
+
+def test_awq_scales_a_weight_only_recipe_exactly_where_it_measurably_helps(tmp_path, tiny_dir):
+    """w4a16 + `--set smooth.method=awq`: AWQ's scales are searched per layer and group on the output
+    error of the recipe's own 4-bit rounding, and folded into the norm (the exported norm is the source's
+    divided by the scales where an alpha won; untouched where "none" won)."""
+    out = tmp_path / "awq"
+    m = quantize(
+        QuantizeConfig(
+            model=str(tiny_dir),
+            recipe="w4a16",
+            output=out,
+            group_size=32,
+            num_samples=8,
+            seq_len=64,
+            eval_samples=2,
+            sets=("smooth.method=awq", "smooth.alphas=[0.25, 0.5, 0.75]"),
+        )
+    )
+    assert m.recipe["smooth"]["method"] == "awq"
+    src, t = read_tensors(tiny_dir), read_tensors(out)
+    won = 0
+    for i, layer in enumerate(m.layers):
+        for key, norm in (("qkv", "input_layernorm"), ("gate_up", "post_attention_layernorm")):
+            rep = layer["transforms"]["smooth"][key]
+            name = f"model.layers.{i}.{norm}.weight"
+            if rep["alpha"] is None:
+                assert torch.equal(t[name], src[name])
+            else:
+                won += 1
+                final = {k: v for k, v in rep["errors"].items() if k != "screen"}  # rescored with MSE rounding
+                assert final[f"{rep['alpha']:g}"] == min(final.values()) < final.get("none", float("inf"))
+                assert not torch.equal(t[name], src[name])
+    assert won > 0 and m.quality.kl < 1.0
