@@ -168,7 +168,7 @@ class Smooth(_Frozen):
     method: Literal["smoothquant", "awq"] = "smoothquant"
     alpha: Fraction | Literal["auto"] = "auto"
     alphas: tuple[Fraction, ...] = Field((0.2, 0.35, 0.5, 0.65, 0.8, 0.95), min_length=1)
-    groups: tuple[Literal["qkv", "gate_up"], ...] = ("qkv", "gate_up")
+    groups: tuple[Literal["qkv", "gate_up", "down"], ...] = ("qkv", "gate_up")  # down: into up_proj's rows
 
 
 class Flatten(_Frozen):

@@ -14,6 +14,7 @@ import torch
 
 from fp8ptq.calibrate.state import RunState, observe_layer
 from fp8ptq.errors import RecipeError
+from fp8ptq.models.arch import SmoothGroup
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.outliers.flatten import apply_flatten, flattened_amax, flattened_width, plan_flatten
 from fp8ptq.outliers.smooth import awq_stats, choose_alpha, fold, smooth_scales, weight_amax
@@ -74,6 +75,8 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
         minmax = recipe.calibration.model_copy(update={"weight_observer": "minmax"})
         screen = lambda w: fake_quant_weight(w, recipe.scheme.weights, minmax)  # noqa: E731
     groups = {g.key: g for g in arch.smooth_groups(layer, prefix)}
+    if arch.flatten is not None:  # down_proj's input is up_proj's output: s folds into up's rows
+        groups["down"] = SmoothGroup("down", arch.flatten.up, (arch.flatten.down,))
     out = {}
     for key in recipe.smooth.groups:
         if key not in groups:
@@ -105,6 +108,11 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
         if alpha is None:
             continue
         s = smooth_scales(x_stat.to(w_stat.device), w_stat, alpha)
+        if key == "down":
+            s_eff = _fold_into_rows(modules[norm_name], [modules[n] for n in names], s, f"{prefix}{norm_name}", result)
+            result.float_tensors.update({f"{prefix}{n}.weight": modules[n].weight.data.float() for n in names})
+            out[key]["input_amax"] = {"before": st.amax, "after": float((st.channel_amax.cpu() / s_eff.cpu()).max())}
+            continue
         norm = modules[norm_name]
         full_norm = f"{prefix}{norm_name}.weight"
         offset = arch.norm_offset if groups[key].offset is None else groups[key].offset
@@ -116,6 +124,21 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
             result.float_tensors[f"{prefix}{n}.weight"] = w
         out[key]["input_amax"] = {"before": st.amax, "after": float((st.channel_amax.cpu() / s_eff.cpu()).max())}
     return out
+
+
+def _fold_into_rows(prev, linears, s: torch.Tensor, prev_name: str, result: LayerResult) -> torch.Tensor:
+    """x' = x / s where x is Linear `prev`'s output (its rows and bias divided by s), W' = W * s for the
+    Linears reading it: exact in fp32 (both sides are quantized after). Returns s."""
+    w = prev.weight.data.float() / s.to(prev.weight.device)[:, None]
+    prev.weight.data = w.to(prev.weight.dtype)
+    result.float_tensors[f"{prev_name}.weight"] = w
+    if getattr(prev, "bias", None) is not None:
+        b = prev.bias.data.float() / s.to(prev.bias.device)
+        prev.bias.data = b.to(prev.bias.dtype)
+        result.float_tensors[f"{prev_name}.bias"] = b
+    for lin in linears:
+        lin.weight.data = (lin.weight.data.float() * s.to(lin.weight.device)[None, :]).to(lin.weight.dtype)
+    return s
 
 
 def flatten_layer(layer, prefix: str, stats: dict, recipe, result: LayerResult, target) -> dict:
