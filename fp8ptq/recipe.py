@@ -278,6 +278,9 @@ class Recipe(_Frozen):
                 "smooth (SmoothQuant) migrates activation outliers into weights: it needs input_activations "
                 "(weight-only recipes: smooth.method awq)"
             )
+        kv = self.scheme.kv_cache
+        if kv is not None and kv.strategy == "attn_head" and self.calibration.kv_observer != "minmax":
+            raise ValueError("calibration.kv_observer: per-head KV scales (strategy attn_head) take minmax")
         w, a = self.scheme.weights, self.scheme.input_activations
         # the weight search of a mixed recipe is its 4-bit part's, not the 8-bit main scheme's
         handler(w).check_calibration(w, a, self.calibration, searched=self.mixed is None)

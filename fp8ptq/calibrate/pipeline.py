@@ -38,7 +38,7 @@ from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.precision import pass_precision
 from fp8ptq.outliers.stats import ActStats, StatsSpec
-from fp8ptq.quantize.numerics import input_quantizer
+from fp8ptq.quantize.numerics import input_quantizer, install_kv_quant
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
 from fp8ptq.quantize.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
@@ -214,6 +214,7 @@ class LayerCalibrator:
 
         def observe(_m, k, v):
             c, first = self.chunk
+            self.kv_heads = k.shape[1]
             for key, t in (("k", k), ("v", v)):  # [n, kv_heads, seq, head] -> [n, seq, kv_heads*head]
                 t = t.transpose(1, 2).flatten(2)
                 stats.setdefault(key, self.state.new_stats(t.shape[-1], spec)).update(c, first, t)
@@ -227,15 +228,20 @@ class LayerCalibrator:
         kv = self.recipe.scheme.kv_cache
         grid = handler(kv).act_grid(kv)
         # default minmax: clipping hurts FP8's flat relative error (BENCHMARKS.md, issues 2 and 21)
-        kc, vc = (OBSERVERS[kv_observer](stats[key].reduce(self.state.comm), grid) for key in ("k", "v"))
+        reduced = {key: stats[key].reduce(self.state.comm) for key in ("k", "v")}
+        kc, vc = (OBSERVERS[kv_observer](reduced[key], grid) for key in ("k", "v"))
         prefix = self.plan.prefix + self.attn_name
         finite_stats(f"{prefix} (keys)", kc.amax)
         finite_stats(f"{prefix} (values)", vc.amax)
-        self.result.kv_scales[f"{prefix}.k_scale"] = kc.scale
-        self.result.kv_scales[f"{prefix}.v_scale"] = vc.scale
+        k_scale, v_scale = kc.scale, vc.scale
         self.result.report["kv"] = {"k_amax": kc.amax, "v_amax": vc.amax}
-        kq, vq = input_quantizer(kv, kc.scale), input_quantizer(kv, vc.scale)
-        attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
+        if kv.strategy == "attn_head":  # one min-max scale per KV head (the recipe refuses other observers)
+            heads = {key: reduced[key].channel_amax.reshape(self.kv_heads, -1).amax(dim=1) for key in ("k", "v")}
+            k_scale, v_scale = (torch.stack([grid.scale(float(a))[0] for a in heads[key]]) for key in ("k", "v"))
+            self.result.report["kv"] |= {f"{key}_amax_heads": heads[key].tolist() for key in ("k", "v")}
+        self.result.kv_scales[f"{prefix}.k_scale"] = k_scale
+        self.result.kv_scales[f"{prefix}.v_scale"] = v_scale
+        install_kv_quant(attn, kv, k_scale, v_scale)
 
     def run(self, order: list[list]) -> None:
         for block, stages in zip(self.arch.blocks, order):

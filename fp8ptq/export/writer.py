@@ -80,7 +80,8 @@ class CheckpointWriter:
         for module, (tensors, _) in res.packed.items():
             out.update({f"{module}.{k}": t for k, t in tensors.items()})
         for name, scale in res.kv_scales.items():
-            out[name] = scale.float().reshape(1)  # shape [1], as compressed-tensors creates them
+            # [1] per layer, [kv_heads, 1, 1] per head: the shapes compressed-tensors creates
+            out[name] = scale.float().reshape(1) if scale.numel() == 1 else scale.float().reshape(-1, 1, 1)
         quantized = {f"{m}.weight" for m in [*res.linears, *res.packed]}
         for name, t in res.float_tensors.items():
             if name not in quantized:

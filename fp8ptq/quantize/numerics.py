@@ -84,7 +84,22 @@ def install_input_quant(module: torch.nn.Module, quant: Callable[[torch.Tensor],
     return module.register_forward_pre_hook(lambda _m, args: (quant(args[0]), *args[1:]))
 
 
+def kv_quantizer(kv: QuantizationArgs, scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Keys or values [n, kv_heads, seq, head_dim] quantized with one scale per layer ([1]) or, for the
+    `attn_head` strategy, one per KV head ([kv_heads, 1, 1], as compressed-tensors stores it)."""
+    scale = scale.float().reshape(-1)
+    if scale.numel() == 1:
+        return input_quantizer(kv, scale)
+    per_head = [input_quantizer(kv, s) for s in scale]
+
+    def quant(x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[1] == len(per_head), f"{x.shape[1]} KV heads, {len(per_head)} scales"
+        return torch.stack([q(x[:, h]) for h, q in enumerate(per_head)], dim=1)
+
+    return quant
+
+
 def install_kv_quant(attn: torch.nn.Module, kv: QuantizationArgs, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-    """Keys/values quantized with per-layer scales, as the KV scheme `kv` says."""
-    kq, vq = input_quantizer(kv, k_scale), input_quantizer(kv, v_scale)
+    """Keys/values quantized with per-layer (or per-KV-head) scales, as the KV scheme `kv` says."""
+    kq, vq = kv_quantizer(kv, k_scale), kv_quantizer(kv, v_scale)
     attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))

@@ -82,11 +82,14 @@ class FP8(SchemeHandler):
         _static_or_token(args, where)
 
     def check_kv(self, args, where):
+        """Static FP8 with one scale per layer (`tensor`) or per KV head (`attn_head`: compressed-tensors
+        0.17+ parses it; vLLM 0.32 loads it on every platform, uses it per head only in FlashAttention 3/4
+        and the max over heads elsewhere, CPU included: `compressed_tensors.py` CompressedTensorsKVCacheMethod)."""
         _fp8(args, where)
-        if args.strategy != "tensor" or args.dynamic:
+        if args.strategy not in ("tensor", "attn_head") or args.dynamic:
             raise ValueError(
-                f"{where}: only FP8 {{type: float, strategy: tensor, dynamic: false}} "
-                "(per-layer k/v scales) is supported"
+                f"{where}: only static FP8 {{type: float, strategy: tensor | attn_head, dynamic: false}} "
+                "(per-layer or per-KV-head k/v scales) is supported"
             )
 
     def weight_grid(self, args, cal, global_scale=None, weight_only=False):
