@@ -12,6 +12,7 @@ llm-compressor's FP8 + KV8 preset computes (min-max everywhere), a check that th
 agrees with `fp8ptq eval quality` (BENCHMARKS.md compares the two).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quality/fp8_floor.py --eval-data licences.txt
+        [--kv-head]   # + the KV rows with one scale per KV head (compressed-tensors attn_head)
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from fp8ptq.quantize.numerics import register_attention
 VARIANTS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1))
 
 
+def mark(on) -> str:
+    return ("FP8 min-max" + (f" x{on:g}" if on != 1 else "")) if on else "float"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -46,6 +51,9 @@ def main() -> None:
         nargs="*",
         default=[],
         help="also score the inputs + KV row with static scales this many times the calibration max",
+    )
+    ap.add_argument(
+        "--kv-head", action="store_true", help="also score the KV rows with one min-max scale per KV head (attn_head)"
     )
     args = ap.parse_args()
 
@@ -68,6 +76,7 @@ def main() -> None:
 
     # min-max statistics over the calibration tokens (float model)
     amax: dict[str, float] = defaultdict(float)
+    head_amax: dict[str, torch.Tensor] = {}  # per KV head: [kv_heads]
 
     def observe_input(name):
         return lambda _m, a: amax.__setitem__(name, max(amax[name], float(a[0].abs().max())))
@@ -76,6 +85,9 @@ def main() -> None:
         def hook(_m, k, v):
             amax[name + ".k"] = max(amax[name + ".k"], float(k.abs().max()))
             amax[name + ".v"] = max(amax[name + ".v"], float(v.abs().max()))
+            for t, x in (("k", k), ("v", v)):  # [n, kv_heads, seq, head_dim]
+                h = x.abs().amax(dim=(0, 2, 3))
+                head_amax[f"{name}.{t}"] = torch.maximum(head_amax.get(f"{name}.{t}", h), h)
             return k, v
 
         return hook
@@ -101,13 +113,17 @@ def main() -> None:
     def static(scale):
         return lambda t: FP8_GRID.fake_quant(t, scale)
 
+    def per_head(amax_heads):
+        qs = [static(FP8_GRID.scale(float(a))) for a in amax_heads]
+        return lambda t: torch.stack([q(t[:, h]) for h, q in enumerate(qs)], dim=1)
+
     print(
         f"{args.model}: calibration {args.calib_samples} x {args.seq_len} (built-in split), evaluation "
         f"{args.eval_samples} x {args.seq_len} in-domain (built-in held-out split) and off-domain ({args.eval_data})"
     )
     print("| weights | inputs | KV (scale = min-max x factor) | in-domain KL | top-1 | off-domain KL | top-1 |")
     print("|---|---|---|---:|---:|---:|---:|")
-    variants = list(VARIANTS) + [(0, h, h) for h in args.headroom]
+    variants = list(VARIANTS) + [(0, h, h) for h in args.headroom] + ([(0, 0, "head"), (0, 1, "head")] * args.kv_head)
     for w, x, kv in variants:
         handles = []
         for n, m in linears.items():
@@ -121,7 +137,10 @@ def main() -> None:
                 handles.append(m.register_forward_pre_hook(lambda _m, a, q=q: (q(a[0]), *a[1:])))
         for n, a in attns.items():
             a.__dict__.pop("fp8ptq_kv_hook", None)
-            if kv:
+            if kv == "head":
+                kq, vq = (per_head(head_amax[f"{n}.{t}"]) for t in "kv")
+                a.fp8ptq_kv_hook = lambda _m, k, v, kq=kq, vq=vq: (kq(k), vq(v))
+            elif kv:
                 kq, vq = (static(FP8_GRID.scale(amax[f"{n}.{t}"] * kv)) for t in "kv")
                 a.fp8ptq_kv_hook = lambda _m, k, v, kq=kq, vq=vq: (kq(k), vq(v))
         cells = []
@@ -134,7 +153,7 @@ def main() -> None:
             cells += [f"{kl / count:.5f}", f"{top / count:.2%}"]
         for h in handles:
             h.remove()
-        marks = [("FP8 min-max" + (f" x{on:g}" if on != 1 else "")) if on else "float" for on in (w, x, kv)]
+        marks = [mark(w), mark(x), "FP8 min-max per KV head" if kv == "head" else mark(kv)]
         print("| " + " | ".join(marks + cells) + " |", flush=True)
 
 
