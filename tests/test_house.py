@@ -235,6 +235,7 @@ NAMED_PATH = re.compile(r"(?<![\w./-])((?:fp8ptq|tests|benchmarks|recipes|docs|\
 MADE_OR_EXAMPLE = {
     "benchmarks/.venv-llmc",  # bash benchmarks/setup_llmc_venv.sh
     "benchmarks/.venv-llmc/bin/python",
+    "benchmarks/.venv-autoround/bin/python",  # bash benchmarks/setup_autoround_venv.sh
     "recipes/my-model-fp8.yaml",  # docs/ci.md: the user's recipe
     "fp8ptq/compressed-tensors",  # prose: "an fp8ptq/compressed-tensors checkpoint"
     "fp8ptq/ops/planted",  # the planted module of test_a_planted_upward_import_is_caught

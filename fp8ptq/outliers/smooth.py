@@ -93,7 +93,6 @@ def choose_alpha(
     weight_quant,
     *,
     screen_quant=None,
-    rescore: int = RESCORE,
     w_stat: torch.Tensor | None = None,
 ) -> tuple[float | None, dict]:
     """The alpha with the smallest measured error (None: no smoothing won). Returns (alpha, errors).
@@ -101,7 +100,7 @@ def choose_alpha(
     act_amax / w_stat: the activation and weight statistics the scales come from (SmoothQuant: max |x|
     and, by default, max |W| per channel; AWQ: awq_stats).
     screen_quant: a cheaper weight rounding (min-max scales where the recipe searches them): every
-    candidate is scored with it first and only the `rescore` best are scored again with weight_quant,
+    candidate is scored with it first and only the RESCORE best are scored again with weight_quant,
     which decides; errors then holds the final scores and, under "screen", the screening ones."""
     w_amax = weight_amax(weights) if w_stat is None else w_stat
     candidates = {"none": None} | {f"{a:g}": a for a in alphas}  # grid order: ties go to the earlier one
@@ -113,7 +112,7 @@ def choose_alpha(
     screen = None
     if screen_quant is not None:
         screen = {n: quantized_output_error(rows, refs, weights, scales[n], act_quant, screen_quant) for n in names}
-        kept = set(sorted(names, key=screen.__getitem__)[:rescore])  # a stable sort: ties keep grid order
+        kept = set(sorted(names, key=screen.__getitem__)[:RESCORE])  # a stable sort: ties keep grid order
         names = [n for n in names if n in kept]
     errors = {n: quantized_output_error(rows, refs, weights, scales[n], act_quant, weight_quant) for n in names}
     best = min(errors, key=errors.__getitem__)  # the first of equal minima, in grid order
