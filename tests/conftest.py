@@ -170,6 +170,7 @@ RECIPE_CI_OPTIONS = {
     "w4a8-fp8": ["--group-size", "64"],
     "nvfp4": ["--smooth-alpha", "0.8"],
     "mxfp4": ["--smooth-alpha", "0.8"],
+    "w4a16-awq": ["--smooth-alpha", "0.5"],  # the AWQ folds without the alpha search (make bench searches)
 }
 
 

@@ -37,6 +37,7 @@ REFUSED = [p for p in PAIRS if p not in CASES]
 _KL_BOUND = {
     "w4a16": 1.0,
     "w4a16-kv8": 1.0,
+    "w4a16-awq": 1.0,
     "mixed-w4-w8": 1.0,
     "w4a8-fp8": 1.0,
     "nvfp4a16": 1.0,
@@ -45,6 +46,7 @@ _KL_BOUND = {
 # Tiny models are 64 wide: a 128 block does not divide them (as on SmolLM2), so block recipes run with
 # the --block-size a user of such a model would pass.
 _OPTIONS = {"fp8-block": {"block_size": 32}, "w4a8-fp8": {"group_size": 32}}
+_OPTIONS["w4a16-awq"] = {"smooth_alpha": "0.5"}  # the folds, not the alpha search (tests/quantize: the search)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,7 @@ def _packed_zero_points(recipe: str) -> bool:
 # block FP8 and MXFP8 (their 2-D scales: "size of tensor a (64) must match ... (2)" when it dequantizes
 # the stacked experts); FP8 per-tensor/channel, W4A8-FP8 (format written per group), INT8 W8A16 and
 # NVFP4 load.
-_MOE_HF_FAILS = {"w8a8-int8", "w4a16", "w4a16-kv8", "mixed-w4-w8", "fp8-block", "mxfp8", "mxfp8a16"}
+_MOE_HF_FAILS = {"w8a8-int8", "w4a16", "w4a16-kv8", "w4a16-awq", "mixed-w4-w8", "fp8-block", "mxfp8", "mxfp8a16"}
 
 
 def _hf_cannot_reload(model_type: str, recipe: str) -> str | None:
