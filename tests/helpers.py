@@ -287,3 +287,42 @@ def mx_round_trip(fmt: str, args, fake, scale, stored: dict):
     assert {k: (v.dtype, tuple(v.shape)) for k, v in packed.items()} == stored, packed.keys()
     assert torch.equal(torch.exp2(packed["weight_scale"].float() - 127), scale)  # E8M0 holds it exactly
     return comp.decompress(dict(packed), scheme)["weight"].float()
+
+
+def transform_each_layer(model_ref: str, recipe, samples: tuple[int, int], transform) -> tuple[float, list]:
+    """Run the float model layer by layer through the calibration code (prepare, observe_layer with the
+    transforms' StatsSpec), apply transform(layer, index, prefix, stats, src, result) -> report to each
+    layer, and measure how far it moved the layer's output (fp32). Returns (worst max relative layer-output
+    difference, the per-layer reports); the next layer reads the untransformed output."""
+    import copy
+
+    import torch
+
+    from fp8ptq.calibrate.state import CalibrationSetup, observe_layer, prepare
+    from fp8ptq.calibrate.transforms import SMOOTH_ROWS
+    from fp8ptq.data import load_samples
+    from fp8ptq.models.loader import resolve_model
+    from fp8ptq.models.skeleton import materialize, release
+    from fp8ptq.outliers.stats import StatsSpec
+    from fp8ptq.quantize.results import LayerResult
+
+    src = resolve_model(model_ref)
+    ids = load_samples("builtin", src.tokenizer(), *samples, "calibration", 0)
+    model, state = prepare(src, ids, CalibrationSetup(recipe, chunk_samples=2))
+    worst, reports = 0.0, []
+    try:
+        for i, layer in enumerate(src.arch.decoder_layers(model)):
+            prefix = src.arch.layer_prefix(i)
+            materialize(layer, prefix, src, torch.float32, state.device)
+            before = copy.deepcopy(layer)
+            stats = observe_layer(layer, i, state, StatsSpec(rows=SMOOTH_ROWS), kv=False)
+            reports.append(transform(layer, before, prefix, stats, src, LayerResult(i, prefix)))
+            with torch.inference_mode():
+                for _, first, x in state.each_chunk():
+                    a, b = state.run_layer(before, i, x), state.run_layer(layer, i, x)
+                    worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+                    state.write(first, a)
+            release(layer)
+    finally:
+        state.store.close()
+    return worst, reports
