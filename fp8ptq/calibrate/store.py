@@ -37,6 +37,11 @@ class ActivationStore:
             os.ftruncate(fd, samples * self.row_bytes)
 
     @property
+    def device(self) -> torch.device | None:
+        """Where a RAM store lives (None: offloaded to disk)."""
+        return None if self._mem is None else self._mem.device
+
+    @property
     def nbytes(self) -> int:
         return self.shape[0] * self.row_bytes
 

@@ -158,6 +158,11 @@ def quantize(
         tied = ", untied from the embedding" if head.tied else ""
         table.add_row("LM head", f"quantized (rel. error {head.weight_rel_err:.4f}{tied})")
     table.add_row("worst linear rel. error", f"{s.worst_linear_rel_err:.4f}")
+    kept = sorted(r["rounding_loss_kept_ratio"] for layer in manifest.layers for r in layer.get("rounding", []))
+    if kept:  # calibration.rounding: signround (calibrate/signround.py)
+        table.add_row(
+            "SignRound", f"block output error {kept[len(kept) // 2]:.2f}× the solver's (median, {len(kept)} blocks)"
+        )
     sz = manifest.size_bytes
     table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×)")
     if manifest.quality is not None:

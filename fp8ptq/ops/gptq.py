@@ -35,6 +35,9 @@ class GPTQResult:
     zero_point: torch.Tensor | None
     dead: torch.Tensor  # [in] bool
     damp: float
+    # each weight as the solve rounded it (error-updated; `weight` is its fake-quant): the solve's own
+    # rounding positions, where a rounding refinement starts (calibrate/signround.py)
+    updated: torch.Tensor | None = None
 
     @property
     def dead_columns(self) -> int:  # read on demand: a host sync on a GPU
@@ -117,7 +120,7 @@ class Columns:
 
 def _solve(W, H, cols: Columns, *, block_size, damp):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
-    Returns (Q [out, in] in original column order, damping used).
+    Returns (Q [out, in] in original column order, damping used, the error-updated W it rounded).
     """
     order, quant_col, natural, fused = cols.order, cols.quant, cols.natural, cols.fused
     group_size, start_group = cols.group_size, cols.start_group
@@ -137,6 +140,7 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
         Hinv1 = Hinv[i1:i2, i1:i2]
         if fused is not None:
             gptq_kernel.solve_block(W1, Qt[i1:i2], Err1, Hinv1, fused, i1)
+            W1.copy_(Qt[i1:i2] + Err1 * Hinv1.diagonal().unsqueeze(1))  # what the kernel rounded (w = q + err d)
         for i in range(0 if fused is not None else i2 - i1):
             if start_group is not None and (i1 + i) % group_size == 0:
                 start_group(W1[i : i + group_size].T)
@@ -148,7 +152,8 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
             if rest:
                 W1[i + 1 :].sub_(torch.mul(Hinv1[i, i + 1 :].unsqueeze(1), err, out=buf[:rest]))
         Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
-    return Qt.T[:, torch.argsort(order)].contiguous(), used
+    back = torch.argsort(order)
+    return Qt.T[:, back].contiguous(), used, Wt.T[:, back]
 
 
 def _fused(grid: WeightGrid, scale, zero_point, order, n_g):
@@ -199,7 +204,7 @@ def gptq(
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
             fused = fuse(*params, None)
             cols = Columns(order, quant, natural=not act_order, fused=fused, indexed=False)
-            Q, used = _solve(W, H, cols, block_size=block_size, damp=damp)
+            Q, used, updated = _solve(W, H, cols, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
             if grid.row_separable:
@@ -222,14 +227,14 @@ def gptq(
             ]
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), per_group[j // n_g])[:, 0]  # noqa: E731
             cols = Columns(order, quant, natural=not act_order, fused=fuse(scale, zero_point, n_g))
-            Q, used = _solve(W, H, cols, block_size=block_size, damp=damp)
+            Q, used, updated = _solve(W, H, cols, block_size=block_size, damp=damp)
         else:
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
             aligned = max(1, block_size // n_g) * n_g
             start = lambda slab: groups.append(grid.choose(slab))
             cols = Columns(order, quant, natural=not act_order, group_size=n_g, start_group=start)
-            Q, used = _solve(W, H, cols, block_size=aligned, damp=damp)
+            Q, used, updated = _solve(W, H, cols, block_size=aligned, damp=damp)
             scale = torch.cat([p[0] for p in groups], dim=1)
             zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)
-    return GPTQResult(Q, scale, zero_point, dead, used)
+    return GPTQResult(Q, scale, zero_point, dead, used, updated)

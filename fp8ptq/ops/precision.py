@@ -58,3 +58,12 @@ def strict_fp32():
         return
     with _fp32_precision("ieee"):
         yield
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls are native here (CUDA with bf16; x86 with AVX512-BF16 or AMX), so autocast to
+    bf16 is faster than fp32 rather than emulated (AVX2-only CPUs: fp32 is faster)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))

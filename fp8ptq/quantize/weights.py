@@ -81,6 +81,61 @@ def _params(scale: torch.Tensor, zp: torch.Tensor | None) -> dict:
     return {"weight_scale": scale} if zp is None else {"weight_scale": scale, "weight_zero_point": zp}
 
 
+@dataclass
+class SolvedGroup:
+    """One fused group as its solver left it, before it is split into shards: the stacked float weights
+    `w`, their fake-quant `q` and the grid with the params actually used (`scale`, `zero_point`: the
+    grid's own, before a two-level format's global scale). A rounding refinement (calibrate/signround.py)
+    moves `q` to other codes of the same params and splits again."""
+
+    names: list[str]
+    rows: list[int]
+    w: torch.Tensor
+    q: torch.Tensor
+    grid: WeightGrid
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    args: QuantizationArgs
+    start: torch.Tensor | None = None  # where the solver rounded each weight from (GPTQ: error-updated)
+
+
+def fake_quant_with(w: torch.Tensor, group: SolvedGroup) -> torch.Tensor:
+    """w [out, in] on `group`'s grid with its params as solved (no scale is chosen again)."""
+    grid, scale, zp = group.grid, group.scale, group.zero_point
+    if grid.group_size is None:
+        return grid.fake_quant(w, (scale, zp))
+    n = grid.group_size
+    flat = lambda t: None if t is None else t.T.reshape(-1, 1)  # noqa: E731
+    q = grid.fake_quant(w.reshape(w.shape[0], -1, n).transpose(0, 1).reshape(-1, n), (flat(scale), flat(zp)))
+    return q.reshape(-1, w.shape[0], n).transpose(0, 1).reshape(w.shape)
+
+
+def solve_group(
+    weights: dict[str, torch.Tensor],
+    args: QuantizationArgs,
+    cal,
+    H: torch.Tensor | None,
+    weight_only: bool = False,
+) -> SolvedGroup:
+    """Solve one fused group's stacked weights, RTN or GPTQ (see quantize_group)."""
+    names = list(weights)
+    w = torch.cat([weights[n].float() for n in names])
+    g = granularity(args)
+    if g.kind == "group":
+        check_group_size(w.shape[1], g.group_size)
+    if g.kind == "block":
+        check_block_size({n: tuple(weights[n].shape) for n in names}, g.block)
+    grid = weight_grid(args, cal, w, weight_only)
+    if cal.weight_method == "gptq":
+        assert H is not None, "GPTQ needs the input Hessian"
+        r = gptq(w, H, grid, block_size=cal.gptq_block_size, damp=cal.gptq_damp, act_order=cal.gptq_act_order)
+        q, scale, zp, start = r.weight, r.scale, r.zero_point, r.updated
+    else:
+        q, params = _rtn(w, grid)
+        scale, zp, start = params["weight_scale"], params.get("weight_zero_point"), w
+    return SolvedGroup(names, [weights[n].shape[0] for n in names], w, q, grid, scale, zp, args, start)
+
+
 def quantize_group(
     weights: dict[str, torch.Tensor],
     args: QuantizationArgs,
@@ -96,21 +151,14 @@ def quantize_group(
     per-tensor scale of the stack is the scale the shards must share (vLLM runs them as one GEMM and
     would otherwise requantize them to the max scale, a second rounding).
     """
-    names = list(weights)
-    rows = [weights[n].shape[0] for n in names]
-    w = torch.cat([weights[n].float() for n in names])
+    return split_group(solve_group(weights, args, cal, H, weight_only), H)
+
+
+def split_group(solved: SolvedGroup, H: torch.Tensor | None) -> dict[str, QuantizedWeight]:
+    """A solved group's shards as compressed-tensors stores them, with their error reports."""
+    args, names, rows, w, q = solved.args, solved.names, solved.rows, solved.w, solved.q
     g = granularity(args)
-    if g.kind == "group":
-        check_group_size(w.shape[1], g.group_size)
-    if g.kind == "block":
-        check_block_size({n: tuple(weights[n].shape) for n in names}, g.block)
-    grid = weight_grid(args, cal, w, weight_only)
-    if cal.weight_method == "gptq":
-        assert H is not None, "GPTQ needs the input Hessian"
-        r = gptq(w, H, grid, block_size=cal.gptq_block_size, damp=cal.gptq_damp, act_order=cal.gptq_act_order)
-        q, params = r.weight, _params(r.scale, r.zero_point)
-    else:
-        q, params = _rtn(w, grid)
+    params = _params(solved.scale, solved.zero_point)
     gs = handler(args).global_scale(args, w)
     if gs is not None:  # two-level: stored group scales are eff * global (exact: eff = s / global)
         params["weight_scale"] = (params["weight_scale"] * gs).to(torch.float8_e4m3fn).float()

@@ -61,6 +61,8 @@ for name, (grid, kw) in grids.items():
         "scale": torch.equal(a.scale, b.scale),
         "negative zeros": int((b.weight.view(torch.int32) == -2147483648).sum()),
         "changed": bool((a.weight != W).any()),
+        # what each rounded from (SignRound's start): the kernel's q + err * d against the eager loop's rows
+        "updated": bool(torch.allclose(a.updated, b.updated, rtol=1e-5, atol=1e-6)),
     }
 print(json.dumps(rows))
 """
@@ -76,7 +78,7 @@ def test_kernel_equals_eager_solver_bit_for_bit_for_every_grid():
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(rows) == 11
     for name, row in rows.items():
-        assert row["weight"] and row["scale"], (name, row)
+        assert row["weight"] and row["scale"] and row["updated"], (name, row)
         assert row["changed"], name
     assert rows["fp8 tensor"]["negative zeros"] >= 1  # the -0.0 weight came through as -0.0 on both paths
 
