@@ -38,6 +38,7 @@ _KL_BOUND = {
     "w4a16": 1.0,
     "w4a16-kv8": 1.0,
     "w4a16-awq": 1.0,
+    "w4a16-signround": 1.0,
     "mixed-w4-w8": 1.0,
     "w4a8-fp8": 1.0,
     "nvfp4a16": 1.0,
@@ -47,6 +48,7 @@ _KL_BOUND = {
 # the --block-size a user of such a model would pass.
 _OPTIONS = {"fp8-block": {"block_size": 32}, "w4a8-fp8": {"group_size": 32}}
 _OPTIONS["w4a16-awq"] = {"smooth_alpha": "0.5"}  # the folds, not the alpha search (tests/quantize: the search)
+_OPTIONS["w4a16-signround"] = {"smooth_alpha": "0.5", "sets": ("calibration.rounding_iters=4",)}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,8 @@ def _packed_zero_points(recipe: str) -> bool:
 # block FP8 and MXFP8 (their 2-D scales: "size of tensor a (64) must match ... (2)" when it dequantizes
 # the stacked experts); FP8 per-tensor/channel, W4A8-FP8 (format written per group), INT8 W8A16 and
 # NVFP4 load.
-_MOE_HF_FAILS = {"w8a8-int8", "w4a16", "w4a16-kv8", "w4a16-awq", "mixed-w4-w8", "fp8-block", "mxfp8", "mxfp8a16"}
+_MOE_HF_FAILS = {"w8a8-int8", "w4a16", "w4a16-kv8", "w4a16-awq", "w4a16-signround", "mixed-w4-w8", "fp8-block"}
+_MOE_HF_FAILS |= {"mxfp8", "mxfp8a16"}
 
 
 def _hf_cannot_reload(model_type: str, recipe: str) -> str | None:
