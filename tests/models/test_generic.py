@@ -211,6 +211,10 @@ def test_a_discovered_layout_says_so_when_it_refuses_a_recipe(tiny_model, tmp_pa
         kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=64,
     )  # fmt: skip
-    with pytest.raises(RecipeError, match="deepseek_v2's layout \\(discovered from the model; no fp8ptq adapter\\)"):
+    with pytest.raises(
+        RecipeError, match="deepseek_v2's layout \\(discovered from the model; no fp8ptq adapter\\)"
+    ) as e:
         quantize(QuantizeConfig(model=str(model), recipe="fp8-kv8", output=tmp_path / "q"))
     assert not (tmp_path / "q").exists()
+    # what the engine lacks (README, "MLA models") and the way out
+    assert "vLLM 0.32 reads no calibrated scale" in str(e.value) and "--kv-cache-dtype fp8" in str(e.value)
