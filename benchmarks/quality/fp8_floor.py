@@ -13,6 +13,10 @@ agrees with `fp8ptq eval quality` (BENCHMARKS.md compares the two).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quality/fp8_floor.py --eval-data licences.txt
         [--kv-head]   # + the KV rows with one scale per KV head (compressed-tensors attn_head)
+        [--query]     # + rows with the attention's query in FP8 (post-RoPE, per layer): scale 1.0, what
+                      #   vLLM 0.32 uses on GPUs whose attention quantizes the query (FlashAttention 3,
+                      #   FlashInfer trtllm-gen, Triton) when the checkpoint has no q_scale, and min-max
+                      #   (a calibrated q_scale)
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ from fp8ptq.ops.fp8 import fake_quant_fp8
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
 from fp8ptq.quantize.numerics import register_attention
+
+
+def sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
 
 # (weights, inputs, KV): 0 float, else FP8 with the min-max scale times this headroom factor
 VARIANTS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1))
@@ -55,6 +66,7 @@ def main() -> None:
     ap.add_argument(
         "--kv-head", action="store_true", help="also score the KV rows with one min-max scale per KV head (attn_head)"
     )
+    ap.add_argument("--query", action="store_true", help="also score rows with the query in FP8 (scale 1.0, min-max)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,9 +104,17 @@ def main() -> None:
 
         return hook
 
+    def observe_query(name):
+        def inner(module, query, *rest, **kwargs):
+            amax[name + ".q"] = max(amax[name + ".q"], float(query.abs().max()))
+            return sdpa(module, query, *rest, **kwargs)
+
+        return inner
+
     handles = [m.register_forward_pre_hook(observe_input(n)) for n, m in linears.items()]
     for n, a in attns.items():
         a.fp8ptq_kv_hook = observe_kv(n)
+        a.fp8ptq_inner_attention = observe_query(n)
     with torch.inference_mode():
         for i in range(0, len(calib), args.batch):
             model(calib[i : i + args.batch])
@@ -108,6 +128,7 @@ def main() -> None:
 
     for a in attns.values():
         a.__dict__.pop("fp8ptq_kv_hook", None)
+        a.__dict__.pop("fp8ptq_inner_attention", None)
     reference = {s: list(logprobs(ids)) for s, ids in sets.items()}
 
     def static(scale):
@@ -121,10 +142,12 @@ def main() -> None:
         f"{args.model}: calibration {args.calib_samples} x {args.seq_len} (built-in split), evaluation "
         f"{args.eval_samples} x {args.seq_len} in-domain (built-in held-out split) and off-domain ({args.eval_data})"
     )
-    print("| weights | inputs | KV (scale = min-max x factor) | in-domain KL | top-1 | off-domain KL | top-1 |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    variants = list(VARIANTS) + [(0, h, h) for h in args.headroom] + ([(0, 0, "head"), (0, 1, "head")] * args.kv_head)
-    for w, x, kv in variants:
+    print("| weights | inputs | KV (scale = min-max x factor) | query | in-domain KL | top-1 | off-domain KL | top-1 |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
+    variants = [(*v, 0) for v in VARIANTS] + [(0, h, h, 0) for h in args.headroom]
+    variants += [(0, 0, "head", 0), (0, 1, "head", 0)] * args.kv_head
+    variants += [(0, 0, 1, "one"), (0, 0, 1, "minmax"), (0, 1, 1, "one"), (0, 1, 1, "minmax")] * args.query
+    for w, x, kv, qq in variants:
         handles = []
         for n, m in linears.items():
             m.weight.data = (
@@ -137,6 +160,10 @@ def main() -> None:
                 handles.append(m.register_forward_pre_hook(lambda _m, a, q=q: (q(a[0]), *a[1:])))
         for n, a in attns.items():
             a.__dict__.pop("fp8ptq_kv_hook", None)
+            a.__dict__.pop("fp8ptq_inner_attention", None)
+            if qq:
+                q = static(torch.ones(1) if qq == "one" else FP8_GRID.scale(amax[f"{n}.q"]))
+                a.fp8ptq_inner_attention = lambda m, query, *r, q=q, **kw: sdpa(m, q(query), *r, **kw)
             if kv == "head":
                 kq, vq = (per_head(head_amax[f"{n}.{t}"]) for t in "kv")
                 a.fp8ptq_kv_hook = lambda _m, k, v, kq=kq, vq=vq: (kq(k), vq(v))
@@ -154,6 +181,7 @@ def main() -> None:
         for h in handles:
             h.remove()
         marks = [mark(w), mark(x), "FP8 min-max per KV head" if kv == "head" else mark(kv)]
+        marks.append({0: "float", "one": "FP8 scale 1.0", "minmax": "FP8 min-max"}[qq])
         print("| " + " | ".join(marks + cells) + " |", flush=True)
 
 
