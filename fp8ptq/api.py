@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fp8ptq import data as data_mod
 from fp8ptq.convert.registry import ConversionReport, ConvertConfig
-from fp8ptq.errors import check_option
+from fp8ptq.errors import OptionError, check_option
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class EvalConfig:
     seed: int = 0
     simulate: bool = True
     eval_data: str | None = None  # a second, off-domain text source scored the same way, beside `data`
+    engine: str = "declared"  # whose numerics: declared, vllm-gpu, vllm-cpu (engine.vllm.ENGINES)
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,15 @@ def inspect(cfg: InspectConfig) -> InspectReport:
     return inspect_checkpoint(cfg.path)
 
 
+def _engine_numerics(engine: str) -> dict[str, str]:
+    """engine.vllm.engine_numerics, or an OptionError naming --engine's choices."""
+    from fp8ptq.engine.vllm import ENGINES, engine_numerics
+
+    if engine not in ENGINES:
+        raise OptionError(f"--engine {engine!r} is not one of {', '.join(ENGINES)}", fix="pass e.g. --engine vllm-gpu")
+    return engine_numerics(engine)
+
+
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> QualityReport:
     """PPL, KL and top-1 agreement of cfg.model vs cfg.reference under simulated engine numerics
     (eval/quality.QualityReport), in-domain and, with cfg.eval_data, off-domain."""
@@ -265,6 +275,7 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> Quali
 
     check_option("--num-samples", cfg.num_samples, minimum=1, example=16)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
+    engine = _engine_numerics(cfg.engine)
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
     tokenizer = ref_src.tokenizer()
     check_same_vocabulary(cand_src, ref_src, tokenizer)
@@ -276,10 +287,11 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> Quali
         for s in sources
     ]
     # layer by layer (memory flat in depth); the same numbers as compare() on the whole models
-    result, numerics = compare_streaming(ref_src, cand_src, ids[0], simulate=cfg.simulate, progress=progress)
+    run = dict(simulate=cfg.simulate, engine=engine, progress=progress)
+    result, numerics = compare_streaming(ref_src, cand_src, ids[0], **run)
     off = None
     if cfg.eval_data is not None:
-        metrics, _ = compare_streaming(ref_src, cand_src, ids[1], simulate=cfg.simulate, progress=progress)
+        metrics, _ = compare_streaming(ref_src, cand_src, ids[1], **run)
         off = QualityMetrics(**metrics, data=cfg.eval_data)
     return QualityReport(
         **result,

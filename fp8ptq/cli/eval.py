@@ -40,6 +40,12 @@ def eval_quality(
     num_samples: int = typer.Option(16),
     seq_len: int = typer.Option(512),
     no_simulate: bool = typer.Option(False, "--no-simulate", help="dequantized weights only, like a plain HF load"),
+    engine: str = typer.Option(
+        "declared",
+        "--engine",
+        help="whose numerics: declared (the checkpoint's scheme), vllm-gpu (+ the FP8 query an FP8 KV cache "
+        "brings on GPUs), vllm-cpu (this CPU's vLLM-cpu kernels)",
+    ),
     json_out: bool = typer.Option(False, "--json"),
     no_record: bool = EVAL_OPTS["no_record"],
 ):
@@ -50,6 +56,7 @@ def eval_quality(
       fp8ptq eval quality out/q --reference smollm2-135m
       fp8ptq eval quality out/q --reference ./my-model --data prose.txt --num-samples 32
       fp8ptq eval quality out/q --reference smollm2-135m --eval-data novel.txt   # in- and off-domain
+      fp8ptq eval quality out/q --reference smollm2-135m --engine vllm-gpu   # as a GPU serves it
     """
     offline()
     from fp8ptq.api import EvalConfig, evaluate_quality
@@ -63,6 +70,7 @@ def eval_quality(
         seq_len=seq_len,
         simulate=not no_simulate,
         eval_data=eval_data,
+        engine=engine,
     )
     with user_errors(), progress_bar(not json_out) as progress:
         result = evaluate_quality(cfg, progress)

@@ -58,6 +58,28 @@ ENGINE_NUMERICS = {
 }
 
 
+# Where vLLM 0.32 on a CUDA GPU computes something the checkpoint's scheme does not say: with an FP8 KV cache,
+# Attention.__init__ gives the layer a static FP8 query quantizer whenever its backend says
+# supports_quant_query_input (FlashAttention 3 on Hopper, FlashInfer's trtllm-gen kernels, Triton on CUDA,
+# AITER), and Attention.forward rounds the query with `_q_scale` before the kernel
+# (model_executor/layers/attention/attention.py:468-521). CompressedTensorsKVCacheMethod creates q_scale
+# as ones, so a checkpoint without one is served at 1.0 (quantization/compressed_tensors/
+# compressed_tensors.py:1165-1269). vLLM-cpu's attention never quantizes the query.
+GPU_ENGINE_NUMERICS = {"fp8_kv_query": "q_scale"}
+ENGINES = ("declared", "vllm-gpu", "vllm-cpu")  # `fp8ptq eval quality --engine`
+
+
+def engine_numerics(engine: str) -> dict[str, str]:
+    """The simulation's `engine` overrides (eval.quality.load_simulated) for one of ENGINES: declared (the
+    checkpoint's scheme as written, no overrides), vllm-gpu (GPU_ENGINE_NUMERICS) or vllm-cpu (this
+    machine's CPU: cpu_engine_numerics)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "vllm-gpu":
+        return dict(GPU_ENGINE_NUMERICS)
+    return cpu_engine_numerics() if engine == "vllm-cpu" else {}
+
+
 def cpu_engine_numerics(flags: set[str] | None = None) -> dict[str, str]:
     flags = cpu_flags() if flags is None else flags
     out: dict[str, str] = dict(ENGINE_NUMERICS["*"])

