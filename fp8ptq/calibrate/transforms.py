@@ -54,8 +54,8 @@ def make_transforms(recipe, src: ModelSource) -> Callable | None:
 
 def _act_quant(recipe):
     acts = recipe.scheme.input_activations
-    if acts is None:  # weight-only (smooth.method awq): the inputs stay as they are
-        return lambda x, _amax: x
+    if acts is None:  # weight-only (smooth.method awq): the inputs stay as they are (choose_alpha's Gram path)
+        return None
     grid = handler(acts).act_grid(acts)
     if dynamic_inputs(acts):
         q = input_quantizer(acts, None)

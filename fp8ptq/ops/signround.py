@@ -43,10 +43,9 @@ class Offsets:
         self.v = torch.zeros_like(q, requires_grad=True)
 
     def weight(self) -> torch.Tensor:
-        x = self.x0 + self.v * self.step
-        with torch.no_grad():
-            snapped = self.fq(x) - x
-        return x + snapped  # forward: fq(x); gradient: straight through to v
+        """forward: fq(x0 + v * step); gradient: straight through to v (dL/dv = dL/dw * step). One graph
+        node (_StraightThrough) instead of the three of x + (fq(x) - x).detach(), with the same values."""
+        return _StraightThrough.apply(self.v, self)
 
     def codes(self, v: torch.Tensor | None = None) -> torch.Tensor:
         """The fake-quant weight at offsets v (default: the current ones), without a graph."""
@@ -59,3 +58,18 @@ class Offsets:
             if self.v.grad is not None:
                 self.v.sub_(lr * torch.sign(self.v.grad)).clamp_(-REACH, REACH)
                 self.v.grad = None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """w = x + (fq(x) - x) with x = x0 + v * step, computed as the plain expression (the same bits), and a
+    backward that is the straight-through estimator's: grad * step."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor, offsets: Offsets) -> torch.Tensor:
+        ctx.offsets = offsets
+        x = offsets.x0 + v * offsets.step
+        return x + (offsets.fq(x) - x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.offsets.step, None

@@ -105,9 +105,9 @@ def fake_quant_with(w: torch.Tensor, group: SolvedGroup) -> torch.Tensor:
     if grid.group_size is None:
         return grid.fake_quant(w, (scale, zp))
     n = grid.group_size
-    flat = lambda t: None if t is None else t.T.reshape(-1, 1)  # noqa: E731
-    q = grid.fake_quant(w.reshape(w.shape[0], -1, n).transpose(0, 1).reshape(-1, n), (flat(scale), flat(zp)))
-    return q.reshape(-1, w.shape[0], n).transpose(0, 1).reshape(w.shape)
+    flat = lambda t: None if t is None else t.reshape(-1, 1)  # noqa: E731
+    # one row per (output row, group), in w's own order: fake_quant is elementwise given each row's params
+    return grid.fake_quant(w.reshape(-1, n), (flat(scale), flat(zp))).reshape(w.shape)
 
 
 def solve_group(

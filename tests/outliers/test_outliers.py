@@ -98,6 +98,11 @@ def test_awq_scales_protect_salient_input_channels_of_weight_only_int4():
 
     best, errors = choose_alpha(x, x_mean, ws, (0.25, 0.5, 0.75), lambda t, _a: t, int4_g16, w_stat=w_mean)
     assert best is not None and errors[f"{best:g}"] < 0.9 * errors["none"]
+    # unquantized inputs (act_quant None): the same errors from the Gram matrix, the same choice
+    best_g, errors_g = choose_alpha(x, x_mean, ws, (0.25, 0.5, 0.75), None, int4_g16, w_stat=w_mean)
+    assert best_g == best and errors_g.keys() == errors.keys()
+    for name, err in errors.items():
+        assert abs(errors_g[name] - err) <= 1e-4 * err, name
 
 
 def test_actstats_chunks_equal_one_pass_and_summary():
