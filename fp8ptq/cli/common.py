@@ -17,16 +17,19 @@ console = Console(stderr=True)
 out = Console()
 
 
-def return_freed_memory() -> None:
-    """Serve large allocations with mmap so freed calibration activations go back to the OS.
+def return_freed_memory(mib: int = 1) -> None:
+    """Fix glibc's mmap threshold at `mib` MiB so freed calibration activations go back to the OS.
 
-    glibc raises its mmap threshold after each large free, after which GB-sized activations are carved
-    from the heap and peak RSS ratchets up with fragmentation. A fixed threshold stops that (CLI
-    process only; the library does not touch allocator settings)."""
+    glibc raises its mmap threshold after each large free (up to 32 MiB), after which activation chunks
+    below it are carved from the heap and peak RSS ratchets up with fragmentation. A fixed threshold stops
+    that (CLI process only; the library does not touch allocator settings). Every allocation above it is
+    a fresh mmap whose pages the kernel faults in and zeroes on each use: at 1 MiB, runs whose steps
+    allocate many 1-8 MiB tensors pay that on every op (SignRound 1.9x slower; BENCHMARKS.md), so the
+    quantize command raises it for those (cli/quantize.mmap_threshold_mib)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+        ctypes.CDLL("libc.so.6").mallopt(-3, mib << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
 

@@ -90,7 +90,6 @@ def quantize(
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
-    return_freed_memory()
     from fp8ptq.api import QuantizeConfig, describe_device
     from fp8ptq.api import quantize as run
     from fp8ptq.runs.config import draft_bundle
@@ -129,6 +128,7 @@ def quantize(
         quantize_lm_head=quantize_lm_head,
         draft=draft_settings,
     )
+    return_freed_memory(mmap_threshold_mib(cfg))
     with user_errors(output), progress_bar(not json_out and is_rank0()) as progress:
         manifest = run(cfg, progress)
     if manifest is None:  # a non-zero rank of a torchrun job: rank 0 reports
@@ -221,3 +221,20 @@ def model_free_cmd(
         table.add_row(why, str(len(names)), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
     out.print(table)
     console.print(f"ignore (kept Linears): {', '.join(summary['ignore']) or 'none'}", highlight=False)
+
+
+def mmap_threshold_mib(cfg: Q) -> int:
+    """The run's glibc mmap threshold (cli/common.return_freed_memory): 1 MiB, so freed activations go back
+    to the OS (the default command's peak RSS: 974 MiB, 1225 at 8 MiB), except where the recipe trains
+    its rounding (SignRound) without --offload-activations: its steps allocate and free 1-8 MiB tensors
+    hundreds of times a layer, and at 8 MiB they come from the heap (1.9x faster on SmolLM2,
+    BENCHMARKS.md). A recipe that does not load gets 1 MiB: the run reports its error."""
+    from fp8ptq.errors import Fp8ptqError
+    from fp8ptq.recipe import load_recipe
+    from fp8ptq.runs.overrides import recipe_overrides
+
+    try:
+        recipe = recipe_overrides(cfg, load_recipe(cfg.recipe))
+    except (Fp8ptqError, OSError, ValueError):
+        return 1
+    return 8 if recipe.calibration.rounding == "signround" and not cfg.offload_activations else 1

@@ -110,3 +110,19 @@ def test_readme_option_table_states_the_commands_defaults():
             continue
         checked += 1
     assert checked >= 18  # the table's literal defaults are all compared, not skipped
+
+
+def test_the_mmap_threshold_is_raised_only_where_the_recipe_trains_its_rounding():
+    """1 MiB keeps the default command's peak RSS low; SignRound's steps get 8 MiB (1.9x faster), unless the
+    user asked for low memory; a recipe that does not load leaves the error to the run."""
+    from pathlib import Path
+
+    from fp8ptq.cli.quantize import mmap_threshold_mib
+
+    def mib(recipe, **kw):
+        return mmap_threshold_mib(QuantizeConfig(model="m", recipe=recipe, output=Path("/nonexistent/o"), **kw))
+
+    assert mib("w4a16-signround") == mib("nvfp4a16-signround") == 8
+    assert mib("fp8-kv8", sets=("calibration.rounding=signround",)) == 8
+    assert mib("w4a16-signround", offload_activations=True) == 1
+    assert mib("fp8-kv8") == mib("w4a16") == mib("no-such-recipe") == 1
