@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fp8ptq import data as data_mod
 from fp8ptq.convert.registry import ConversionReport, ConvertConfig
-from fp8ptq.errors import OptionError, check_option
+from fp8ptq.errors import check_option
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
@@ -256,18 +256,10 @@ def inspect(cfg: InspectConfig) -> InspectReport:
     return inspect_checkpoint(cfg.path)
 
 
-def _engine_numerics(engine: str) -> dict[str, str]:
-    """engine.vllm.engine_numerics, or an OptionError naming --engine's choices."""
-    from fp8ptq.engine.vllm import ENGINES, engine_numerics
-
-    if engine not in ENGINES:
-        raise OptionError(f"--engine {engine!r} is not one of {', '.join(ENGINES)}", fix="pass e.g. --engine vllm-gpu")
-    return engine_numerics(engine)
-
-
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> QualityReport:
     """PPL, KL and top-1 agreement of cfg.model vs cfg.reference under simulated engine numerics
     (eval/quality.QualityReport), in-domain and, with cfg.eval_data, off-domain."""
+    from fp8ptq.engine.vllm import engine_numerics
     from fp8ptq.eval.quality import QualityMetrics, QualityReport
     from fp8ptq.eval.stream import compare_streaming
     from fp8ptq.models.config_checks import check_same_vocabulary
@@ -275,7 +267,7 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> Quali
 
     check_option("--num-samples", cfg.num_samples, minimum=1, example=16)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
-    engine = _engine_numerics(cfg.engine)
+    engine = engine_numerics(cfg.engine)  # an unknown name fails here, before any model is read
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
     tokenizer = ref_src.tokenizer()
     check_same_vocabulary(cand_src, ref_src, tokenizer)

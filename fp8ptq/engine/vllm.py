@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fp8ptq.errors import Fp8ptqError
+from fp8ptq.errors import Fp8ptqError, OptionError
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
@@ -74,7 +74,7 @@ def engine_numerics(engine: str) -> dict[str, str]:
     checkpoint's scheme as written, no overrides), vllm-gpu (GPU_ENGINE_NUMERICS) or vllm-cpu (this
     machine's CPU: cpu_engine_numerics)."""
     if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+        raise OptionError(f"--engine {engine!r} is not one of {', '.join(ENGINES)}", fix="pass e.g. --engine vllm-gpu")
     if engine == "vllm-gpu":
         return dict(GPU_ENGINE_NUMERICS)
     return cpu_engine_numerics() if engine == "vllm-cpu" else {}
