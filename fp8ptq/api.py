@@ -12,13 +12,13 @@ inspect:          a checkpoint's format, schemes, size and a lint of what makes 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8ptq import data as data_mod
 from fp8ptq.convert.registry import ConversionReport, ConvertConfig
-from fp8ptq.errors import check_option
+from fp8ptq.errors import OptionError, check_option
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
@@ -171,8 +171,6 @@ def _lint_own_output(path: Path) -> None:
 
 def analyze(cfg: AnalyzeConfig, progress: Progress | None = None) -> AnalysisReport:
     """Outlier analysis of the float model into cfg.output (report.json, PNGs, summary.md), atomically."""
-    from dataclasses import replace
-
     from fp8ptq.calibrate.analyze import AnalysisReport, analyze_model
     from fp8ptq.calibrate.state import CalibrationSetup
     from fp8ptq.io import atomic_output_dir, check_output
@@ -247,13 +245,22 @@ def convert(cfg: ConvertConfig) -> ConversionReport:
 @dataclass(frozen=True)
 class InspectConfig:
     path: Path  # a checkpoint directory or a .gguf file
+    engine: str | None = None  # "sglang": also SGLang's own scheme resolution (engine/sglang_engine.py)
 
 
 def inspect(cfg: InspectConfig) -> InspectReport:
-    """Format, schemes, size and lint findings (convert/inspect.InspectReport); reads headers and scales."""
+    """Format, schemes, size and lint findings (convert/inspect.InspectReport); reads headers and scales.
+    engine="sglang" adds SGLang's own answer per GPU generation (`make sglang`)."""
     from fp8ptq.convert.inspect import inspect_checkpoint
 
-    return inspect_checkpoint(cfg.path)
+    if cfg.engine not in (None, "sglang"):
+        raise OptionError(f"--engine '{cfg.engine}' is not an engine inspect asks", fix="use --engine sglang")
+    report = inspect_checkpoint(cfg.path)
+    if cfg.engine == "sglang" and cfg.path.is_dir():
+        from fp8ptq.engine.sglang_engine import sglang_findings
+
+        report = replace(report, findings=report.findings + tuple(sglang_findings(cfg.path)))
+    return report
 
 
 def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> QualityReport:

