@@ -251,7 +251,7 @@ class InspectConfig:
 def inspect(cfg: InspectConfig) -> InspectReport:
     """Format, schemes, size and lint findings (convert/inspect.InspectReport); reads headers and scales.
     engine="sglang" adds SGLang's own answer per GPU generation (`make sglang`)."""
-    from fp8ptq.convert.inspect import inspect_checkpoint
+    from fp8ptq.convert.inspect import Finding, inspect_checkpoint
 
     if cfg.engine not in (None, "sglang"):
         raise OptionError(f"--engine '{cfg.engine}' is not an engine inspect asks", fix="use --engine sglang")
@@ -259,7 +259,7 @@ def inspect(cfg: InspectConfig) -> InspectReport:
     if cfg.engine == "sglang" and cfg.path.is_dir():
         from fp8ptq.engine.sglang_engine import sglang_findings
 
-        report = replace(report, findings=report.findings + tuple(sglang_findings(cfg.path)))
+        report = replace(report, findings=report.findings + tuple(Finding(*f) for f in sglang_findings(cfg.path)))
     return report
 
 

@@ -61,24 +61,21 @@ def run_checks(job: dict, *, site: str | None = None, timeout: float = 300) -> d
     return json.loads(lines[-1])
 
 
-def sglang_findings(model: Path, *, site: str | None = None) -> list:
+def sglang_findings(model: Path, *, site: str | None = None) -> list[tuple[str, str, str, str]]:
     """`inspect --engine sglang`: SGLang's own scheme resolution of the checkpoint's quantization_config for
     each quantized Linear (a module with a `weight_scale` tensor), on each GPU generation of GPUS, as
     findings: info per generation (scheme class x Linears, its minimum capability), an error where SGLang
     refuses a Linear on every generation (its own message), a warning where it refuses on some, and a
     warning where its KV-cache method ignores the kv_cache_scheme (it serves static per-tensor FP8 scales
-    only and warns)."""
+    only and warns). Each finding is (level, code, where, message), inspect's Finding fields."""
     from collections import Counter
 
-    from fp8ptq.convert.inspect import Finding
     from fp8ptq.models.loader import open_hf_dir
 
     src = open_hf_dir(model)
     qc = json.loads((model / "config.json").read_text()).get("quantization_config")
     if not qc or qc.get("quant_method") != "compressed-tensors":
-        return [
-            Finding("info", "sglang", "config.json", "no compressed-tensors quantization_config: nothing to resolve")
-        ]
+        return [("info", "sglang", "config.json", "no compressed-tensors quantization_config: nothing to resolve")]
     layers = sorted({n[: -len(".weight_scale")] for n in src.weight_map if n.endswith(".weight_scale")})
     job = {"name": str(model), "config": qc, "layers": layers, "capabilities": [list(c) for c in GPUS]}
     res = run_checks({"schemes": [job]}, site=site)["schemes"][0]
@@ -93,20 +90,16 @@ def sglang_findings(model: Path, *, site: str | None = None) -> list:
         refused.update(errors.keys())
         parts = [f"{n} Linears {s}" for s, n in picked.items()] + ([f"{len(errors)} refused"] if errors else [])
         where = f"sm_{cap[0]}{cap[1]} ({gpu})"
-        out.append(Finding("info", "sglang-scheme", where, f"SGLang {SGLANG_VERSION}: " + ", ".join(parts)))
+        out.append(("info", "sglang-scheme", where, f"SGLang {SGLANG_VERSION}: " + ", ".join(parts)))
     everywhere = [n for n, k in refused.items() if k == len(GPUS)]
     if everywhere:
         first = res["by_capability"][next(iter(res["by_capability"]))][everywhere[0]]["error"]
         where = everywhere[0] + (f" (+{len(everywhere) - 1} more)" if len(everywhere) > 1 else "")
-        out.append(
-            Finding("error", "sglang-refuses", where, f"SGLang {SGLANG_VERSION} refuses it on every GPU: {first}")
-        )
+        out.append(("error", "sglang-refuses", where, f"SGLang {SGLANG_VERSION} refuses it on every GPU: {first}"))
     elif refused:
         where = next(iter(refused))
-        out.append(
-            Finding("warning", "sglang-refuses", where, f"SGLang {SGLANG_VERSION} refuses it on some GPUs (above)")
-        )
+        out.append(("warning", "sglang-refuses", where, f"SGLang {SGLANG_VERSION} refuses it on some GPUs (above)"))
     if res["kv_supported"] is False:
         msg = f"SGLang {SGLANG_VERSION} reads static per-tensor FP8 KV scales only: it warns and ignores these"
-        out.append(Finding("warning", "sglang-kv", "kv_cache_scheme", msg))
+        out.append(("warning", "sglang-kv", "kv_cache_scheme", msg))
     return out
