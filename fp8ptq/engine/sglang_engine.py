@@ -46,11 +46,13 @@ def run_checks(job: dict, *, site: str | None = None, timeout: float = 300) -> d
     those eagle_config ids -> {"capture": [{..., "layers_to_capture"}]};
     {"schemes": [{"name", "config", "layers", "capabilities"}]}: SGLang's CompressedTensorsConfig over a
     quantization_config -> {"schemes": [{"name", "kv_supported", "by_capability": {"9.0": {layer: {"scheme",
-    "min_capability"} or {"error"}}}}]}. All carry SGLang's "version"."""
+    "min_capability"} or {"error"}}}}]};
+    {"eagle3": {"path"}}: an EAGLE-3 head loaded by SGLang's LlamaForCausalLMEagle3 on CPU -> {"eagle3":
+    {"unloaded", "loaded_numel", "file_numel", "qkv_equal", "hot_token_id"}}. All carry SGLang's "version"."""
     where = sglang_site(site)
     path = [str(where), str(STANDINS), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    cmd = [str(vllm_python()), str(WORKER)]
+    cmd = [str(vllm_python()), "-P", str(WORKER)]  # -P: not its own folder first (engine/vllm.py is not vllm)
     proc = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

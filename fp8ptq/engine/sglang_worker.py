@@ -10,7 +10,11 @@
       each capability (SGLang reads the capability from torch.cuda, which is answered here with the one
       asked about); reports per capability {layer: scheme class and its minimum capability, or SGLang's
       refusal}, and whether its KV-cache method takes the kv_cache_scheme (it ignores others, warning).
-      Its compressed-tensors modules import torchvision: the import-only stand-in in standins/ serves.
+      Its compressed-tensors modules import torchvision: the import-only stand-in in standins/ serves;
+  {"eagle3": {"path"}}: an EAGLE-3 head folder loaded by SGLang's own LlamaForCausalLMEagle3 (built on CPU
+      in a one-process gloo group, every parameter first set to NaN, then its `load_weights` over the
+      head's tensors); reports the parameters left unloaded, the elements loaded vs the file's (d2t/t2d
+      aside), whether the fused qkv_proj equals the file's q/k/v, and SGLang's `hot_token_id`.
 
 and prints one JSON line: {"version", "flags": {name: {"ok", "error", "parsed"}}, "capture": [...],
 "schemes": [...]}.
@@ -130,6 +134,47 @@ def resolve_schemes(jobs: list) -> list:
     return out
 
 
+def eagle3_load(job: dict) -> dict:
+    import socket
+
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.server_args import ServerArgs
+    from transformers import LlamaConfig
+
+    head = Path(job["path"])
+    args = ServerArgs(model_path=str(head), device="cpu", attention_backend="torch_native", tp_size=1)
+    runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parallel_state.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
+    )
+    parallel_state.initialize_model_parallel()
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+    model = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(str(head)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    tensors = load_file(str(head / "model.safetensors"))
+    model.load_weights(iter(tensors.items()))
+    params = dict(model.named_parameters())
+    unloaded = sorted(n for n, p in params.items() if bool(torch.isnan(p).any()))
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
+    parts = [tensors[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"]
+    return {
+        "unloaded": unloaded,
+        "loaded_numel": sum(p.numel() for n, p in params.items() if n not in unloaded),
+        "file_numel": sum(t.numel() for n, t in tensors.items() if n not in ("d2t", "t2d")),
+        "qkv_equal": bool(torch.equal(qkv.to(parts[0].dtype), torch.cat(parts))),
+        "hot_token_id": [int(i) for i in model.hot_token_id],
+    }
+
+
 def main() -> None:
     from sglang.version import __version__
 
@@ -141,6 +186,8 @@ def main() -> None:
         result["capture"] = capture(job["capture"])
     if "schemes" in job:
         result["schemes"] = resolve_schemes(job["schemes"])
+    if "eagle3" in job:
+        result["eagle3"] = eagle3_load(job["eagle3"])
     print(json.dumps(result))
 
 

@@ -311,3 +311,19 @@ def test_head_reading_the_last_residual_stream_trains(tmp_path, target4):
     last = shard["aux"][..., H:].float()
     normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(normed, shard["final"].float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow  # one SGLang subprocess (~15 s)
+def test_sglang_loads_the_head(trained):
+    """SGLang 0.5.23's own LlamaForCausalLMEagle3, built on CPU, loads the exported head: every parameter
+    but the embedding (shared with the target, as in vLLM) comes from the file, every tensor of the file
+    lands (element counts equal), the fused qkv_proj is the file's q/k/v, and SGLang's hot_token_id (from
+    d2t) is the kept vocabulary t2d marks."""
+    from fp8ptq.engine.sglang_engine import run_checks
+
+    out, _ = trained
+    r = run_checks({"eagle3": {"path": str(out)}})["eagle3"]
+    assert r["unloaded"] == ["model.embed_tokens.weight"], r["unloaded"]
+    assert r["loaded_numel"] == r["file_numel"] and r["qkv_equal"], r
+    t = load_file(str(out / "model.safetensors"))
+    assert r["hot_token_id"] == t["t2d"].nonzero().flatten().tolist()
