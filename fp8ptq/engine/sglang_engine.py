@@ -4,8 +4,8 @@ compressed-tensors config classes over a checkpoint's quantization_config (`insp
 scheme SGLang picks per GPU generation, or its refusal).
 SGLang 0.5.23 lives in `.sglang-site` (`make sglang`: the wheel and the few packages .venv-vllm lacks,
 installed without dependencies on top of .venv-vllm's torch) and runs in a subprocess of .venv-vllm's
-python with that folder first on its path (`sglang_worker.py`, JSON out), then `standins/` (an
-import-only torchvision: see its docstring).
+python with that folder first on its path (`sglang_worker.py`, JSON out), then `standins/` (import-only
+torchvision and sgl_kernel: standins/standin.py).
 """
 
 from __future__ import annotations
@@ -48,10 +48,15 @@ def run_checks(job: dict, *, site: str | None = None, timeout: float = 300) -> d
     quantization_config -> {"schemes": [{"name", "kv_supported", "by_capability": {"9.0": {layer: {"scheme",
     "min_capability"} or {"error"}}}}]};
     {"eagle3": {"path"}}: an EAGLE-3 head loaded by SGLang's LlamaForCausalLMEagle3 on CPU -> {"eagle3":
-    {"unloaded", "loaded_numel", "file_numel", "qkv_equal", "hot_token_id"}}. All carry SGLang's "version"."""
+    {"unloaded", "loaded_numel", "file_numel", "qkv_equal", "hot_token_id"}};
+    {"generate": {"model", "prompts", "max_new_tokens", "dtype"}}: SGLang's offline Engine on CPU, greedy ->
+    {"generate": {"output_ids", "start_s"}} (a float model: SGLang's quantized schemes have no CPU path).
+    All carry SGLang's "version"."""
     where = sglang_site(site)
     path = [str(where), str(STANDINS), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    if "generate" in job:  # SGLang's CPU engine (its own switch); the other checks resolve as for a GPU
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
     cmd = [str(vllm_python()), "-P", str(WORKER)]  # -P: not its own folder first (engine/vllm.py is not vllm)
     proc = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -14,7 +14,10 @@
   {"eagle3": {"path"}}: an EAGLE-3 head folder loaded by SGLang's own LlamaForCausalLMEagle3 (built on CPU
       in a one-process gloo group, every parameter first set to NaN, then its `load_weights` over the
       head's tensors); reports the parameters left unloaded, the elements loaded vs the file's (d2t/t2d
-      aside), whether the fused qkv_proj equals the file's q/k/v, and SGLang's `hot_token_id`.
+      aside), whether the fused qkv_proj equals the file's q/k/v, and SGLang's `hot_token_id`;
+  {"generate": {"model", "prompts": [[ids]], "max_new_tokens", "dtype"}}: SGLang's own offline Engine on
+      CPU (`SGLANG_USE_CPU_ENGINE=1`, set by the caller; `torch_native` attention; sgl_kernel is the
+      import-only stand-in), greedy; reports each prompt's output ids and the engine's start-up seconds.
 
 and prints one JSON line: {"version", "flags": {name: {"ok", "error", "parsed"}}, "capture": [...],
 "schemes": [...]}.
@@ -175,6 +178,30 @@ def eagle3_load(job: dict) -> dict:
     }
 
 
+def generate(job: dict) -> dict:
+    import time
+
+    import sglang
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(
+        model_path=job["model"],
+        device="cpu",
+        attention_backend="torch_native",
+        dtype=job.get("dtype", "float32"),
+        mem_fraction_static=0.05,
+        disable_cuda_graph=True,
+        log_level="error",
+    )
+    start = time.perf_counter() - t0
+    try:
+        params = {"temperature": 0, "max_new_tokens": job["max_new_tokens"]}
+        outs = engine.generate(input_ids=job["prompts"], sampling_params=params)
+    finally:
+        engine.shutdown()
+    return {"output_ids": [o["output_ids"] for o in outs], "start_s": start}
+
+
 def main() -> None:
     from sglang.version import __version__
 
@@ -188,6 +215,8 @@ def main() -> None:
         result["schemes"] = resolve_schemes(job["schemes"])
     if "eagle3" in job:
         result["eagle3"] = eagle3_load(job["eagle3"])
+    if "generate" in job:
+        result["generate"] = generate(job["generate"])
     print(json.dumps(result))
 
 

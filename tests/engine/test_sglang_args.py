@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fp8ptq.engine.sglang_engine import run_checks
 from fp8ptq.spec.eagle3 import SGLANG_CAPTURES_NEXT, default_layer_ids, sglang_layer_ids
@@ -153,3 +154,17 @@ def test_sglang_resolves_every_builtin_recipe():
     mixed_h100 = r["mixed"]["by_capability"]["9.0"]
     assert mixed_h100[layers[0]]["scheme"] == "CompressedTensorsWNA16"
     assert mixed_h100[layers[1]]["scheme"] == "CompressedTensorsW8A8Int8"
+
+
+@pytest.mark.slow  # SGLang's engine starts in ~35 s on 2 cores
+def test_sglang_generates_the_demo_model_like_transformers(smol_dir):
+    """SGLang 0.5.23's own offline Engine, on CPU (its CPU engine, the torch_native attention backend, the
+    sgl_kernel stand-in), greedy on the float demo model: the same 16 tokens as transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(smol_dir)("The capital of France is")["input_ids"]
+    r = run_checks({"generate": {"model": str(smol_dir), "prompts": [prompt], "max_new_tokens": 16}})
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    want = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert r["generate"]["output_ids"] == [want], (r["generate"], want)

@@ -1,0 +1,5 @@
+"""An import-only stand-in for sgl_kernel in fp8ptq's SGLang subprocess: see ../standin.py."""
+
+from standin import install
+
+install(__name__, globals())
