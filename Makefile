@@ -17,7 +17,7 @@ VLLM_LOCK := constraints/vllm.txt
 SGLANG_SITE := .sglang-site
 SGLANG_LOCK := constraints/sglang.txt
 
-.PHONY: install demo test test-run test-fast lint clean browser vllm sglang llama bench bench-llama lock
+.PHONY: install demo test test-run test-fast lint clean browser vllm sglang arctic llama bench bench-llama lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,28 @@ $(SGLANG_SITE)/.ok: $(SGLANG_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok
 	touch $@
 
 sglang: $(SGLANG_SITE)/.ok
+
+# arctic-inference 0.3.0 (suffix decoding: vLLM's `method: suffix` calls its SuffixDecodingCache, and fp8ptq's
+# harness calls the same library) is an sdist only: built once into a wheel (~30 s; build dependencies
+# pinned in constraints/arctic.txt, see there), cached in ARCTIC_WHEELS and installed into both venvs. Its
+# vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set.
+ARCTIC_PIN    := arctic-inference==0.3.0
+ARCTIC_LOCK   := constraints/arctic.txt
+ARCTIC_WHEELS ?= $(HOME)/.cache/fp8ptq/wheels
+$(VLLM_VENV)/.arctic-ok: $(ARCTIC_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok $(STAMP)
+	mkdir -p $(ARCTIC_WHEELS)
+	ls $(ARCTIC_WHEELS)/arctic_inference-0.3.0-*.whl >/dev/null 2>&1 || { \
+	  rm -rf $(VLLM_VENV)/arctic-build && \
+	  $(VLLM_PIP) install -q --no-deps --target $(VLLM_VENV)/arctic-build -r $(ARCTIC_LOCK) && \
+	  PYTHONPATH=$(VLLM_VENV)/arctic-build PATH="$$PWD/$(VLLM_VENV)/arctic-build/bin:$$PATH" \
+	  $(VLLM_PIP) wheel -q --no-deps --no-build-isolation -w $(ARCTIC_WHEELS) $(ARCTIC_PIN); }
+	rm -rf $(VLLM_VENV)/arctic-build
+	$(VLLM_PIP) install -q --no-deps --find-links $(ARCTIC_WHEELS) $(ARCTIC_PIN)
+	$(PIP) install -q --no-deps --find-links $(ARCTIC_WHEELS) $(ARCTIC_PIN)
+	$(PY) -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+	touch $@
+
+arctic: $(VLLM_VENV)/.arctic-ok
 
 # llama.cpp (llama-cpp-python, built from its sdist: ~40 min on 2 busy cores, so not in `make test`) for
 # benchmarks/engines/llamacpp_check.py. The built wheel is cached in LLAMA_WHEELS and reused; portable flags (AVX2,
@@ -110,7 +132,7 @@ test:
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
-test-run: lint $(CT017)/.ok browser vllm sglang
+test-run: lint $(CT017)/.ok browser vllm sglang arctic
 	$(PY) -m pytest -q $(XDIST)
 
 # Unit and tiny-model tiers only (no real model, no vLLM): a few minutes on 2 cores.

@@ -118,8 +118,8 @@ def measure_cmd(
     target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
     draft: str = typer.Argument(
         ...,
-        help="draft dir (draft-train or draft-trim output), or ngram[:MIN-MAX] "
-        "for vLLM's prompt lookup (no draft model; default sizes 2-4)",
+        help="draft dir (draft-train or draft-trim output), ngram[:MIN-MAX] (vLLM's prompt lookup, default "
+        "sizes 2-4) or suffix[:N] (vLLM's suffix decoding, N cached requests, default 10000); no draft model",
     ),
     gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
     temperatures: str = typer.Option("0", help="0 = greedy; e.g. 0,1"),
@@ -142,6 +142,7 @@ def measure_cmd(
     Examples:
       fp8ptq spec measure out/q out/draft --temperatures 0,1 --save out/measure.json
       fp8ptq spec measure out/q ngram:2-4
+      fp8ptq spec measure out/q suffix
     """
     offline()
     from fp8ptq.spec.run import measure
@@ -173,7 +174,7 @@ def measure_cmd(
 @spec_app.command("recommend")
 def recommend_cmd(
     target: Optional[str] = typer.Argument(None, help="target (omit with --measured)"),
-    draft: Optional[str] = typer.Argument(None, help="draft dir or ngram[:MIN-MAX] (omit with --measured)"),
+    draft: Optional[str] = typer.Argument(None, help="draft dir, ngram[:MIN-MAX] or suffix[:N] (omit with --measured)"),
     output: Path = typer.Option(
         ..., "--output", "-o", help="folder for speculative_config.json, sglang_flags.txt, plot"
     ),

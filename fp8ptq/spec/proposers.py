@@ -10,6 +10,7 @@ interface; a new proposer (MTP, suffix decoding, ...) is one class here and one 
 
     draft_model   a small causal LM (draft-train), full or VocabTrim vocabulary, with its own KV cache
     ngram         vLLM's prompt-lookup proposer: no model, one-hot q
+    suffix        vLLM's suffix decoding (arctic-inference's suffix trees, `suffix.py`): no model, one-hot q
     eagle3        an EAGLE-3 head on the target's residual stream at its aux layers (`eagle3_loop.py`)
 """
 
@@ -23,6 +24,7 @@ from fp8ptq.spec.eagle3_loop import propose as head_propose
 from fp8ptq.spec.models import crop, new_cache, parse_ngram, step_logits, to_target_probs
 from fp8ptq.spec.sampling import probs as to_probs
 from fp8ptq.spec.steps import median_time, pick_token, probe_ids, timed_step
+from fp8ptq.spec.suffix import is_suffix, parse_suffix
 
 
 class Proposer:
@@ -33,6 +35,7 @@ class Proposer:
     has_probabilities = True  # dynamic draft length (a confidence threshold) needs them
     vocab_trimmed = False  # a VocabTrim draft model (measure.json's `trimmed`; an EAGLE-3 head's d2t is not)
     reads_target = False  # runs on the target's hidden states: loading it needs the loaded target
+    model_free = False  # no draft model (n-gram, suffix): nothing to load, size or hold in memory
 
     def __init__(self, draft):
         self.draft = draft
@@ -145,6 +148,7 @@ class DraftModelProposer(Proposer):
 class NgramProposer(Proposer):
     method = "ngram"
     has_probabilities = False
+    model_free = True
 
     @classmethod
     def vllm_config(cls, draft, gamma):
@@ -243,7 +247,63 @@ class Eagle3Proposer(Proposer):
         return head_step_time(target, self.draft, context, repeats, device)
 
 
-PROPOSERS: dict[str, type[Proposer]] = {p.method: p for p in (DraftModelProposer, NgramProposer, Eagle3Proposer)}
+class SuffixProposer(Proposer):
+    """vLLM's `method: suffix`: each sequence is one request of the draft's SuffixDecodingCache, fed and
+    asked as vLLM's SuffixDecodingProposer feeds and asks it (suffix.py); drafts of any length up to γ."""
+
+    method = "suffix"
+    has_probabilities = False
+    model_free = True
+
+    @classmethod
+    def load(cls, draft, target=None, device="cpu"):
+        return parse_suffix(draft)
+
+    @classmethod
+    def vllm_config(cls, draft, gamma):
+        """γ is vLLM's cap on each draft; the cached-request count explicit (`suffix[:N]`)."""
+        d = parse_suffix(draft)
+        return {
+            "method": "suffix",
+            "num_speculative_tokens": gamma,
+            "suffix_decoding_max_cached_requests": d.max_cached_requests,
+        }
+
+    @classmethod
+    def sglang_flags(cls, draft, gamma):
+        """SGLang 0.5.23 has no suffix decoding (its algorithms: EAGLE, EAGLE3, STANDALONE, NGRAM, ...): no
+        flags, so SGLang serves without speculation."""
+        return []
+
+    def check(self, target):
+        pass  # it copies the target's own ids
+
+    def begin(self, vocab, aux, device):
+        self.vocab, self.rid, self.fed = vocab, None, 0
+
+    def propose(self, seq, *, gamma, temperature, threshold, g):
+        d = self.draft
+        if self.rid is None:  # the first step after the prefill: seq = prompt + the first sampled token
+            self.rid, self.fed = d.start(seq[:-1]), len(seq) - 1
+        d.add(self.rid, seq[self.fed :])  # the tokens sampled since the last step
+        self.fed = len(seq)
+        drafted = d.propose(self.rid, seq, gamma)
+        one_hot = torch.nn.functional.one_hot
+        return drafted, [None if temperature == 0 else one_hot(torch.tensor(t), self.vocab).double() for t in drafted]
+
+    def verified(self, base, n, aux):
+        pass
+
+    def step_time(self, target, context, *, max_k, repeats, device):
+        d = parse_suffix(f"suffix:{self.draft.max_cached_requests}")
+        rid = d.start(context[:-1])
+        d.add(rid, context[-1:])
+        return median_time(lambda: d.propose(rid, context, max_k - 1), repeats) / max(1, max_k - 1)
+
+
+PROPOSERS: dict[str, type[Proposer]] = {
+    p.method: p for p in (DraftModelProposer, NgramProposer, Eagle3Proposer, SuffixProposer)
+}
 
 
 def proposer_for(draft) -> Proposer:
@@ -256,6 +316,8 @@ def proposer_class(draft: str, eagle3: bool | None = None) -> type[Proposer]:
     None: read its config.json, which a path relative to a bundle cannot), else a draft model."""
     if parse_ngram(draft) is not None:
         return NgramProposer
+    if is_suffix(draft):
+        return SuffixProposer
     if eagle3 is None:
         from fp8ptq.spec.eagle3 import is_eagle3
 

@@ -334,11 +334,11 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     if cfg.device_memory:
         from fp8ptq.spec.memory import model_shape, parse_size
         from fp8ptq.spec.memory import plan as memory_plan
-        from fp8ptq.spec.models import parse_ngram
+        from fp8ptq.spec.proposers import proposer_class
 
         plan = memory_plan(
             model_shape(Path(measured.target_path), cfg.kv_dtype),
-            None if parse_ngram(draft) else model_shape(Path(draft)),
+            None if proposer_class(draft).model_free else model_shape(Path(draft)),
             parse_size(cfg.device_memory),
             context=cfg.context,
             batch=cfg.batch,

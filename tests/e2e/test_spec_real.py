@@ -169,6 +169,46 @@ def test_vllm_ngram_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_fi
     )
 
 
+def test_vllm_suffix_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_file):
+    """`suffix:0` (vLLM's suffix decoding, each request's own prompt and response): fp8ptq drives
+    arctic-inference's SuffixDecodingCache as vLLM's proposer does, so on vLLM's own output the replayed
+    counts equal vLLM's counters exactly; vLLM's SpeculativeConfig keeps every written value; SGLang 0.5.23
+    has no suffix decoding, so its flag set is empty (and parses)."""
+    rec = recommend(
+        RecommendConfig(
+            output=tmp_path / "suffix",
+            engine_check=True,
+            measure=MeasureConfig(
+                target=str(target_dir),
+                draft="suffix:0",
+                gammas=(4,),  # one γ: the comparison is exact at any γ, and each costs a measured run
+                prompts=str(prompt_file),
+                num_prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+                cost_repeats=3,
+            ),
+        )
+    )
+    cfg = json.loads((tmp_path / "suffix" / "speculative_config.json").read_text())
+    assert cfg == {"method": "suffix", "num_speculative_tokens": rec.gamma, "suffix_decoding_max_cached_requests": 0}
+    assert (tmp_path / "suffix" / "sglang_flags.txt").read_text() == "\n"
+    e = rec.engine_check
+    assert e["ok"], e
+    assert (e["vllm_config"]["method"], e["vllm_config"]["num_speculative_tokens"]) == ("suffix", rec.gamma)
+    v, replay = e["vllm"], e["fp8ptq_replay"]
+    print(
+        f"suffix:0 γ={rec.gamma}: vLLM {v}, replay {replay}; tokens/s plain {e['plain_tokens_per_s']:.1f}, "
+        f"speculative {e['speculative_tokens_per_s']:.1f} ({e['speedup']:.2f}×)"
+    )
+    assert v["drafted"] > 0 and v["accepted"] > 0 and e["tokens"] == PROMPTS * MAX_TOKENS
+    assert (v["drafts"], v["drafted"], v["accepted"], v["per_pos_accepted"]) == (
+        replay["drafts"],
+        replay["drafted"],
+        replay["accepted"],
+        replay["per_pos_accepted"],
+    )
+
+
 def test_vllm_config_classes_refuse_what_vllm_would(target_dir):
     """vllm_config_check is vLLM's own SpeculativeConfig (no weights loaded): the config fp8ptq writes for
     an n-gram proposer resolves to itself; one vLLM refuses is refused with vLLM's own reason."""

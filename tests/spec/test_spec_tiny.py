@@ -27,7 +27,7 @@ from fp8ptq.spec.measure import (
     speculative_generate,
 )
 from fp8ptq.spec.models import DRAFT_META, TRIM_META, NgramDraft, TrimSummary, load_draft, load_target, parse_ngram
-from fp8ptq.spec.run import MeasureConfig, RecommendConfig, measure, recommend
+from fp8ptq.spec.run import MeasureConfig, RecommendConfig, load_any_draft, measure, recommend
 
 pytestmark = pytest.mark.tiny
 
@@ -238,6 +238,54 @@ def test_measure_and_recommend_ngram(tmp_path, tiny_dir):
     flags = (tmp_path / "rec" / "sglang_flags.txt").read_text()
     depth = f"--speculative-ngram-max-trie-depth {3 + rec.gamma}"  # the longest match + the drafted tokens
     assert "--speculative-algorithm NGRAM" in flags and depth in flags
+    assert rec.costs["c"] < 0.05 and rec.memory_plan["draft_weight_bytes"] == 0
+
+
+def test_measure_and_recommend_suffix(tmp_path, tiny_dir):
+    """vLLM's suffix decoding through arctic-inference's own suffix trees: greedy output equals the target's,
+    the replay counts what the loop counted, T = 1 runs, and the recommendation writes vLLM's config (the
+    cached-request count explicit) and no SGLang flags (SGLang 0.5.23 has no suffix decoding)."""
+    from fp8ptq.spec.suffix import SuffixDraft, parse_suffix
+
+    assert parse_suffix("suffix") == SuffixDraft() and parse_suffix("suffix:0").max_cached_requests == 0
+    assert parse_suffix("ngram") is None and parse_suffix("suffixes") is None
+    d = parse_suffix("suffix:0")  # the library's own search: the continuation of the longest suffix match
+    rid = d.start([1, 2, 3, 4, 1, 2, 3])
+    d.add(rid, [4])
+    assert d.propose(rid, [1, 2, 3, 4, 1, 2, 3, 4], 3) == [1, 2, 3]
+    target, _ = load_target(tiny_dir)
+    suffix = load_any_draft("suffix:0", target)
+    prompt = list(range(200, 230)) + list(range(200, 210))
+    stats = SpecStats(3)
+    out = speculative_generate(target, suffix, prompt, Decoding(gamma=3, max_tokens=24), stats=stats)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(28):
+            ids = torch.cat([ids, target.model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+    assert out == ids[0, len(prompt) : len(prompt) + 24].tolist()  # greedy output == the target's
+    replay = SpecStats(3)
+    replay_greedy(
+        load_any_draft("suffix:0", target), prompt, ids[0, len(prompt) :].tolist(), gamma=3, stats=replay, max_tokens=24
+    )
+    assert replay.summary() == stats.summary() and stats.drafts > 0
+    sampled = SpecStats(3)
+    assert len(speculative_generate(target, suffix, prompt, Decoding(3, 12, temperature=1.0), stats=sampled)) == 12
+    rec = recommend(
+        RecommendConfig(
+            output=tmp_path / "rec",
+            device_memory="1GiB",
+            measure=MeasureConfig(
+                target=str(tiny_dir), draft="suffix", gammas=(1, 2), num_prompts=2, max_tokens=8, cost_repeats=2
+            ),
+        )
+    )
+    cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
+    assert cfg == {
+        "method": "suffix",
+        "num_speculative_tokens": rec.gamma,
+        "suffix_decoding_max_cached_requests": 10000,
+    }
+    assert (tmp_path / "rec" / "sglang_flags.txt").read_text() == "\n"
     assert rec.costs["c"] < 0.05 and rec.memory_plan["draft_weight_bytes"] == 0
 
 
