@@ -16,6 +16,7 @@ from fp8ptq.cli import eval  # noqa: F401
 from fp8ptq.cli import misc  # noqa: F401
 from fp8ptq.cli import draft  # noqa: F401
 from fp8ptq.cli import spec  # noqa: F401
+from fp8ptq.cli import spec_compare  # noqa: F401
 from fp8ptq.cli.app import app
 # isort: on
 

@@ -61,7 +61,7 @@ def _echo_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
-def _measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts, max_tokens, thresholds, seed, device):
+def measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts, max_tokens, thresholds, seed, device):
     from fp8ptq.spec.run import MeasureConfig
 
     return MeasureConfig(
@@ -147,7 +147,7 @@ def measure_cmd(
     offline()
     from fp8ptq.spec.run import measure
 
-    cfg = _measure_config(
+    cfg = measure_config(
         target=target,
         draft=draft,
         gammas=gammas,
@@ -228,7 +228,7 @@ def recommend_cmd(
     mcfg = (
         None
         if measured
-        else _measure_config(
+        else measure_config(
             target=target,
             draft=draft,
             gammas=gammas,

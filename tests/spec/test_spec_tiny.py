@@ -486,3 +486,34 @@ def test_quantize_refuses_an_unknown_draft_kind_before_any_work(tmp_path, tiny_d
     with pytest.raises(RecipeError, match="unknown draft kind 'bogus'"):
         quantize(QuantizeConfig(model=str(tiny_dir), recipe="fp8-dynamic", output=tmp_path / "q", draft=bad))
     assert not (tmp_path / "q").exists()
+
+
+def test_spec_compare_decides_between_proposers(tmp_path, tiny_dir):
+    """`spec compare`: each proposer recommended in its own folder on the same target and prompts, the
+    decision the highest predicted speedup (none above 1: no speculation), the winner's configs in OUT."""
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+
+    out = tmp_path / "cmp"
+    args = ["spec", "compare", str(tiny_dir), "ngram:1-3", "suffix:0", "-o", str(out), "--gammas", "1,2"]
+    r = CliRunner().invoke(app, args + ["--num-prompts", "2", "--max-tokens", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((out / "comparison.json").read_text())
+    assert rep["schema"] == "spec-compare" and rep["basis"] == "predicted"
+    rows = {p["draft"]: p for p in rep["proposers"]}
+    assert [p["method"] for p in rep["proposers"]] == ["ngram", "suffix"]
+    best = max(rows.values(), key=lambda p: p["predicted_speedup"])
+    for p in rows.values():  # each proposer's own recommendation, as `spec recommend` writes it
+        own = json.loads((out / p["folder"] / "recommendation.json").read_text())
+        assert own["gamma"] == p["gamma"] and own["speedup"] == p["predicted_speedup"]
+    if best["predicted_speedup"] > 1.0:
+        assert rep["chosen"] == best["draft"] and best["draft"] in rep["why"]
+        want = (out / best["folder"] / "speculative_config.json").read_text()
+        assert (out / "speculative_config.json").read_text() == want
+    else:
+        assert rep["chosen"] is None and "without speculation" in rep["why"]
+        assert not (out / "speculative_config.json").exists()
+    bad = CliRunner().invoke(app, ["spec", "compare", str(tiny_dir), "suffix", "-o", str(tmp_path / "one")])
+    assert bad.exit_code == 2 and "two or more different drafts" in bad.output, bad.output
+    assert not (tmp_path / "one").exists()
