@@ -58,26 +58,30 @@ $(SGLANG_SITE)/.ok: $(SGLANG_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok
 sglang: $(SGLANG_SITE)/.ok
 
 # arctic-inference 0.3.0 (suffix decoding: vLLM's `method: suffix` calls its SuffixDecodingCache, and fp8ptq's
-# harness calls the same library) is an sdist only: built once into a wheel (~30 s; build dependencies
-# pinned in constraints/arctic.txt, see there), cached in ARCTIC_WHEELS and installed into both venvs. Its
-# vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set.
+# harness calls the same library) is an sdist only: built once with .venv's CPU torch into a wheel (~30 s;
+# build dependencies pinned in constraints/arctic.txt, see there), cached in ARCTIC_WHEELS, installed into
+# .venv (test-fast needs only this) and .venv-vllm. Its vLLM plugin stays off unless
+# ARCTIC_INFERENCE_ENABLED is set.
 ARCTIC_PIN    := arctic-inference==0.3.0
 ARCTIC_LOCK   := constraints/arctic.txt
 ARCTIC_WHEELS ?= $(HOME)/.cache/fp8ptq/wheels
-$(VLLM_VENV)/.arctic-ok: $(ARCTIC_LOCK) $(VLLM_VENV)/.fp8ptq-vllm-ok $(STAMP)
+$(VENV)/.arctic-ok: $(ARCTIC_LOCK) $(STAMP)
 	mkdir -p $(ARCTIC_WHEELS)
 	ls $(ARCTIC_WHEELS)/arctic_inference-0.3.0-*.whl >/dev/null 2>&1 || { \
-	  rm -rf $(VLLM_VENV)/arctic-build && \
-	  $(VLLM_PIP) install -q --no-deps --target $(VLLM_VENV)/arctic-build -r $(ARCTIC_LOCK) && \
-	  PYTHONPATH=$(VLLM_VENV)/arctic-build PATH="$$PWD/$(VLLM_VENV)/arctic-build/bin:$$PATH" \
-	  $(VLLM_PIP) wheel -q --no-deps --no-build-isolation -w $(ARCTIC_WHEELS) $(ARCTIC_PIN); }
-	rm -rf $(VLLM_VENV)/arctic-build
-	$(VLLM_PIP) install -q --no-deps --find-links $(ARCTIC_WHEELS) $(ARCTIC_PIN)
+	  rm -rf $(VENV)/arctic-build && \
+	  $(PIP) install -q --no-deps --target $(VENV)/arctic-build -r $(ARCTIC_LOCK) && \
+	  PYTHONPATH=$(VENV)/arctic-build PATH="$$PWD/$(VENV)/arctic-build/bin:$$PATH" \
+	  $(PIP) wheel -q --no-deps --no-build-isolation -w $(ARCTIC_WHEELS) $(ARCTIC_PIN); }
+	rm -rf $(VENV)/arctic-build
 	$(PIP) install -q --no-deps --find-links $(ARCTIC_WHEELS) $(ARCTIC_PIN)
 	$(PY) -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
 	touch $@
 
-arctic: $(VLLM_VENV)/.arctic-ok
+$(VLLM_VENV)/.arctic-ok: $(VENV)/.arctic-ok $(VLLM_VENV)/.fp8ptq-vllm-ok
+	$(VLLM_PIP) install -q --no-deps --find-links $(ARCTIC_WHEELS) $(ARCTIC_PIN)
+	touch $@
+
+arctic: $(VENV)/.arctic-ok $(VLLM_VENV)/.arctic-ok
 
 # llama.cpp (llama-cpp-python, built from its sdist: ~40 min on 2 busy cores, so not in `make test`) for
 # benchmarks/engines/llamacpp_check.py. The built wheel is cached in LLAMA_WHEELS and reused; portable flags (AVX2,
@@ -136,7 +140,7 @@ test-run: lint $(CT017)/.ok browser vllm sglang arctic
 	$(PY) -m pytest -q $(XDIST)
 
 # Unit and tiny-model tiers only (no real model, no vLLM): a few minutes on 2 cores.
-test-fast: lint $(CT017)/.ok browser
+test-fast: lint $(CT017)/.ok browser $(VENV)/.arctic-ok
 	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 # Quality and speed measurements that are not tests: every recipe against its gates (JSON in
