@@ -176,6 +176,7 @@ RECIPE_CI_OPTIONS = {
     "w4a16-signround": ["--smooth-alpha", "0.5", "--set", "calibration.rounding_iters=2"],
 }
 RECIPE_CI_OPTIONS["nvfp4a16-signround"] = RECIPE_CI_OPTIONS["w4a16-signround"]
+RECIPE_CI_OPTIONS["mxfp4a16-signround"] = RECIPE_CI_OPTIONS["w4a16-signround"]
 
 
 @pytest.fixture(scope="session")

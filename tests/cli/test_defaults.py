@@ -122,7 +122,7 @@ def test_the_mmap_threshold_is_raised_only_where_the_recipe_trains_its_rounding(
     def mib(recipe, **kw):
         return mmap_threshold_mib(QuantizeConfig(model="m", recipe=recipe, output=Path("/nonexistent/o"), **kw))
 
-    assert mib("w4a16-signround") == mib("nvfp4a16-signround") == 8
+    assert mib("w4a16-signround") == mib("nvfp4a16-signround") == mib("mxfp4a16-signround") == 8
     assert mib("fp8-kv8", sets=("calibration.rounding=signround",)) == 8
     assert mib("w4a16-signround", offload_activations=True) == 1
     assert mib("fp8-kv8") == mib("w4a16") == mib("no-such-recipe") == 1

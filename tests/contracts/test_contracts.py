@@ -43,6 +43,7 @@ _KL_BOUND = {
     "w4a8-fp8": 1.0,
     "nvfp4a16": 1.0,
     "nvfp4a16-signround": 1.0,
+    "mxfp4a16-signround": 1.0,
     "mxfp4a16": 1.0,
 }  # 4-bit on a 64-wide random model
 # Tiny models are 64 wide: a 128 block does not divide them (as on SmolLM2), so block recipes run with
@@ -51,6 +52,7 @@ _OPTIONS = {"fp8-block": {"block_size": 32}, "w4a8-fp8": {"group_size": 32}}
 _OPTIONS["w4a16-awq"] = {"smooth_alpha": "0.5"}  # the folds, not the alpha search (tests/quantize: the search)
 _OPTIONS["w4a16-signround"] = {"smooth_alpha": "0.5", "sets": ("calibration.rounding_iters=4",)}
 _OPTIONS["nvfp4a16-signround"] = _OPTIONS["w4a16-signround"]
+_OPTIONS["mxfp4a16-signround"] = _OPTIONS["w4a16-signround"]
 
 
 @pytest.fixture(scope="module")

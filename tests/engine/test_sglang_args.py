@@ -80,6 +80,7 @@ SGLANG_SCHEMES = {
     "mxfp4": None,  # SGLang 0.5.23 has MXFP4 for MoE experts only (Mxfp4MoEMethod), no dense MX scheme
     "mxfp4-fp8": None,
     "mxfp4a16": None,
+    "mxfp4a16-signround": None,
     "mxfp8": None,
     "mxfp8a16": None,
     "nvfp4": ("CompressedTensorsW4A16Fp4", "CompressedTensorsW4A4Fp4"),  # W4A4 on Blackwell, else weight-only
