@@ -203,19 +203,39 @@ def recommend_cmd(
     vllm_python: Optional[str] = typer.Option(
         None, help="--engine-check: python of a venv with vLLM (default .venv-vllm)"
     ),
+    compare_with: list[str] = typer.Option(
+        [], "--compare", help="also measure this proposer (repeatable) and decide between all: `spec compare`"
+    ),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu"),
     overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Choose γ maximising τ·T_t / (γ·T_d + T_v(γ+1)); write vLLM and SGLang configs and a plot.
+    With --compare: every proposer measured, each one's γ, α, c and speedup listed, and which to serve.
 
     \b
     Examples:
       fp8ptq spec recommend out/q out/draft -o out/spec --engine-check
       fp8ptq spec recommend --measured out/measure.json -o out/spec --device-memory 24GiB
+      fp8ptq spec recommend out/q out/draft --compare ngram --compare suffix -o out/spec
     """
     offline()
+    if compare_with:
+        from fp8ptq.cli.spec_compare import compare_and_print
+
+        if measured is not None or target is None or draft is None:
+            fail(
+                Fp8ptqError(
+                    "--compare measures every proposer: it needs TARGET and DRAFT, not --measured",
+                    fix="e.g. fp8ptq spec recommend out/q out/draft --compare ngram -o out/spec",
+                )
+            )
+
+        opts = dict(gammas=gammas, temperature=temperature, num_prompts=num_prompts, max_tokens=max_tokens)
+        opts |= dict(engine_check=engine_check, vllm_python=vllm_python, seed=seed, device=device)
+        compare_and_print(target, [draft, *compare_with], output, opts, overwrite=overwrite, json_out=json_out)
+        return
     from fp8ptq.spec.run import RecommendConfig, recommend
 
     if measured is None and (target is None or draft is None):

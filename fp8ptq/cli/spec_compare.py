@@ -43,6 +43,14 @@ def compare_cmd(
       fp8ptq spec compare out/q out/eagle3 suffix -o out/spec-compare --engine-check
     """
     offline()
+    opts = dict(gammas=gammas, temperature=temperature, num_prompts=num_prompts, max_tokens=max_tokens)
+    opts |= dict(engine_check=engine_check, vllm_python=vllm_python, seed=seed, device=device)
+    compare_and_print(target, list(drafts), output, opts, overwrite=overwrite, json_out=json_out)
+
+
+def compare_and_print(target: str, drafts: list[str], output: Path, opts: dict, *, overwrite: bool, json_out: bool):
+    """Run spec.compare with `spec recommend`'s measuring options (opts) and print its table and decision
+    (also `spec recommend TARGET DRAFT --compare DRAFT2 ...`)."""
     from fp8ptq.spec.compare import compare
     from fp8ptq.spec.run import RecommendConfig
 
@@ -50,26 +58,31 @@ def compare_cmd(
         m = measure_config(
             target=target,
             draft=draft,
-            gammas=gammas,
-            temperatures=str(temperature),
+            gammas=opts["gammas"],
+            temperatures=str(opts["temperature"]),
             prompts=None,
-            num_prompts=num_prompts,
-            max_tokens=max_tokens,
+            num_prompts=opts["num_prompts"],
+            max_tokens=opts["max_tokens"],
             thresholds=None,
-            seed=seed,
-            device=device,
+            seed=opts["seed"],
+            device=opts["device"],
         )
         return RecommendConfig(
-            output=folder, measure=m, temperature=temperature, engine_check=engine_check, vllm_python=vllm_python
+            output=folder,
+            measure=m,
+            temperature=opts["temperature"],
+            engine_check=opts["engine_check"],
+            vllm_python=opts["vllm_python"],
         )
 
     with user_errors(output), progress_bar(not json_out) as progress:
-        report = compare(target, list(drafts), output, recommend_config, overwrite=overwrite, progress=progress)
+        report = compare(target, drafts, output, recommend_config, overwrite=overwrite, progress=progress)
     if json_out:
         from fp8ptq.results import to_json
 
         typer.echo(json.dumps(to_json(report), indent=2))
         return
+    temperature = opts["temperature"]
     table = Table("draft", "method", "γ", "τ", "α", "c", "predicted", "vLLM", title=f"proposers (T = {temperature})")
     for r in report.proposers:
         v = "—" if r["vllm_speedup"] is None else f"{r['vllm_speedup']:.2f}×"

@@ -514,6 +514,18 @@ def test_spec_compare_decides_between_proposers(tmp_path, tiny_dir):
     else:
         assert rep["chosen"] is None and "without speculation" in rep["why"]
         assert not (out / "speculative_config.json").exists()
+    again = tmp_path / "rec"  # `spec recommend --compare`: the same comparison (its costs re-measured)
+    r = CliRunner().invoke(
+        app,
+        ["spec", "recommend", str(tiny_dir), "ngram:1-3", "--compare", "suffix:0", "-o", str(again), "--gammas", "1,2"]
+        + ["--num-prompts", "2", "--max-tokens", "8", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    rep2 = json.loads(r.stdout)
+    top = max(rep2["proposers"], key=lambda p: p["predicted_speedup"])
+    assert rep2["chosen"] == (top["draft"] if top["predicted_speedup"] > 1.0 else None), rep2
+    assert [p["draft"] for p in rep2["proposers"]] == ["ngram:1-3", "suffix:0"]
+    assert (again / "1-suffix" / "recommendation.json").is_file()
     bad = CliRunner().invoke(app, ["spec", "compare", str(tiny_dir), "suffix", "-o", str(tmp_path / "one")])
     assert bad.exit_code == 2 and "two or more different drafts" in bad.output, bad.output
     assert not (tmp_path / "one").exists()
