@@ -7,7 +7,6 @@ Like the rest of the CLI: each command builds one config object, calls one libra
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -26,56 +25,12 @@ from fp8ptq.cli.common import (
     user_errors,
     write_save,
 )
+from fp8ptq.cli.spec_options import measure_config
 from fp8ptq.errors import Fp8ptqError
-
-
-def _ints(text: str, what: str) -> tuple[int, ...]:
-    """'1-8' or '1,2,4' -> (1, ..., 8) / (1, 2, 4)."""
-    try:
-        if "-" in text and "," not in text:
-            lo, hi = (int(x) for x in text.split("-"))
-            if hi - lo > 1024:  # checked before the range is built: 1-1000000000 is a typo, not a plan
-                fail(Fp8ptqError(f"{what} '{text}' spans {hi - lo + 1} values", fix="write e.g. 1-8 or 1,2,4"))
-            vals = tuple(range(lo, hi + 1))
-        else:
-            vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        fail(Fp8ptqError(f"cannot read {what} '{text}'", fix="write e.g. 1-8 or 1,2,4"))
-    if not vals:
-        fail(Fp8ptqError(f"{what} '{text}' is empty", fix="write e.g. 1-8 or 1,2,4"))
-    return vals
-
-
-def _floats(text: str, what: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        fail(Fp8ptqError(f"cannot read {what} '{text}'", fix="write e.g. 0,1 or 0.3,0.5"))
-    bad = [v for v in vals if not math.isfinite(v)]
-    if bad:
-        fail(Fp8ptqError(f"{what} '{text}' holds {bad[0]}", fix="write finite numbers, e.g. 0,1 or 0.3,0.5"))
-    return vals
 
 
 def _echo_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
-
-
-def measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts, max_tokens, thresholds, seed, device):
-    from fp8ptq.spec.run import MeasureConfig
-
-    return MeasureConfig(
-        target=target,
-        draft=draft,
-        gammas=_ints(gammas, "--gammas"),
-        temperatures=_floats(temperatures, "--temperatures"),
-        prompts=prompts,
-        num_prompts=num_prompts,
-        max_tokens=max_tokens,
-        thresholds=_floats(thresholds, "--thresholds") if thresholds else (),
-        seed=seed,
-        device=device,
-    )
 
 
 def _acceptance_table(measured, costs: dict | None) -> None:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fp8ptq.cli.app import spec_app
 from fp8ptq.cli.common import console, offline, out, progress_bar, user_errors
-from fp8ptq.cli.spec import measure_config
+from fp8ptq.cli.spec_options import measure_config
 
 
 @spec_app.command("compare")
