@@ -98,6 +98,13 @@ class Proposer:
         ]
 
 
+def one_hot_rows(drafted: list[int], temperature: float, vocab: int) -> list:
+    """q rows of a deterministic proposer (n-gram, suffix): None when greedy, else one-hot over the vocabulary
+    (exact sampling then accepts x with probability p(x))."""
+    one_hot = torch.nn.functional.one_hot
+    return [None if temperature == 0 else one_hot(torch.tensor(t), vocab).double() for t in drafted]
+
+
 class DraftModelProposer(Proposer):
     method = "draft_model"
     sglang_algorithm = "STANDALONE"  # a small LLM as the draft
@@ -191,8 +198,7 @@ class NgramProposer(Proposer):
 
     def propose(self, seq, *, gamma, temperature, threshold, g):
         drafted = self.draft.propose(seq, gamma)
-        one_hot = torch.nn.functional.one_hot
-        return drafted, [None if temperature == 0 else one_hot(torch.tensor(t), self.vocab).double() for t in drafted]
+        return drafted, one_hot_rows(drafted, temperature, self.vocab)
 
     def verified(self, base, n, aux):
         pass
@@ -288,8 +294,7 @@ class SuffixProposer(Proposer):
         d.add(self.rid, seq[self.fed :])  # the tokens sampled since the last step
         self.fed = len(seq)
         drafted = d.propose(self.rid, seq, gamma)
-        one_hot = torch.nn.functional.one_hot
-        return drafted, [None if temperature == 0 else one_hot(torch.tensor(t), self.vocab).double() for t in drafted]
+        return drafted, one_hot_rows(drafted, temperature, self.vocab)
 
     def verified(self, base, n, aux):
         pass
