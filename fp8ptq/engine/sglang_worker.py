@@ -189,7 +189,14 @@ def generate(job: dict) -> dict:
         device="cpu",
         attention_backend="torch_native",
         dtype=job.get("dtype", "float32"),
-        mem_fraction_static=0.05,
+        # SGLang sizes its CPU KV pool from the host's free memory (psutil and the
+        # cgroup's memory.current, page cache included), which a busy CI host makes
+        # small: a fraction of 0.05 left no room after a 0.5 GiB float32 load there.
+        # A large fraction keeps the weights inside the budget; the token cap keeps
+        # the pool the fraction allows from being allocated.
+        mem_fraction_static=0.6,
+        max_total_tokens=job.get("max_total_tokens", 4096),
+        max_running_requests=8,
         disable_cuda_graph=True,
         log_level="error",
     )
