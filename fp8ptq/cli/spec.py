@@ -84,6 +84,9 @@ def measure_cmd(
     thresholds: Optional[str] = typer.Option(
         None, help="dynamic draft length: stop drafting below these draft max-probs, e.g. 0.3,0.5"
     ),
+    batch_sizes: Optional[str] = typer.Option(
+        None, help="also time the costs at these decode batch sizes and write γ per batch size, e.g. 1,8,32"
+    ),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu"),
     save: Optional[Path] = typer.Option(
@@ -113,6 +116,7 @@ def measure_cmd(
         thresholds=thresholds,
         seed=seed,
         device=device,
+        batch_sizes=batch_sizes,
     )
     check_save(save, (target, draft))
     with user_errors(), progress_bar(not json_out) as progress:
@@ -161,6 +165,9 @@ def recommend_cmd(
     compare_with: list[str] = typer.Option(
         [], "--compare", help="also measure this proposer (repeatable) and decide between all: `spec compare`"
     ),
+    batch_sizes: Optional[str] = typer.Option(
+        None, help="also time the costs at these decode batch sizes and write γ per batch size, e.g. 1,8,32"
+    ),
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu"),
     overwrite: bool = typer.Option(False),
@@ -174,6 +181,7 @@ def recommend_cmd(
       fp8ptq spec recommend out/q out/draft -o out/spec --engine-check
       fp8ptq spec recommend --measured out/measure.json -o out/spec --device-memory 24GiB
       fp8ptq spec recommend out/q out/draft --compare ngram --compare suffix -o out/spec
+      fp8ptq spec recommend out/q out/draft --batch-sizes 1,8,32 -o out/spec --device cuda
     """
     offline()
     if compare_with:
@@ -214,6 +222,7 @@ def recommend_cmd(
             thresholds=thresholds,
             seed=seed,
             device=device,
+            batch_sizes=batch_sizes,
         )
     )
     cfg = RecommendConfig(
@@ -260,6 +269,9 @@ def recommend_cmd(
             "(not expressible in vLLM 0.32's draft_model config)",
             highlight=False,
         )
+    if rec.per_batch:
+        ranges = ", ".join(f"{a}-{b}: γ {g}" for a, b, g in rec.batch_schedule)
+        console.print(f"γ per batch size (vLLM num_speculative_tokens_per_batch_size): {ranges}", highlight=False)
     if rec.engine_check:
         _engine_line(rec.engine_check)
     if rec.memory_plan:

@@ -37,7 +37,9 @@ def parse_floats(text: str, what: str) -> tuple[float, ...]:
     return vals
 
 
-def measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts, max_tokens, thresholds, seed, device):
+def measure_config(
+    *, target, draft, gammas, temperatures, prompts, num_prompts, max_tokens, thresholds, seed, device, batch_sizes=None
+):
     from fp8ptq.spec.run import MeasureConfig
 
     return MeasureConfig(
@@ -51,4 +53,5 @@ def measure_config(*, target, draft, gammas, temperatures, prompts, num_prompts,
         thresholds=parse_floats(thresholds, "--thresholds") if thresholds else (),
         seed=seed,
         device=device,
+        batch_sizes=parse_ints(batch_sizes, "--batch-sizes") if batch_sizes else (),
     )

@@ -121,11 +121,20 @@ def _validate(kwargs: dict, result: dict) -> dict:
     from vllm.engine.arg_utils import EngineArgs
 
     result["stage"] = "config"
-    spec = EngineArgs(**kwargs).create_engine_config().speculative_config
+    config = EngineArgs(**kwargs).create_engine_config()
+    spec = config.speculative_config
     result["speculative"] = None
     if spec is not None:
         fields = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
         result["speculative"] = {k: getattr(spec, k, None) for k in fields}
+        schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        if schedule is not None:  # checked where vLLM checks it: its scheduler's own lookup builder
+            from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+            n = config.scheduler_config.max_num_seqs
+            lookup = build_dynamic_sd_schedule_lookup(schedule, n, spec.num_speculative_tokens)
+            result["speculative"]["per_batch_size"] = [list(r) for r in schedule]
+            result["speculative"]["gamma_at_batch"] = {str(b): lookup[b] for b in (1, 2, 4, 8, 16, 32, 64) if b <= n}
     result.update(ok=True, stage="done", token_ids=[])
     return result
 

@@ -6,7 +6,7 @@ The counters follow vLLM's spec-decode metrics (measure.py's docstring)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -66,6 +66,7 @@ class Measurement:
     by_temperature: dict[str, Acceptance]  # str(temperature) -> its runs
     costs: dict  # recommend.Costs.as_dict()
     timings: dict[str, float]
+    costs_by_batch: dict[str, dict] = field(default_factory=dict)  # str(batch size) -> Costs.as_dict() (--batch-sizes)
 
 
 def read_measurement(path: Path) -> Measurement:

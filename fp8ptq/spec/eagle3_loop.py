@@ -146,8 +146,11 @@ def propose(draft: Eagle3Draft, st: HeadState, seq: list[int], aux: torch.Tensor
 
 
 @torch.inference_mode()
-def head_step_time(target: LoadedModel, draft: Eagle3Draft, context: list[int], repeats: int, device: str) -> float:
-    """Median wall time of one head step (1 token after a KV cache of len(context) positions)."""
+def head_step_time(
+    target: LoadedModel, draft: Eagle3Draft, context: list[int], repeats: int, device: str, batch: int = 1
+) -> float:
+    """Median wall time of one head step (1 token after a KV cache of len(context) positions), for `batch`
+    sequences at once."""
     from fp8ptq.spec.steps import median_time
 
     with AuxCapture(target.model, draft.head.s.layer_ids) as cap:
@@ -155,7 +158,8 @@ def head_step_time(target: LoadedModel, draft: Eagle3Draft, context: list[int], 
         aux = cap.take()[0]
     st = HeadState(draft.head)
     propose(draft, st, list(context) + [context[-1]], aux, gamma=1, temperature=0.0, g=None, threshold=None)
-    h = torch.zeros(1, 1, draft.head.s.hidden, device=device)
-    tok = torch.tensor([[context[-1]]], device=device)
+    h = torch.zeros(batch, 1, draft.head.s.hidden, device=device)
+    tok = torch.tensor([[context[-1]]] * batch, device=device)
     pos = torch.tensor([len(context)], device=device)
-    return median_time(lambda: draft.head.block(tok, h, pos, (st.k, st.v)), repeats)
+    past = (st.k.expand(batch, -1, -1, -1), st.v.expand(batch, -1, -1, -1))
+    return median_time(lambda: draft.head.block(tok, h, pos, past), repeats)

@@ -30,7 +30,7 @@ from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
 from fp8ptq.spec.proposers import proposer_for
 from fp8ptq.spec.recommend import Costs
 from fp8ptq.spec.sampling import verify_drafts
-from fp8ptq.spec.steps import median_time, pick_token, probe_ids, timed_step
+from fp8ptq.spec.steps import median_time, pick_token, prefilled_cache, probe_ids, timed_step
 
 __all__ = ["SpecStats", "speculative_generate", "plain_generate", "measure_acceptance", "replay_greedy"]
 __all__ += ["measure_costs", "pick_token", "median_time"]
@@ -263,19 +263,21 @@ def measure_costs(
     repeats: int = 7,
     device: str = "cpu",
     progress=None,
+    batch: int = 1,
 ) -> Costs:
     """Median wall time of: one draft step (1 token), a target forward over k = 1..max_k tokens, each
-    after a KV cache of len(context) tokens (rolled back after every timed call)."""
-    tc = new_cache(target.model)
-    step_logits(target, context, tc, device)
+    after a KV cache of len(context) tokens (rolled back after every timed call); `batch` sequences at
+    once (every row the same context: the cost of a decode batch of that size)."""
     n = len(context)
+    tc = prefilled_cache(target, context, device, batch)
     probe = probe_ids(context, max_k)
-    t_draft = proposer_for(draft).step_time(target, context, max_k=max_k, repeats=repeats, device=device)
+    t_draft = proposer_for(draft).step_time(target, context, max_k=max_k, repeats=repeats, device=device, batch=batch)
     t_verify = {}
     for k in range(1, max_k + 1):
-        t_verify[k] = median_time(timed_step(target, tc, probe[:k], n, device), repeats)
+        t_verify[k] = median_time(timed_step(target, tc, probe[:k], n, device, batch), repeats)
         if progress:
-            progress("costs", k, max_k)
+            progress("costs" if batch == 1 else f"costs, batch {batch}", k, max_k)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
-    where = f"HF {device}, {dtype}, {torch.get_num_threads()} thread(s), context {n}, median of {repeats}"
+    rows = "" if batch == 1 else f", batch {batch}"
+    where = f"HF {device}, {dtype}, {torch.get_num_threads()} thread(s), context {n}{rows}, median of {repeats}"
     return Costs(t_target=t_verify[1], t_draft=t_draft, t_verify=t_verify, source=where)

@@ -23,7 +23,7 @@ from fp8ptq.spec.eagle3_loop import AuxCapture, HeadState, head_step_time
 from fp8ptq.spec.eagle3_loop import propose as head_propose
 from fp8ptq.spec.models import crop, new_cache, parse_ngram, step_logits, to_target_probs
 from fp8ptq.spec.sampling import probs as to_probs
-from fp8ptq.spec.steps import median_time, pick_token, probe_ids, timed_step
+from fp8ptq.spec.steps import median_time, pick_token, prefilled_cache, probe_ids, timed_step
 from fp8ptq.spec.suffix import is_suffix, parse_suffix
 
 
@@ -69,8 +69,8 @@ class Proposer:
     def verified(self, base: int, n: int, aux: torch.Tensor | None) -> None:
         raise NotImplementedError
 
-    def step_time(self, target, context: list[int], *, max_k: int, repeats: int, device: str) -> float:
-        """Median wall time of this proposer's work per drafted token."""
+    def step_time(self, target, context: list[int], *, max_k: int, repeats: int, device: str, batch: int = 1) -> float:
+        """Median wall time of this proposer's work per drafted token, for `batch` sequences at once."""
         raise NotImplementedError
 
     # The engines' configs for serving it (recommend.vllm_config / sglang_flags pick the class by the path).
@@ -145,11 +145,10 @@ class DraftModelProposer(Proposer):
         self.held = min(self.filled, base + n)  # positions of seq the draft cache holds
         crop(self.cache, self.held)
 
-    def step_time(self, target, context, *, max_k, repeats, device):
-        cache = new_cache(self.draft.model)
-        step_logits(self.draft, context, cache, device)
+    def step_time(self, target, context, *, max_k, repeats, device, batch=1):
+        cache = prefilled_cache(self.draft, context, device, batch)
         probe = probe_ids(context, max_k)[:1]
-        return median_time(timed_step(self.draft, cache, probe, len(context), device), repeats)
+        return median_time(timed_step(self.draft, cache, probe, len(context), device, batch), repeats)
 
 
 class NgramProposer(Proposer):
@@ -203,9 +202,10 @@ class NgramProposer(Proposer):
     def verified(self, base, n, aux):
         pass
 
-    def step_time(self, target, context, *, max_k, repeats, device):
-        # one proposal of max_k - 1 tokens: the whole draft phase of a step
-        return median_time(lambda: self.draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
+    def step_time(self, target, context, *, max_k, repeats, device, batch=1):
+        # one proposal of max_k - 1 tokens: the whole draft phase of a step; per-request host work, done
+        # for each of `batch` sequences in turn
+        return batch * median_time(lambda: self.draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
 
 
 class Eagle3Proposer(Proposer):
@@ -249,8 +249,8 @@ class Eagle3Proposer(Proposer):
         if self.full is None:
             self.pending = aux[: n + 1]  # target rows not yet fed to the head
 
-    def step_time(self, target, context, *, max_k, repeats, device):
-        return head_step_time(target, self.draft, context, repeats, device)
+    def step_time(self, target, context, *, max_k, repeats, device, batch=1):
+        return head_step_time(target, self.draft, context, repeats, device, batch)
 
 
 class SuffixProposer(Proposer):
@@ -299,11 +299,12 @@ class SuffixProposer(Proposer):
     def verified(self, base, n, aux):
         pass
 
-    def step_time(self, target, context, *, max_k, repeats, device):
+    def step_time(self, target, context, *, max_k, repeats, device, batch=1):
         d = parse_suffix(f"suffix:{self.draft.max_cached_requests}")
         rid = d.start(context[:-1])
         d.add(rid, context[-1:])
-        return median_time(lambda: d.propose(rid, context, max_k - 1), repeats) / max(1, max_k - 1)
+        # per-request host work, done for each of `batch` sequences in turn
+        return batch * median_time(lambda: d.propose(rid, context, max_k - 1), repeats) / max(1, max_k - 1)
 
 
 PROPOSERS: dict[str, type[Proposer]] = {

@@ -24,6 +24,7 @@ from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import Acceptance
 
 MAX_GAMMA = 16
+VLLM_SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"  # vLLM 0.32+: γ per decode batch size
 
 
 def tau_closed_form(alpha: float, gamma: int) -> float:
@@ -130,6 +131,8 @@ class RecommendReport(Recommendation):
     token_map: str | None = None  # a trimmed draft's map: recorded, not in the SGLang flags
     note: str | None = None
     files: dict[str, str] = field(default_factory=dict)  # vllm, sglang, recommendation, plot -> path
+    per_batch: list[dict] = field(default_factory=list)  # schedule.per_batch rows (--batch-sizes)
+    batch_schedule: list[list[int]] | None = None  # schedule.vllm_ranges: [start, end, γ] for vLLM
 
 
 OUTPUT_FILES = {
@@ -189,6 +192,15 @@ def vllm_config(draft: str, gamma: int, *, eagle3: bool | None = None) -> dict:
     return proposer_class(draft, eagle3).vllm_config(draft, gamma)
 
 
+def with_schedule(config: dict, ranges: list[list[int]] | None) -> dict:
+    """The vLLM speculative config with γ per batch size (spec/schedule.py's ranges) where γ changes with
+    the batch; its num_speculative_tokens then the largest γ of the schedule (vLLM caps every range's γ
+    by it). One range, or none: the config unchanged (a fixed γ says the same)."""
+    if not ranges or len(ranges) < 2 or max(r[2] for r in ranges) < 1:
+        return config
+    return {**config, "num_speculative_tokens": max(r[2] for r in ranges), VLLM_SCHEDULE_FIELD: ranges}
+
+
 def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3: bool = False) -> list[str]:
     """SGLang (0.5.23) server flags for the proposer DRAFT names (its class's own `sglang_flags`):
     STANDALONE for a small LLM, EAGLE3 for a head (eagle3), NGRAM for `ngram[:MIN-MAX]`;
@@ -242,6 +254,7 @@ def write_outputs(
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {k: out_dir / name for k, name in OUTPUT_FILES.items()}
     config = vllm_config(draft, rec.gamma, eagle3=eagle3)  # eagle3 None: read from the draft's config
+    config = with_schedule(config, getattr(rec, "batch_schedule", None))
     files["vllm"].write_text(json.dumps(config, indent=2) + "\n")
     flags = sglang_flags(draft, rec.gamma, token_map, eagle3=config["method"] == "eagle3")
     files["sglang"].write_text(" ".join(flags) + "\n")

@@ -30,8 +30,10 @@ from fp8ptq.spec.recommend import (
     sglang_flags,
     speedup_from_steps,
     vllm_config,
+    with_schedule,
     write_outputs,
 )
+from fp8ptq.spec.schedule import parse_batch_sizes, per_batch, vllm_ranges
 
 MEASURE_FILE = "measure.json"
 
@@ -54,6 +56,7 @@ class MeasureConfig:
     prompt_ids: tuple[tuple[int, ...], ...] | None = (
         None  # exact token ids (overrides prompts), e.g. to match a vLLM run
     )
+    batch_sizes: tuple[int, ...] = ()  # also time the costs at these decode batch sizes (schedule.py)
 
 
 def load_any_draft(draft: str, target, device: str = "cpu"):
@@ -79,6 +82,7 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
     from fp8ptq.spec.proposers import proposer_for
 
     check_gammas(cfg.gammas)
+    parse_batch_sizes(cfg.batch_sizes)  # bad sizes fail before any loading
     if any(t < 0 for t in cfg.temperatures):
         raise SpecError(f"temperatures {list(cfg.temperatures)} must be ≥ 0", fix="0 = greedy, 1 = plain sampling")
     if any(not 0 < t < 1 for t in cfg.thresholds):
@@ -112,6 +116,10 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
         device=cfg.device,
         progress=progress,
     )
+    by_batch = {}
+    for b in parse_batch_sizes(cfg.batch_sizes) if cfg.batch_sizes else ():
+        kw = {"max_k": max(cfg.gammas) + 1, "repeats": cfg.cost_repeats, "device": cfg.device}
+        by_batch[str(b)] = costs if b == 1 else measure_costs(target, draft, context, **kw, progress=progress, batch=b)
     return Measurement(
         target=str(cfg.target),
         target_path=str(src.path),
@@ -122,6 +130,7 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
         by_temperature=by_temperature,
         costs=costs.as_dict(),
         timings={"load_s": load_s, "total_s": time.perf_counter() - t0},
+        costs_by_batch={k: c.as_dict() for k, c in by_batch.items()},
     )
 
 
@@ -311,6 +320,10 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     costs = Costs.from_dict(cfg.costs or measured.costs)
     acc = measured.by_temperature[key]
     rec = choose(acc, costs)
+    rows, ranges = [], None
+    if measured.costs_by_batch and cfg.costs is None:  # γ per batch size (schedule.py)
+        rows = per_batch(acc, {int(b): Costs.from_dict(c) for b, c in measured.costs_by_batch.items()})
+        ranges = vllm_ranges(rows)
     draft = cfg.draft_for_engine or measured.draft
     # the measured draft's proposer: draft_for_engine may be a path relative to a bundle
     eagle3 = proposer_class(measured.draft) is Eagle3Proposer
@@ -326,6 +339,11 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
             seed=int(measured.config.get("seed", 0)),
             python=cfg.vllm_python,
         )
+        if ranges and len(ranges) > 1:  # γ per batch size: vLLM's classes and its scheduler's lookup builder
+            scheduled = with_schedule(vllm_config(measured.draft, rec.gamma), ranges)
+            engine["vllm_schedule"] = vllm_config_check(measured.target_path, {"s": scheduled}, python=cfg.vllm_python)[
+                "s"
+            ]
     sglang = None
     if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
         flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=eagle3)
@@ -360,6 +378,8 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
         if rec.threshold is None
         else "dynamic draft length is not a vLLM 0.32 draft_model option: the config uses fixed γ",
         files={k: str(Path(cfg.output) / name) for k, name in OUTPUT_FILES.items()},
+        per_batch=rows,
+        batch_schedule=ranges,
     )
     with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
         write_outputs(

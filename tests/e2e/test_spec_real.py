@@ -212,11 +212,19 @@ def test_vllm_suffix_counters_equal_fp8ptq_replay(tmp_path, target_dir, prompt_f
 def test_vllm_config_classes_refuse_what_vllm_would(target_dir):
     """vllm_config_check is vLLM's own SpeculativeConfig (no weights loaded): the config fp8ptq writes for
     an n-gram proposer resolves to itself; one vLLM refuses is refused with vLLM's own reason."""
-    from fp8ptq.spec.recommend import vllm_config
+    from fp8ptq.spec.recommend import vllm_config, with_schedule
     from fp8ptq.spec.run import vllm_config_check
 
     good = vllm_config("ngram:2-4", 3)
     bad = {**good, "prompt_lookup_min": 5, "prompt_lookup_max": 2}
-    r = vllm_config_check(str(target_dir), {"good": good, "bad": bad})
+    # γ per batch size (spec recommend --batch-sizes): checked by vLLM's scheduler's own lookup builder
+    scheduled = with_schedule(vllm_config("ngram:2-4", 2), [[1, 7, 4], [8, 63, 2], [64, 64, 0]])
+    gap = with_schedule(vllm_config("ngram:2-4", 2), [[2, 7, 4], [8, 8, 2]])
+    r = vllm_config_check(str(target_dir), {"good": good, "bad": bad, "scheduled": scheduled, "gap": gap})
     assert r["good"]["ok"] and {k: r["good"]["resolved"][k] for k in good} == good, r
     assert not r["bad"]["ok"] and "prompt_lookup_min=5 must be <= prompt_lookup_max=2" in r["bad"]["error"], r
+    s = r["scheduled"]
+    assert s["ok"] and s["resolved"]["per_batch_size"] == scheduled["num_speculative_tokens_per_batch_size"], r
+    assert s["resolved"]["num_speculative_tokens"] == 4
+    assert {b: s["resolved"]["gamma_at_batch"][str(b)] for b in (1, 4, 8, 32)} == {1: 4, 4: 4, 8: 2, 32: 2}, s
+    assert not r["gap"]["ok"] and "must start at 1" in r["gap"]["error"], r

@@ -130,6 +130,11 @@ def test_greedy_speculative_equals_plain_and_replay_matches(trained, target4):
     replay_greedy(draft, prompt, longer, gamma=3, stats=replayed, max_tokens=20, target=target)
     assert (replayed.drafted, replayed.accepted) == (stats.drafted, stats.accepted)
     assert stats.per_pos == replayed.per_pos
+    # the costs of a decode batch (spec recommend --batch-sizes): target and head timed over 3 rows at once
+    from fp8ptq.spec.measure import measure_costs
+
+    batched = measure_costs(target, draft, prompt * 4, max_k=3, repeats=2, batch=3)
+    assert batched.t_draft > 0 and set(batched.t_verify) == {1, 2, 3} and "batch 3" in batched.source
 
 
 def test_resume_continues(tmp_path, target4):

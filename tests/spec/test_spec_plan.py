@@ -173,3 +173,38 @@ def test_safetensors_header_only(tmp_path):
     header = json.dumps({"w": {"dtype": "F16", "shape": [1000, 1000], "data_offsets": [0, 2_000_000]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     assert safetensors_bytes(tmp_path) == 2_000_000
+
+
+def test_gamma_per_batch_size_falls_as_verification_turns_compute_bound():
+    """γ per batch size (schedule.py): the same acceptance under three batch sizes' costs. At batch 1 verifying
+    γ + 1 tokens costs about one step (γ = 8, as above); at 8, each extra token +10% (a smaller γ); at 64 the
+    target is compute-bound (each token +100%) and the draft costs as much: no γ pays, γ 0. The ranges are what
+    vLLM's num_speculative_tokens_per_batch_size takes, and the config carries them with the largest γ."""
+    from fp8ptq.spec.recommend import VLLM_SCHEDULE_FIELD, with_schedule
+    from fp8ptq.spec.schedule import parse_batch_sizes, per_batch, vllm_ranges
+
+    gammas = range(1, 13)
+    acc = _synthetic(0.8, gammas)
+    costs = {
+        1: Costs(1.0, 0.05, {k: 1.0 for k in range(1, 14)}, "b1"),
+        8: Costs(1.0, 0.05, {k: 1.0 + 0.1 * (k - 1) for k in range(1, 14)}, "b8"),
+        64: Costs(1.0, 1.0, {k: float(k) for k in range(1, 14)}, "b64"),
+    }
+    rows = per_batch(acc, costs)
+    assert [r["batch"] for r in rows] == [1, 8, 64]
+    assert rows[0]["gamma"] == 8 and 1 <= rows[1]["gamma"] < 8 and rows[2]["gamma"] == 0
+    assert rows[2]["best_gamma"] >= 1 and rows[2]["speedup"] < 1
+    g8 = rows[1]["gamma"]
+    assert vllm_ranges(rows) == [[1, 7, 8], [8, 63, g8], [64, 64, 0]]
+    cfg = with_schedule(vllm_config("ngram:2-4", 8), vllm_ranges(rows))
+    assert cfg["num_speculative_tokens"] == 8 and cfg[VLLM_SCHEDULE_FIELD] == [[1, 7, 8], [8, 63, g8], [64, 64, 0]]
+    # neighbours with one γ merge; a single range is a fixed γ: the config stays as it was
+    same = [{"batch": 1, "gamma": 4}, {"batch": 4, "gamma": 4}, {"batch": 16, "gamma": 2}]
+    assert vllm_ranges(same) == [[1, 15, 4], [16, 16, 2]]
+    assert with_schedule(vllm_config("d", 4), vllm_ranges(same[:2])) == vllm_config("d", 4)
+    assert with_schedule(vllm_config("d", 4), [[1, 3, 0], [4, 4, 0]]) == vllm_config("d", 4)
+    with pytest.raises(SpecError, match="batch size 1"):
+        vllm_ranges(same[1:])
+    assert parse_batch_sizes([32, 8, 8]) == (1, 8, 32)
+    with pytest.raises(SpecError, match="must be ≥ 1"):
+        parse_batch_sizes([0, 4])

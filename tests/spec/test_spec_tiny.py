@@ -536,3 +536,27 @@ def test_spec_compare_decides_between_proposers(tmp_path, tiny_dir):
     bad = CliRunner().invoke(app, ["spec", "compare", str(tiny_dir), "suffix", "-o", str(tmp_path / "one")])
     assert bad.exit_code == 2 and "two or more different drafts" in bad.output, bad.output
     assert not (tmp_path / "one").exists()
+
+
+def test_measure_and_recommend_gamma_per_batch_size(tmp_path, tiny_dir, drafted):
+    """--batch-sizes: the costs timed again with 4 rows (target and draft batched), batch 1's being the plain
+    costs; the recommendation has a γ per batch size and the vLLM config carries the schedule exactly when γ
+    changes with the batch (recommend.with_schedule); the measurement reads back typed and equal."""
+    from fp8ptq.spec.recommend import vllm_config, with_schedule
+
+    m = MeasureConfig(
+        target=str(tiny_dir), draft=str(drafted[0]), gammas=(1, 2), num_prompts=1, max_tokens=6, cost_repeats=2
+    )
+    result = measure(replace(m, batch_sizes=(4,)))
+    assert set(result.costs_by_batch) == {"1", "4"} and result.costs_by_batch["1"] == result.costs
+    assert "batch 4" in result.costs_by_batch["4"]["source"] and result.costs_by_batch["4"]["t_draft_s"] > 0
+    saved = tmp_path / "m.json"
+    saved.write_text(json.dumps(to_json(result)))
+    assert read_measurement(saved) == result
+    rec = recommend(RecommendConfig(output=tmp_path / "rec", measured=saved))
+    assert [r["batch"] for r in rec.per_batch] == [1, 4] and rec.batch_schedule[0][0] == 1
+    assert rec.per_batch[0]["gamma"] == (rec.gamma if rec.worth_it else 0)
+    cfg = json.loads((tmp_path / "rec" / "speculative_config.json").read_text())
+    assert cfg == with_schedule(vllm_config(str(drafted[0]), rec.gamma), rec.batch_schedule)
+    with pytest.raises(SpecError, match="must be ≥ 1"):
+        measure(replace(m, batch_sizes=(0,)))
