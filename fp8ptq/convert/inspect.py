@@ -45,6 +45,7 @@ SCALE_KEYS = (
 )
 ROUTER = re.compile(r"(^|\.)(router|gate)$")
 VISION = re.compile(r"(^|\.)(vision|visual)")
+LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's index in a tensor name
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,23 @@ def _scheme_of(name, module, qcfg):
     return group_scheme_for(name, module, qcfg)
 
 
+def _lint_mtp(config: dict, weight_map: dict[str, str], out: list[Finding]) -> None:
+    """The multi-token-prediction layers config.json declares (`num_nextn_predict_layers`: DeepSeek-V3,
+    GLM-4.5, MiMo) against the decoder layers the weights hold past num_hidden_layers: vLLM's `method:
+    mtp` needs them, and exports made through transformers' model classes drop them (not built there)."""
+    text = config.get("text_config") or config
+    declared, layers = text.get("num_nextn_predict_layers") or 0, text.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return
+    held = sorted({int(m.group(1)) for n in weight_map if (m := LAYER.search(n)) and int(m.group(1)) >= layers})
+    if declared and len(held) < declared:
+        why = f"config.json declares {declared} MTP layer(s), the weights hold {len(held)}: vLLM's method mtp fails"
+        out.append(Finding("warning", "mtp-missing", "num_nextn_predict_layers", why))
+    elif held:
+        why = f"{len(held)} MTP layer(s) held (layers {', '.join(map(str, held))}): vLLM serves them with method mtp"
+        out.append(Finding("info", "mtp-layers", "num_nextn_predict_layers", why))
+
+
 def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out: list[Finding]) -> dict:
     """Findings for a compressed-tensors checkpoint; returns per-scheme module counts."""
     from compressed_tensors.utils.match import is_match
@@ -189,7 +207,8 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
             out.append(Finding("warning", "quantized-vision", module, "a vision module is quantized"))
     _lint_fused(src, groups, chosen, out)
     for pattern in qcfg.ignore or []:
-        if not any(is_match(n, m, [pattern]) for n, m in modules.items()):
+        held = pattern.startswith("re:") and any(re.match(pattern[3:], n) for n in names)  # e.g. MTP layers
+        if not held and not any(is_match(n, m, [pattern]) for n, m in modules.items()):
             out.append(
                 Finding("info", "ignore-unmatched", "quantization_config.ignore", f"'{pattern}' names no module")
             )
@@ -354,6 +373,7 @@ def _inspect_dir(path: Path, weight_map: dict[str, str]) -> InspectReport:
     if fmt == "compressed-tensors":
         schemes = _lint_ct(src, config, modules, groups, findings)
     _lint_draft(src, config, findings)
+    _lint_mtp(config, weight_map, findings)
     _lint_head(config, weight_map, modules, findings)
     size = src.size_bytes()
     params = 0

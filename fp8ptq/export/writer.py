@@ -136,7 +136,7 @@ class CheckpointWriter:
         if head is not None:
             files.append(self.dir / LAYERS / "other-head.safetensors")
             _save(self._head_tensors(head, cal), files[-1])
-        for j, names in enumerate(self._rest_files(head is not None)):  # embeddings, final norm: a few at a time
+        for j, names in enumerate(self._rest_files(head is not None)):  # embeddings, final norm, MTP layers
             files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
             _save({self.src.stored_name(n): check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
             self.src.close()
@@ -171,11 +171,13 @@ class CheckpointWriter:
         return tensors
 
     def _rest_files(self, head_written: bool = False) -> list[list[str]]:
-        """The non-layer tensors in files of at most REST_FILE_BYTES (a larger tensor gets its own), so
-        memory holds one file's worth, not a 70B model's embeddings and head together."""
+        """The non-layer tensors, and those of layers past num_hidden_layers (MTP layers, carried as
+        stored: ModelSource.extra_layers), in files of at most REST_FILE_BYTES (a larger tensor gets its
+        own), so memory holds one file's worth, not a 70B model's embeddings and head together."""
         files: list[list[str]] = []
         size = REST_FILE_BYTES
-        rest = (n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n))
+        extra = tuple(p + "." for p in self.src.extra_layers())
+        rest = (n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n) or n.startswith(extra))
         for n in sorted(n for n in rest if not (head_written and n == HEAD)):
             nbytes = self.src.tensor_bytes(n)
             if size + nbytes > REST_FILE_BYTES:

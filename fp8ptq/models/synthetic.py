@@ -183,6 +183,29 @@ def write_random(
     return Path(out)
 
 
+def add_mtp_layer(model_dir: Path, seed: int = 0) -> Path:
+    """Give a single-file DeepSeek-style checkpoint (DeepSeek-V3, GLM-4.5) one multi-token-prediction layer
+    as those checkpoints store it: decoder layer `num_hidden_layers` (a copy of the last layer's tensors)
+    plus its `eh_proj` (random), `enorm`, `hnorm` and `shared_head.norm`, and `num_nextn_predict_layers`
+    1 in config.json. transformers does not build the layer; vLLM's `method: mtp` runs it."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (shard,) = sorted(model_dir.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    last, new = f"model.layers.{config['num_hidden_layers'] - 1}.", f"model.layers.{config['num_hidden_layers']}."
+    layer = {new + k[len(last) :]: v.clone() for k, v in tensors.items() if k.startswith(last)}
+    hidden = config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    layer[new + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=g) * 0.02).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        layer[new + f"{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    save_file({**tensors, **layer}, str(shard), metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2) + "\n")
+    return model_dir
+
+
 def _shrink_tower(cfg) -> None:
     """A multimodal config's vision tower at test size (one layer, 64 wide) instead of its default
     (SigLIP-400M: ~800 MB per checkpoint copy), keeping what it must agree with (the text width)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import shutil
 import time
 
@@ -138,7 +139,12 @@ def _uncalled(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
     by module and stored name: neither the engine nor fp8ptq's own reader may expect quantized tensors."""
     names = {n for layer in layers for n, why in layer.get("skipped", {}).items() if why == UNCALLED}
     stored = {ctx.src.stored_name(f"{n}.weight").removesuffix(".weight") for n in names}
-    return tuple(sorted(names | stored))
+    # MTP layers past num_hidden_layers, carried float (writer._rest_files): every module under them
+    mtp = {
+        "re:" + re.escape(ctx.src.stored_name(f"{p}.weight").removesuffix(".weight")) + r"\..*"
+        for p in ctx.src.extra_layers()
+    }
+    return tuple(sorted(names | stored | mtp))
 
 
 def _head(recipe) -> LinearScheme | None:

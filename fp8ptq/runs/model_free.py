@@ -38,8 +38,11 @@ RULES: tuple[tuple[str, re.Pattern, str], ...] = (
         re.compile(r"(^|\.)(embed\w*|\w*embeddings?|wte|wpe)$"),  # embed_tokens, embed_positions, word_embeddings
         KEEP,
     ),
-    ("LM head", re.compile(r"(^|\.)(lm_head|embed_out)$|^output$"), KEEP),  # `output`: llama.cpp-style names
+    # `output`: llama.cpp-style names; `shared_head.head`: an MTP layer's own copy of the head (DeepSeek-V3)
+    ("LM head", re.compile(r"(^|\.)(lm_head|embed_out|shared_head\.head)$|^output$"), KEEP),
     ("MoE router (engines never quantize it)", re.compile(r"(^|\.)(gate|router|gating|wg|router\.layer)$"), KEEP),
+    # an MTP layer's input projection: vLLM builds it as a plain nn.Linear (deepseek_mtp.py, glm4_moe_mtp.py)
+    ("MTP projection (engines build it unquantized)", re.compile(r"(^|\.)eh_proj$"), KEEP),
 )
 # A multimodal checkpoint's towers and projectors: every tensor under them keeps its dtype, whatever its
 # shape, and the engine is told to leave them alone by one `ignore` pattern per tower.

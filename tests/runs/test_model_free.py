@@ -124,3 +124,57 @@ def test_a_multimodal_checkpoint_keeps_its_towers(tmp_path, tokenizer_dir):
     assert type(loaded).__name__ == "Gemma3ForConditionalGeneration"
     logits = loaded(input_ids=torch.tensor([[2, 10, 20, 30]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_mtp_layers_are_carried_for_vllms_method_mtp(tiny_model, tmp_path):
+    """A DeepSeek-V3 checkpoint with a multi-token-prediction layer (models.synthetic.add_mtp_layer): layer
+    `num_hidden_layers`, which transformers does not build. `quantize` used to drop it (vLLM then refuses
+    method mtp: "MTP speculative decoding layer 2 weights missing from checkpoint"); it now carries every
+    tensor of it bit for bit, in float, and lists the layer in `ignore`. The model-free path quantizes the
+    layer's Linears but keeps `eh_proj` and the layer's head copy (vLLM builds them unquantized). inspect
+    reports the layer, and warns on the old export (the layer declared, not held)."""
+    from fp8ptq.api import InspectConfig, inspect
+    from fp8ptq.models.synthetic import add_mtp_layer
+
+    model = tmp_path / "src"
+    shutil.copytree(tiny_model("deepseek_v3"), model)
+    add_mtp_layer(model)
+    src = _tensors(model)
+    mtp = {k for k in src if k.startswith("model.layers.2.")}
+    assert "model.layers.2.eh_proj.weight" in mtp and "model.layers.2.self_attn.q_a_proj.weight" in mtp
+    quick = ["--eval-samples", "0", "--no-recipe-gates"]
+    rc, output = run_cli("quantize", model, "-r", "fp8-dynamic", "-o", tmp_path / "q", *quick)
+    assert rc == 0, output
+    q = _tensors(tmp_path / "q")
+    assert {k for k in q if k.startswith("model.layers.2.")} == mtp
+    assert all(q[k].dtype == src[k].dtype and torch.equal(q[k], src[k]) for k in mtp)
+    assert "model.layers.1.self_attn.o_proj.weight_scale" in q  # the decoder layers are quantized as before
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert r"re:model\.layers\.2\..*" in qc["ignore"], qc["ignore"]
+    found = {f.code: f for f in inspect(InspectConfig(tmp_path / "q")).findings}
+    assert "mtp-layers" in found and "mtp-missing" not in found and "ignore-unmatched" not in found, found
+    # the export as it was: the layer's tensors gone, config.json still declaring it
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "q", old)
+    index = json.loads((old / "model.safetensors.index.json").read_text())
+    kept = {k: v for k, v in q.items() if not k.startswith("model.layers.2.")}
+    from safetensors.torch import save_file
+
+    for f in old.glob("*.safetensors"):
+        f.unlink()
+    save_file(kept, str(old / "model.safetensors"), metadata={"format": "pt"})
+    index["weight_map"] = {k: "model.safetensors" for k in kept}
+    (old / "model.safetensors.index.json").write_text(json.dumps(index))
+    found = {f.code: f for f in inspect(InspectConfig(old)).findings}
+    assert found["mtp-missing"].level == "warning" and "method mtp fails" in found["mtp-missing"].message
+    rc, output = run_cli("model-free", model, "-r", "fp8-dynamic", "-o", tmp_path / "mf")
+    assert rc == 0, output
+    mf = _tensors(tmp_path / "mf")
+    assert (
+        mf["model.layers.2.eh_proj.weight"].dtype == torch.bfloat16 and "model.layers.2.eh_proj.weight_scale" not in mf
+    )
+    assert "model.layers.2.self_attn.o_proj.weight_scale" in mf
+    assert (
+        "model.layers.2.eh_proj"
+        in json.loads((tmp_path / "mf" / "config.json").read_text())["quantization_config"]["ignore"]
+    )
