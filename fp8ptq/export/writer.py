@@ -24,6 +24,7 @@ from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.prefetch import PREFETCH_MAX_BYTES
 from fp8ptq.models.skeleton import source_name
+from fp8ptq.models.tensors import layers_past
 from fp8ptq.quantize.results import LayerResult
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.quantize.weights import quantize_group
@@ -172,11 +173,11 @@ class CheckpointWriter:
 
     def _rest_files(self, head_written: bool = False) -> list[list[str]]:
         """The non-layer tensors, and those of layers past num_hidden_layers (MTP layers, carried as
-        stored: ModelSource.extra_layers), in files of at most REST_FILE_BYTES (a larger tensor gets its
+        stored: models/tensors.layers_past), in files of at most REST_FILE_BYTES (a larger tensor gets its
         own), so memory holds one file's worth, not a 70B model's embeddings and head together."""
         files: list[list[str]] = []
         size = REST_FILE_BYTES
-        extra = tuple(p + "." for p in self.src.extra_layers())
+        extra = tuple(p + "." for p in layers_past(self.src.weight_map, self.src.arch.layers, self.src.text_config))
         rest = (n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n) or n.startswith(extra))
         for n in sorted(n for n in rest if not (head_written and n == HEAD)):
             nbytes = self.src.tensor_bytes(n)

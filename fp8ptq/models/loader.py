@@ -113,17 +113,6 @@ class ModelSource:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def extra_layers(self) -> list[str]:
-        """The decoder-layer prefixes (`model.layers.61`) the weights hold past config's num_hidden_layers:
-        multi-token-prediction layers (DeepSeek-V3, GLM-4.5, MiMo: `num_nextn_predict_layers`), which
-        transformers' model classes do not build and vLLM's `method: mtp` reads. An export carries them
-        as stored (writer._rest_files) and lists them in `ignore`."""
-        if self.config is None:  # a folder read without its model config (inspect of a bare checkpoint)
-            return []
-        prefix, n = self.arch.layers + ".", self.text_config.num_hidden_layers
-        found = {name[len(prefix) :].partition(".")[0] for name in self.weight_map if name.startswith(prefix)}
-        return [f"{prefix}{i}" for i in sorted(int(i) for i in found if i.isdigit() and int(i) >= n)]
-
     def _handle(self, name: str):
         shard = self.weight_map[name]
         handle = self._handles.get(shard)

@@ -15,3 +15,13 @@ def stored_names(module: torch.nn.Module, recurse: bool = True) -> list[str]:
             if b not in owner._non_persistent_buffers_set and owner._buffers[b] is not None:
                 names.append(f"{owner_name}.{b}" if owner_name else b)
     return names
+
+
+def layers_past(weight_map, layers: str, text_config) -> list[str]:
+    """The decoder-layer prefixes (`model.layers.61`) under `layers` that the weights hold past config's
+    num_hidden_layers: multi-token-prediction layers (DeepSeek-V3, GLM-4.5, MiMo: `num_nextn_predict_layers`),
+    which transformers' model classes do not build and vLLM's `method: mtp` reads. An export carries them
+    as stored (export/writer._rest_files) and lists them in `ignore` (runs/finish._uncalled)."""
+    prefix, n = layers + ".", text_config.num_hidden_layers
+    found = {name[len(prefix) :].partition(".")[0] for name in weight_map if name.startswith(prefix)}
+    return [f"{prefix}{i}" for i in sorted(int(i) for i in found if i.isdigit() and int(i) >= n)]

@@ -18,6 +18,7 @@ from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
 from fp8ptq.manifest import CalibrationData, CalibrationImages, Manifest, Quality, RunInfo, Sizes, Speculative, Summary
 from fp8ptq.models.loader import open_hf_dir
+from fp8ptq.models.tensors import layers_past
 from fp8ptq.quantize.plan import UNCALLED
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.recipe import recipe_record, recipe_yaml
@@ -142,7 +143,7 @@ def _uncalled(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
     # MTP layers past num_hidden_layers, carried float (writer._rest_files): every module under them
     mtp = {
         "re:" + re.escape(ctx.src.stored_name(f"{p}.weight").removesuffix(".weight")) + r"\..*"
-        for p in ctx.src.extra_layers()
+        for p in layers_past(ctx.src.weight_map, ctx.src.arch.layers, ctx.src.text_config)
     }
     return tuple(sorted(names | stored | mtp))
 
