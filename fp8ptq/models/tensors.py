@@ -25,3 +25,14 @@ def layers_past(weight_map, layers: str, text_config) -> list[str]:
     prefix, n = layers + ".", text_config.num_hidden_layers
     found = {name[len(prefix) :].partition(".")[0] for name in weight_map if name.startswith(prefix)}
     return [f"{prefix}{i}" for i in sorted(int(i) for i in found if i.isdigit() and int(i) >= n)]
+
+
+MTP_MODULE = "mtp"  # Qwen3-Next / Qwen3.5 store their MTP block as `mtp.*` (vLLM: Qwen3NextMTP, prefix "mtp")
+
+
+def mtp_prefixes(weight_map, layers: str, text_config) -> list[str]:
+    """The MTP modules an export carries float, as module prefixes: each layer past num_hidden_layers
+    (layers_past) and a top-level `mtp` block. They go to `ignore` (runs/finish._uncalled): vLLM builds
+    them with the checkpoint's quantization config and would otherwise expect quantized Linears there."""
+    found = layers_past(weight_map, layers, text_config)
+    return found + ([MTP_MODULE] if any(n.startswith(MTP_MODULE + ".") for n in weight_map) else [])

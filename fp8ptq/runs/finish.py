@@ -18,7 +18,7 @@ from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
 from fp8ptq.manifest import CalibrationData, CalibrationImages, Manifest, Quality, RunInfo, Sizes, Speculative, Summary
 from fp8ptq.models.loader import open_hf_dir
-from fp8ptq.models.tensors import layers_past
+from fp8ptq.models.tensors import mtp_prefixes
 from fp8ptq.quantize.plan import UNCALLED
 from fp8ptq.quantize.schemes import LinearScheme
 from fp8ptq.recipe import recipe_record, recipe_yaml
@@ -140,11 +140,9 @@ def _uncalled(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
     by module and stored name: neither the engine nor fp8ptq's own reader may expect quantized tensors."""
     names = {n for layer in layers for n, why in layer.get("skipped", {}).items() if why == UNCALLED}
     stored = {ctx.src.stored_name(f"{n}.weight").removesuffix(".weight") for n in names}
-    # MTP layers past num_hidden_layers, carried float (writer._rest_files): every module under them
-    mtp = {
-        "re:" + re.escape(ctx.src.stored_name(f"{p}.weight").removesuffix(".weight")) + r"\..*"
-        for p in layers_past(ctx.src.weight_map, ctx.src.arch.layers, ctx.src.text_config)
-    }
+    # MTP modules, carried float (writer._rest_files): every module under them
+    mtp = mtp_prefixes(ctx.src.weight_map, ctx.src.arch.layers, ctx.src.text_config)
+    mtp = {"re:" + re.escape(ctx.src.stored_name(f"{p}.weight").removesuffix(".weight")) + r"\..*" for p in mtp}
     return tuple(sorted(names | stored | mtp))
 
 

@@ -178,3 +178,28 @@ def test_mtp_layers_are_carried_for_vllms_method_mtp(tiny_model, tmp_path):
         "model.layers.2.eh_proj"
         in json.loads((tmp_path / "mf" / "config.json").read_text())["quantization_config"]["ignore"]
     )
+
+
+def test_a_top_level_mtp_block_is_carried_and_ignored(tiny_model, tmp_path):
+    """Qwen3-Next / Qwen3.5 store their MTP block as `mtp.*` (vLLM's Qwen3NextMTP builds it under prefix
+    `mtp`): a checkpoint holding such tensors exports them as stored, with `re:mtp\\..*` in ignore so that
+    vLLM does not expect quantized Linears there."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "src"
+    shutil.copytree(tiny_model("llama"), model)
+    (shard,) = sorted(model.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    hidden = tensors["model.norm.weight"].shape[0]
+    extra = {
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden).bfloat16(),
+        "mtp.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    save_file({**tensors, **extra}, str(shard), metadata={"format": "pt"})
+    rc, output = run_cli(
+        "quantize", model, "-r", "fp8-dynamic", "-o", tmp_path / "q", "--eval-samples", "0", "--no-recipe-gates"
+    )
+    assert rc == 0, output
+    q = _tensors(tmp_path / "q")
+    assert all(torch.equal(q[k], v) for k, v in extra.items())
+    assert r"re:mtp\..*" in json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
