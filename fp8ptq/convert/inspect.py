@@ -138,8 +138,10 @@ def _lint_mtp(config: dict, weight_map: dict[str, str], out: list[Finding]) -> N
         return
     held = sorted({int(m.group(1)) for n in weight_map if (m := LAYER.search(n)) and int(m.group(1)) >= layers})
     if declared and len(held) < declared:
-        why = f"config.json declares {declared} MTP layer(s), the weights hold {len(held)}: vLLM's method mtp fails"
-        out.append(Finding("warning", "mtp-missing", "num_nextn_predict_layers", why))
+        # info: transformers' save_pretrained writes DeepSeek-V3's default (1) without the layer, so many
+        # checkpoints declare what they never held; the engine loads them, only method mtp cannot run
+        why = f"config.json declares {declared} MTP layer(s), the weights hold {len(held)}: vLLM's mtp cannot run"
+        out.append(Finding("info", "mtp-missing", "num_nextn_predict_layers", why))
     elif held:
         why = f"{len(held)} MTP layer(s) held (layers {', '.join(map(str, held))}): vLLM serves them with method mtp"
         out.append(Finding("info", "mtp-layers", "num_nextn_predict_layers", why))
