@@ -50,7 +50,7 @@ def finish(ctx: RunContext) -> Manifest:
         run.save_state(shards=shards, lm_head=writer.head_report)
         ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
     updates = _config_updates(layers) | _untie(run.state.get("lm_head"))
-    write_metadata(ctx, updates, _export_groups(recipe, layers, run.state), _uncalled(ctx, layers))
+    write_metadata(ctx, updates, _export_groups(recipe, layers, run.state), _kept_float(ctx, layers))
     ids = ctx.ids
     manifest = Manifest(
         model=src.label,
@@ -135,9 +135,11 @@ def _quality(ctx: RunContext) -> Quality:
     return quality
 
 
-def _uncalled(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
-    """Linears the generic path kept float because the layer never calls them (quantize/plan.UNCALLED),
-    by module and stored name: neither the engine nor fp8ptq's own reader may expect quantized tensors."""
+def _kept_float(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
+    """`ignore` entries for what the export keeps float beyond the recipe's and the family's: Linears the
+    generic path kept because the layer never calls them (quantize/plan.UNCALLED), by module and stored
+    name, and the MTP modules carried as stored: neither the engine nor fp8ptq's reader may expect
+    quantized tensors there."""
     names = {n for layer in layers for n, why in layer.get("skipped", {}).items() if why == UNCALLED}
     stored = {ctx.src.stored_name(f"{n}.weight").removesuffix(".weight") for n in names}
     # MTP modules, carried float (writer._rest_files): every module under them

@@ -196,9 +196,10 @@ def with_schedule(config: dict, ranges: list[list[int]] | None) -> dict:
     """The vLLM speculative config with γ per batch size (spec/schedule.py's ranges) where γ changes with
     the batch; its num_speculative_tokens then the largest γ of the schedule (vLLM caps every range's γ
     by it). One range, or none: the config unchanged (a fixed γ says the same)."""
-    if not ranges or len(ranges) < 2 or max(r[2] for r in ranges) < 1:
+    top = max((r[2] for r in ranges or ()), default=0)
+    if len(ranges or ()) < 2 or top < 1:
         return config
-    return {**config, "num_speculative_tokens": max(r[2] for r in ranges), VLLM_SCHEDULE_FIELD: ranges}
+    return {**config, "num_speculative_tokens": top, VLLM_SCHEDULE_FIELD: ranges}
 
 
 def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3: bool = False) -> list[str]:

@@ -24,6 +24,7 @@ from fp8ptq.spec.acceptance import Measurement, read_measurement
 from fp8ptq.spec.recommend import (
     MAX_GAMMA,
     OUTPUT_FILES,
+    VLLM_SCHEDULE_FIELD,
     Costs,
     RecommendReport,
     choose,
@@ -82,7 +83,7 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
     from fp8ptq.spec.proposers import proposer_for
 
     check_gammas(cfg.gammas)
-    parse_batch_sizes(cfg.batch_sizes)  # bad sizes fail before any loading
+    sizes = parse_batch_sizes(cfg.batch_sizes) if cfg.batch_sizes else ()  # bad sizes fail before any loading
     if any(t < 0 for t in cfg.temperatures):
         raise SpecError(f"temperatures {list(cfg.temperatures)} must be ≥ 0", fix="0 = greedy, 1 = plain sampling")
     if any(not 0 < t < 1 for t in cfg.thresholds):
@@ -107,19 +108,9 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
         )
         by_temperature[str(temp)], _ = measure_acceptance(target, draft, prompts, plan, progress)
     context = prompts[0] + prompts[0][: cfg.max_tokens // 2]  # a typical decode position
-    costs = measure_costs(
-        target,
-        draft,
-        context,
-        max_k=max(cfg.gammas) + 1,
-        repeats=cfg.cost_repeats,
-        device=cfg.device,
-        progress=progress,
-    )
-    by_batch = {}
-    for b in parse_batch_sizes(cfg.batch_sizes) if cfg.batch_sizes else ():
-        kw = {"max_k": max(cfg.gammas) + 1, "repeats": cfg.cost_repeats, "device": cfg.device}
-        by_batch[str(b)] = costs if b == 1 else measure_costs(target, draft, context, **kw, progress=progress, batch=b)
+    kw = {"max_k": max(cfg.gammas) + 1, "repeats": cfg.cost_repeats, "device": cfg.device, "progress": progress}
+    costs = measure_costs(target, draft, context, **kw)
+    by_batch = {str(b): costs if b == 1 else measure_costs(target, draft, context, **kw, batch=b) for b in sizes}
     return Measurement(
         target=str(cfg.target),
         target_path=str(src.path),
@@ -339,11 +330,10 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
             seed=int(measured.config.get("seed", 0)),
             python=cfg.vllm_python,
         )
-        if ranges and len(ranges) > 1:  # γ per batch size: vLLM's classes and its scheduler's lookup builder
-            scheduled = with_schedule(vllm_config(measured.draft, rec.gamma), ranges)
-            engine["vllm_schedule"] = vllm_config_check(measured.target_path, {"s": scheduled}, python=cfg.vllm_python)[
-                "s"
-            ]
+        scheduled = with_schedule(vllm_config(measured.draft, rec.gamma), ranges)
+        if VLLM_SCHEDULE_FIELD in scheduled:  # γ per batch size: vLLM's classes and its scheduler's lookup builder
+            check = vllm_config_check(measured.target_path, {"schedule": scheduled}, python=cfg.vllm_python)
+            engine["vllm_schedule"] = check["schedule"]
     sglang = None
     if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
         flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=eagle3)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
+from fp8ptq.spec.models import LoadedModel, crop, new_cache
 from fp8ptq.spec.sampling import probs as to_probs
 
 
@@ -39,26 +39,20 @@ def probe_ids(context: list[int], max_k: int) -> list[int]:
 def prefilled_cache(m: LoadedModel, context: list[int], device: str, batch: int = 1):
     """A KV cache holding `context` (in each of `batch` rows), for timing steps after it."""
     cache = new_cache(m.model)
-    if batch == 1:
-        step_logits(m, context, cache, device)
-    else:
-        with torch.inference_mode():
-            m.model(input_ids=torch.tensor([context] * batch, device=device), past_key_values=cache, use_cache=True)
+    with torch.inference_mode():
+        m.model(input_ids=torch.tensor([context] * batch, device=device), past_key_values=cache, use_cache=True)
     return cache
 
 
 def timed_step(m: LoadedModel, cache, ids: list[int], held: int, device: str, batch: int = 1):
-    """A callable feeding `ids` (to each of `batch` rows) after a cache of `held` positions, synchronised,
-    then rolled back."""
+    """A callable feeding `ids` (to each of `batch` rows) after a cache of `held` positions, its logits in
+    fp32 (as step_logits gives them), synchronised, then rolled back."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     x = torch.tensor([ids] * batch, dtype=torch.long, device=device)
 
     def f():
-        if batch == 1:
-            step_logits(m, ids, cache, device)
-        else:
-            with torch.inference_mode():
-                m.model(input_ids=x, past_key_values=cache, use_cache=True)
+        with torch.inference_mode():
+            m.model(input_ids=x, past_key_values=cache, use_cache=True).logits.float()
         sync()
         crop(cache, held)
 
