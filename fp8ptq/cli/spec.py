@@ -73,8 +73,9 @@ def measure_cmd(
     target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
     draft: str = typer.Argument(
         ...,
-        help="draft dir (draft-train or draft-trim output), ngram[:MIN-MAX] (vLLM's prompt lookup, default "
-        "sizes 2-4) or suffix[:N] (vLLM's suffix decoding, N cached requests, default 10000); no draft model",
+        help="draft dir (draft-train or draft-trim output, an EAGLE-3 head), ngram[:MIN-MAX] (vLLM's prompt lookup, "
+        "default sizes 2-4), suffix[:N] (vLLM's suffix decoding, N cached requests, default 10000; no draft "
+        "model) or mtp (the target's own multi-token-prediction layer)",
     ),
     gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
     temperatures: str = typer.Option("0", help="0 = greedy; e.g. 0,1"),
@@ -101,6 +102,7 @@ def measure_cmd(
       fp8ptq spec measure out/q out/draft --temperatures 0,1 --save out/measure.json
       fp8ptq spec measure out/q ngram:2-4
       fp8ptq spec measure out/q suffix
+      fp8ptq spec measure out/deepseek-v3-fp8 mtp
     """
     offline()
     from fp8ptq.spec.run import measure
@@ -133,7 +135,9 @@ def measure_cmd(
 @spec_app.command("recommend")
 def recommend_cmd(
     target: Optional[str] = typer.Argument(None, help="target (omit with --measured)"),
-    draft: Optional[str] = typer.Argument(None, help="draft dir, ngram[:MIN-MAX] or suffix[:N] (omit with --measured)"),
+    draft: Optional[str] = typer.Argument(
+        None, help="draft dir, ngram[:MIN-MAX], suffix[:N] or mtp (omit with --measured)"
+    ),
     output: Path = typer.Option(
         ..., "--output", "-o", help="folder for speculative_config.json, sglang_flags.txt, plot"
     ),

@@ -16,7 +16,9 @@ from fp8ptq.cli.spec_options import measure_config
 @spec_app.command("compare")
 def compare_cmd(
     target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
-    drafts: list[str] = typer.Argument(..., help="two or more: draft dirs, EAGLE-3 heads, ngram[:MIN-MAX], suffix[:N]"),
+    drafts: list[str] = typer.Argument(
+        ..., help="two or more: draft dirs, EAGLE-3 heads, ngram[:MIN-MAX], suffix[:N], mtp"
+    ),
     output: Path = typer.Option(
         ..., "--output", "-o", help="folder: comparison.json, the winner's configs, one folder per proposer"
     ),

@@ -183,11 +183,15 @@ def write_random(
     return Path(out)
 
 
-def add_mtp_layer(model_dir: Path, seed: int = 0) -> Path:
+def add_mtp_layer(model_dir: Path, seed: int = 0, *, reads_hidden: bool = False) -> Path:
     """Give a single-file DeepSeek-style checkpoint (DeepSeek-V3, GLM-4.5) one multi-token-prediction layer
     as those checkpoints store it: decoder layer `num_hidden_layers` (a copy of the last layer's tensors)
-    plus its `eh_proj` (random), `enorm`, `hnorm` and `shared_head.norm`, and `num_nextn_predict_layers`
-    1 in config.json. transformers does not build the layer; vLLM's `method: mtp` runs it."""
+    plus its `eh_proj`, `enorm`, `hnorm` and `shared_head.norm` (weights drawn in [0.9, 1.1): trained norms
+    are not all ones, and a norm applied twice or skipped then changes some drafts), and `num_nextn_predict_layers` 1 in
+    config.json. eh_proj is random, or with `reads_hidden` [0 | I]: the layer reads only the target's hidden
+    state, so its first draft is near the target's own last prediction (a random target that repeats itself
+    accepts many of them: acceptance to compare between engines). transformers does not build the layer;
+    vLLM's `method: mtp` and fp8ptq's spec/mtp.py run it."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
@@ -198,9 +202,12 @@ def add_mtp_layer(model_dir: Path, seed: int = 0) -> Path:
     layer = {new + k[len(last) :]: v.clone() for k, v in tensors.items() if k.startswith(last)}
     hidden = config["hidden_size"]
     g = torch.Generator().manual_seed(seed)
-    layer[new + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=g) * 0.02).to(torch.bfloat16)
+    eh = torch.randn(hidden, 2 * hidden, generator=g) * 0.02
+    if reads_hidden:
+        eh = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], 1)
+    layer[new + "eh_proj.weight"] = eh.to(torch.bfloat16)
     for norm in ("enorm", "hnorm", "shared_head.norm"):
-        layer[new + f"{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        layer[new + f"{norm}.weight"] = (0.9 + 0.2 * torch.rand(hidden, generator=g)).to(torch.bfloat16)
     save_file({**tensors, **layer}, str(shard), metadata={"format": "pt"})
     (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2) + "\n")
     return model_dir

@@ -18,14 +18,12 @@ docs/speculative.md for costs measured in vLLM).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import Acceptance, RunSummary
-from fp8ptq.spec.eagle3_loop import AuxCapture
 from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
 from fp8ptq.spec.proposers import proposer_for
 from fp8ptq.spec.recommend import Costs
@@ -110,8 +108,8 @@ class SpecStats:
 
 
 def _target_pass(target: LoadedModel, ids: list[int], cache, cap, device: str):
-    """The target over `ids` after its cache: logits [len(ids), V] and, when a proposer reads them (cap:
-    eagle3_loop.AuxCapture), its hidden rows [len(ids), n * H] at the proposer's layers."""
+    """The target over `ids` after its cache: logits [len(ids), V] and, when a proposer reads them (cap: its
+    Proposer.capture), its hidden rows [len(ids), ...] (EAGLE-3: its aux layers; MTP: after the final norm)."""
     logits = step_logits(target, ids, cache, device)
     return logits, None if cap is None else cap.take()[0]
 
@@ -131,7 +129,7 @@ def speculative_generate(
     g = generator or torch.Generator().manual_seed(0)
     prop = proposer_for(draft)
     tc = new_cache(target.model)
-    with AuxCapture(target.model, list(prop.layer_ids)) if prop.layer_ids else nullcontext() as cap:
+    with prop.capture(target.model) as cap:
         logits, aux = _target_pass(target, prompt, tc, cap, device)
         first, _ = pick_token(logits[-1], temperature, g)
         seq = list(prompt) + [first]  # the target cache holds len(seq) - 1 positions at each step start
@@ -237,7 +235,7 @@ def replay_greedy(
     `target`: for a proposer that reads the target's hidden states (EAGLE-3), taken from one forward of it
     over prompt + stream."""
     prop = proposer_for(draft)
-    if prop.layer_ids and target is None:
+    if prop.reads_target and target is None:
         raise SpecError(f"replaying a {prop.method} proposer needs its target", fix="pass target=")
     prop.begin_replay(target, prompt, stream, device)
     seq = list(prompt) + [stream[0]]

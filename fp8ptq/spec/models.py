@@ -50,6 +50,7 @@ class LoadedModel:
     vocab_size: int  # input vocabulary (embedding rows) = the target's token space
     kept_ids: torch.Tensor | None = None  # trimmed draft: target id of each lm_head row [N]
     label: str = ""
+    source: object = None  # a target's ModelSource (load_target): its files, e.g. for its MTP layers
     method: ClassVar[str] = "draft_model"  # as a draft: vLLM's speculative method (proposers.PROPOSERS)
 
 
@@ -96,7 +97,8 @@ def load_target(spec: str | Path, device: str = "cpu") -> tuple[LoadedModel, obj
     from fp8ptq.models.loader import resolve_model
 
     src = resolve_model(str(spec))
-    return LoadedModel(_simulated_or_plain(src, device), int(src.config.vocab_size), None, src.label), src
+    model = _simulated_or_plain(src, device)
+    return LoadedModel(model, int(src.config.vocab_size), None, src.label, src), src
 
 
 def _simulated_or_plain(src, device: str) -> torch.nn.Module:

@@ -6,12 +6,13 @@ rows of the prompt when the proposer reads them), then per step `propose` (up to
 with q rows over the target vocabulary, None when greedy) and `verified` (the target accepted n of
 them at base = len(seq) before the step; `aux` holds its rows of the k + 1 verified positions). The
 loop, the greedy replay against a fixed stream and the cost measurement are written once over this
-interface; a new proposer (MTP, suffix decoding, ...) is one class here and one line in PROPOSERS.
+interface (`proposer_base.py`); a new proposer is one class here and one line in PROPOSERS.
 
     draft_model   a small causal LM (draft-train), full or VocabTrim vocabulary, with its own KV cache
     ngram         vLLM's prompt-lookup proposer: no model, one-hot q
     suffix        vLLM's suffix decoding (arctic-inference's suffix trees, `suffix.py`): no model, one-hot q
     eagle3        an EAGLE-3 head on the target's residual stream at its aux layers (`eagle3_loop.py`)
+    mtp           the target's own multi-token-prediction layer on its final hidden states (`mtp.py`)
 """
 
 from __future__ import annotations
@@ -22,87 +23,11 @@ from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3_loop import AuxCapture, HeadState, head_step_time
 from fp8ptq.spec.eagle3_loop import propose as head_propose
 from fp8ptq.spec.models import crop, new_cache, parse_ngram, step_logits, to_target_probs
+from fp8ptq.spec.mtp import MtpProposer
+from fp8ptq.spec.proposer_base import Proposer, TargetHiddenProposer, one_hot_rows
 from fp8ptq.spec.sampling import probs as to_probs
 from fp8ptq.spec.steps import median_time, pick_token, prefilled_cache, probe_ids, timed_step
 from fp8ptq.spec.suffix import is_suffix, parse_suffix
-
-
-class Proposer:
-    """The interface (see the module doc). `layer_ids`: target layers whose residual stream it reads."""
-
-    method = ""
-    layer_ids: tuple[int, ...] = ()
-    has_probabilities = True  # dynamic draft length (a confidence threshold) needs them
-    vocab_trimmed = False  # a VocabTrim draft model (measure.json's `trimmed`; an EAGLE-3 head's d2t is not)
-    reads_target = False  # runs on the target's hidden states: loading it needs the loaded target
-    model_free = False  # no draft model (n-gram, suffix): nothing to load, size or hold in memory
-
-    def __init__(self, draft):
-        self.draft = draft
-
-    @classmethod
-    def load(cls, draft, target=None, device: str = "cpu"):
-        """The draft that DRAFT (a path or `ngram[:MIN-MAX]`) names, as this proposer runs it; `target`: the
-        loaded target (needed where reads_target)."""
-        from fp8ptq.spec.models import load_draft
-
-        return load_draft(draft, device)
-
-    def check(self, target) -> None:
-        """The draft must read and write the target's token ids."""
-        if self.draft.vocab_size != target.vocab_size:
-            raise SpecError(
-                f"draft vocabulary size {self.draft.vocab_size} != target vocabulary size {target.vocab_size}",
-                fix="use a draft that shares the target's tokenizer (fp8ptq draft-train TARGET makes one)",
-            )
-
-    def begin(self, vocab: int, aux: torch.Tensor | None, device: str) -> None:
-        raise NotImplementedError
-
-    def begin_replay(self, target, prompt: list[int], stream: list[int], device: str) -> None:
-        """A replay against a fixed continuation: no target forwards per step (see measure.replay_greedy)."""
-        self.begin(0, None, device)
-
-    def propose(self, seq: list[int], *, gamma: int, temperature: float, threshold, g) -> tuple[list, list]:
-        raise NotImplementedError
-
-    def verified(self, base: int, n: int, aux: torch.Tensor | None) -> None:
-        raise NotImplementedError
-
-    def step_time(self, target, context: list[int], *, max_k: int, repeats: int, device: str, batch: int = 1) -> float:
-        """Median wall time of this proposer's work per drafted token, for `batch` sequences at once."""
-        raise NotImplementedError
-
-    # The engines' configs for serving it (recommend.vllm_config / sglang_flags pick the class by the path).
-    sglang_algorithm = ""
-
-    @classmethod
-    def vllm_config(cls, draft: str, gamma: int) -> dict:
-        """vLLM's --speculative-config (vLLM 0.32 SpeculativeConfig) for the draft at `draft`."""
-        return {"method": cls.method, "model": str(draft), "num_speculative_tokens": gamma}
-
-    @classmethod
-    def sglang_flags(cls, draft: str, gamma: int) -> list[str]:
-        """SGLang (0.5.23) server flags: sequence drafting (topk 1) of γ steps by the draft at `draft`."""
-        return [
-            "--speculative-algorithm",
-            cls.sglang_algorithm,
-            "--speculative-draft-model-path",
-            str(draft),
-            "--speculative-num-steps",
-            str(gamma),
-            "--speculative-eagle-topk",
-            "1",
-            "--speculative-num-draft-tokens",
-            str(gamma + 1),
-        ]
-
-
-def one_hot_rows(drafted: list[int], temperature: float, vocab: int) -> list:
-    """q rows of a deterministic proposer (n-gram, suffix): None when greedy, else one-hot over the vocabulary
-    (exact sampling then accepts x with probability p(x))."""
-    one_hot = torch.nn.functional.one_hot
-    return [None if temperature == 0 else one_hot(torch.tensor(t), vocab).double() for t in drafted]
 
 
 class DraftModelProposer(Proposer):
@@ -208,9 +133,8 @@ class NgramProposer(Proposer):
         return batch * median_time(lambda: self.draft.propose(context, max_k - 1), repeats) / max(1, max_k - 1)
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(TargetHiddenProposer):
     method = "eagle3"
-    reads_target = True
     sglang_algorithm = "EAGLE3"  # the head's d2t maps its draft vocabulary: no token map
 
     @classmethod
@@ -228,26 +152,16 @@ class Eagle3Proposer(Proposer):
     def layer_ids(self):
         return tuple(self.draft.head.s.layer_ids)
 
-    def begin(self, vocab, aux, device):
-        self.state, self.pending, self.full = HeadState(self.draft.head), aux, None
+    def capture(self, model):
+        return AuxCapture(model, self.layer_ids)
 
-    def begin_replay(self, target, prompt, stream, device):
-        """The target's hidden states from ONE forward of fp8ptq's target over prompt + stream (its
-        simulated numerics, not the engine's kernels: the one source of difference left in the comparison)."""
-        with AuxCapture(target.model, self.layer_ids) as cap, torch.inference_mode():
-            target.model(input_ids=torch.tensor([list(prompt) + list(stream)], device=device))
-            full = cap.take()[0]
-        self.begin(0, None, device)
-        self.full = full
+    def new_state(self):
+        return HeadState(self.draft.head)
 
     def propose(self, seq, *, gamma, temperature, threshold, g):
-        st = self.state
-        aux = self.pending if self.full is None else self.full[st.committed : len(seq) - 1]
-        return head_propose(self.draft, st, seq, aux, gamma=gamma, temperature=temperature, g=g, threshold=threshold)
-
-    def verified(self, base, n, aux):
-        if self.full is None:
-            self.pending = aux[: n + 1]  # target rows not yet fed to the head
+        return head_propose(
+            self.draft, self.state, seq, self.rows(seq), gamma=gamma, temperature=temperature, g=g, threshold=threshold
+        )
 
     def step_time(self, target, context, *, max_k, repeats, device, batch=1):
         return head_step_time(target, self.draft, context, repeats, device, batch)
@@ -308,7 +222,7 @@ class SuffixProposer(Proposer):
 
 
 PROPOSERS: dict[str, type[Proposer]] = {
-    p.method: p for p in (DraftModelProposer, NgramProposer, Eagle3Proposer, SuffixProposer)
+    p.method: p for p in (DraftModelProposer, NgramProposer, Eagle3Proposer, SuffixProposer, MtpProposer)
 }
 
 
@@ -324,6 +238,8 @@ def proposer_class(draft: str, eagle3: bool | None = None) -> type[Proposer]:
         return NgramProposer
     if is_suffix(draft):
         return SuffixProposer
+    if str(draft) == MtpProposer.method:
+        return MtpProposer
     if eagle3 is None:
         from fp8ptq.spec.eagle3 import is_eagle3
 

@@ -33,6 +33,7 @@ def test_sglang_accepts_what_fp8ptq_writes():
         "ngram": sglang_flags("ngram:2-4", 5),
         "standalone": sglang_flags("/models/draft", 3),
         "eagle3": sglang_flags("/models/head", 4, eagle3=True),
+        "mtp": sglang_flags("mtp", 3),
     }
     old_ngram = ["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "2"]
     vllm_ids = default_layer_ids(30)  # SmolLM2's 30 layers: [2, 15, 27], what the real-model head uses
@@ -52,6 +53,9 @@ def test_sglang_accepts_what_fp8ptq_writes():
     assert eagle["speculative_algorithm"] == "EAGLE3" and eagle["speculative_draft_model_path"] == "/models/head"
     assert eagle["speculative_num_steps"] == "4" and eagle["speculative_eagle_topk"] == "1", eagle
     assert sets["standalone"]["parsed"]["speculative_algorithm"] == "STANDALONE"
+    mtp = sets["mtp"]["parsed"]  # no draft path: SGLang takes the target's own for DeepSeek-V3 / GLM-4.5
+    assert mtp["speculative_algorithm"] == "NEXTN" and "speculative_draft_model_path" not in mtp, mtp
+    assert mtp["speculative_num_steps"] == "3" and mtp["speculative_num_draft_tokens"] == "4", mtp
     old = sets["old ngram"]
     assert not old["ok"] and "unrecognized arguments: --speculative-ngram-min-match-window-size" in old["error"], old
 
