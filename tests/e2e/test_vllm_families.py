@@ -141,7 +141,7 @@ def engine(family, tmp_path_factory, tokenizer_dir):
     """Every vLLM run of this module in one vLLM process (engine.vllm.run_vllm_jobs: vLLM imported once,
     each engine shut down before the next): the unquantized families, then the exports. Returns
     {key: VllmRun}, the EngineCheck of each export compared with the simulation, and the paths of the
-    renamed Falcon checkpoints and of the MTP export."""
+    renamed Falcon checkpoints and of the models with an MTP layer (("mtp", model_type): path)."""
     tmp = tmp_path_factory.mktemp("vllm-exports")
     jobs, checks = {}, {}
     for model_type in SHAPES:
@@ -163,13 +163,14 @@ def engine(family, tmp_path_factory, tokenizer_dir):
     renamed = _renamed_falcon(tmp, tokenizer_dir)
     for key, path in renamed.items():
         jobs[key] = vllm_request(path, [list(p) for p in PROMPTS], 6, dtype="bfloat16", max_model_len=256)
-    mtp = _mtp_export(family, tmp)
-    for key, spec, n in (("mtp-plain", None, MTP_TOKENS + MTP_GAMMA + 1), ("mtp", MTP_CONFIG, MTP_TOKENS)):
-        jobs[key] = vllm_request(
-            mtp, [list(p) for p in PROMPTS], n, dtype="bfloat16", max_model_len=256, speculative_config=spec
-        )
+    mtp = {"deepseek_v3": _mtp_export(family, tmp), "glm4_moe": _glm_with_mtp(tmp, tokenizer_dir)}
+    for model_type, path in mtp.items():
+        for spec, n in ((None, MTP_TOKENS + MTP_GAMMA + 1), (MTP_CONFIG, MTP_TOKENS)):
+            jobs[("mtp", model_type, spec is not None)] = vllm_request(
+                path, [list(p) for p in PROMPTS], n, dtype="bfloat16", max_model_len=256, speculative_config=spec
+            )
     runs = dict(zip(jobs, run_vllm_jobs(list(jobs.values()))))
-    return runs, checks, {**renamed, "mtp": mtp}
+    return runs, checks, {**renamed, **{("mtp", t): p for t, p in mtp.items()}}
 
 
 MTP_GAMMA, MTP_TOKENS = 3, 32
@@ -198,6 +199,17 @@ def _mtp_export(family, tmp: Path) -> Path:
     return out
 
 
+def _glm_with_mtp(tmp: Path, tokenizer_dir: Path) -> Path:
+    """A float GLM-4.5 (no adapter: the generic path) with an MTP layer: vLLM's Glm4MoeMTPModel, which
+    recycles the layer's output before shared_head.norm (spec/mtp.py)."""
+    from fp8ptq.models.synthetic import add_mtp_layer
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    shape |= dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, max_position_embeddings=512)
+    src = write_random(tmp / "glm4-mtp", "glm4_moe", tokenizer_dir, layers=3, **shape)
+    return add_mtp_layer(src, reads_hidden=True)
+
+
 def _renamed_falcon(tmp: Path, tokenizer_dir: Path) -> dict[str, Path]:
     """A model_type transformers does not know: a Falcon checkpoint as `RefinedWeb` (vLLM reads that type
     with its own config class), and its model-free fp8-dynamic export (issue 33)."""
@@ -216,24 +228,25 @@ def _renamed_falcon(tmp: Path, tokenizer_dir: Path) -> dict[str, Path]:
     return {"refinedweb": src, "refinedweb-fp8": out}
 
 
-def test_mtp_layer_the_export_carries_runs_in_vllm(engine):
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layer_the_export_carries_runs_in_vllm(engine, model_type):
     """vLLM's method mtp on fp8ptq's export of a DeepSeek-V3 with an MTP layer: it loads the layer fp8ptq
     carried (before, vLLM refused: "MTP speculative decoding layer 3 weights missing from checkpoint"),
-    drafts with it, and greedy output equals the same export without speculation. fp8ptq's harness runs
-    the same layer (spec/mtp.py, `spec measure TARGET mtp`): replayed on vLLM's output, its acceptance is
-    vLLM's counters'."""
+    drafts with it, and greedy output starts as the same export's without speculation. fp8ptq's harness
+    runs the same layer (spec/mtp.py, `spec measure TARGET mtp`): replayed on vLLM's output, its acceptance
+    is vLLM's counters'. The same for a float GLM-4.5 (vLLM's Glm4MoeMTPModel)."""
     from fp8ptq.spec.measure import SpecStats, replay_greedy
     from fp8ptq.spec.models import load_target
     from fp8ptq.spec.mtp import load_mtp
 
-    plain, spec = engine[0]["mtp-plain"], engine[0]["mtp"]
+    plain, spec = engine[0][("mtp", model_type, False)], engine[0][("mtp", model_type, True)]
     assert plain.ok and spec.ok, (plain.error, spec.error)
     # vLLM verifies γ + 1 tokens per forward in bf16 where plain decoding runs one: on this random model's
-    # near-ties the two round apart after a while (measured: the second prompt at token 11 of 32)
+    # near-ties the two round apart after a while (measured: DeepSeek's second prompt at token 11 of 32)
     for a, b in zip(plain.token_ids, spec.token_ids):
         assert a[:8] == b[:8], (a, b)
     m = spec.metrics
-    target, _ = load_target(engine[2]["mtp"])
+    target, _ = load_target(engine[2][("mtp", model_type)])
     stats = SpecStats(MTP_GAMMA)
     for prompt, stream, longer in zip(PROMPTS, spec.token_ids, plain.token_ids):
         stream = longer if longer[: len(stream)] == stream else stream  # as spec/run.engine_check replays
@@ -246,8 +259,8 @@ def test_mtp_layer_the_export_carries_runs_in_vllm(engine):
     print(report)
     assert s.accepted > 0 and s.per_pos_accepted[-1] > 0, report  # drafts past the first are accepted too
     # fp8ptq runs the layer in fp32 on its simulation's hidden states, vLLM in bf16 on its kernels': near-ties
-    # could flip a few drafts (measured: 36/78 per position [17, 12, 7] in both; on the float model
-    # 46/141 [22, 16, 8] here, 47/138 [23, 16, 8] in vLLM)
+    # could flip a few drafts (measured: DeepSeek 36/78 per position [17, 12, 7] in both, GLM-4.5 exactly
+    # alike too; DeepSeek's float model 46/141 [22, 16, 8] here, 47/138 [23, 16, 8] in vLLM)
     assert abs(v_acc - s.alpha) <= 0.15 * s.alpha, report
 
 
