@@ -34,6 +34,7 @@ from fp8ptq.spec.proposer_base import TargetHiddenProposer
 # model_type -> whether a draft step after the first gets shared_head.norm(out) (True) or out (False)
 RECYCLES_NORMED = {"deepseek_v3": True, "glm4_moe": False}
 MTP_TENSORS = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # beside the decoder layer's own
+QUANTIZED_SUFFIXES = (".weight_scale", ".weight_packed")  # compressed-tensors' quantized Linears
 
 
 class MtpModule(nn.Module):
@@ -107,6 +108,12 @@ def load_mtp(target: LoadedModel, device: str = "cpu") -> MtpDraft:
             fix="measure another draft (ngram, suffix, a draft model or an EAGLE-3 head)",
         )
     arch, prefix = src.arch, prefixes[0]
+    packed = [n for n in src.weight_map if n.startswith(prefix + ".") and n.endswith(QUANTIZED_SUFFIXES)]
+    if packed:  # fp8ptq's quantize carries the layer float; `model-free` quantizes its Linears
+        raise SpecError(
+            f"{where}: its MTP layer is stored quantized ('{packed[0]}'); fp8ptq's harness runs float MTP layers",
+            fix="measure on the checkpoint `fp8ptq quantize` wrote (it carries the layer float) or on the source",
+        )
     conf = plain_config(cfg)
     conf._attn_implementation = "sdpa"
     with torch.device("meta"):

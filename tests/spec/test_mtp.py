@@ -99,3 +99,13 @@ def test_mtp_on_a_target_without_one_is_a_clear_error(tiny_dir, tmp_path):
     add_mtp_layer(shutil.copytree(tiny_dir, llama))
     rc, out = run_cli("spec", "measure", llama, "mtp", "--gammas", "1", "--num-prompts", "1")
     assert_one_line_error(rc, out, "MTP layers of deepseek_v3, glm4_moe only", "another draft")
+
+
+def test_a_quantized_mtp_layer_is_refused_not_misread(mtp_model, tmp_path):
+    """`model-free` quantizes the MTP layer's Linears (FP8 weights + scales): read as float they would be
+    wrong without a word, so the harness refuses them."""
+    out = tmp_path / "mf"
+    rc, log = run_cli("model-free", mtp_model("deepseek_v3"), "-r", "fp8-dynamic", "-o", out)
+    assert rc == 0, log
+    rc, log = run_cli("spec", "measure", out, "mtp", "--gammas", "1", "--num-prompts", "1")
+    assert_one_line_error(rc, log, "MTP layer is stored quantized", "weight_scale", "fp8ptq quantize")
