@@ -232,8 +232,8 @@ def replay_greedy(
     no difference between the engine's target numerics and fp8ptq's simulation entering the comparison
     (a single flipped argmax changes the rest of a greedy continuation). Generation stops at max_tokens
     (default len(stream)); a longer stream lets the last step verify past it, as a real target does.
-    `target`: for a proposer that reads the target's hidden states (EAGLE-3), taken from one forward of it
-    over prompt + stream."""
+    `target`: for a proposer that reads the target's hidden states (EAGLE-3, MTP), taken from one forward of
+    it over prompt + stream."""
     prop = proposer_for(draft)
     if prop.reads_target and target is None:
         raise SpecError(f"replaying a {prop.method} proposer needs its target", fix="pass target=")

@@ -97,8 +97,7 @@ def load_target(spec: str | Path, device: str = "cpu") -> tuple[LoadedModel, obj
     from fp8ptq.models.loader import resolve_model
 
     src = resolve_model(str(spec))
-    model = _simulated_or_plain(src, device)
-    return LoadedModel(model, int(src.config.vocab_size), None, src.label, src), src
+    return LoadedModel(_simulated_or_plain(src, device), int(src.config.vocab_size), None, src.label, src), src
 
 
 def _simulated_or_plain(src, device: str) -> torch.nn.Module:

@@ -12,14 +12,13 @@ from fp8ptq.spec import SpecError
 
 
 class Proposer:
-    """The interface (see the module doc). `layer_ids`: target layers whose residual stream it reads."""
+    """The interface (see proposers.py's module doc)."""
 
     method = ""
-    layer_ids: tuple[int, ...] = ()
     has_probabilities = True  # dynamic draft length (a confidence threshold) needs them
     vocab_trimmed = False  # a VocabTrim draft model (measure.json's `trimmed`; an EAGLE-3 head's d2t is not)
     reads_target = False  # runs on the target's hidden states: loading it needs the loaded target
-    model_free = False  # no draft model (n-gram, suffix): nothing to load, size or hold in memory
+    model_free = False  # no separate draft to size or hold (n-gram, suffix; MTP: its weights are the target's)
 
     def __init__(self, draft):
         self.draft = draft
@@ -41,8 +40,8 @@ class Proposer:
             )
 
     def capture(self, model):
-        """A context manager recording the target hidden states this proposer reads (take() -> rows), or
-        None where it reads none."""
+        """A context manager recording the target hidden states this proposer reads during the target's
+        forwards (its value's take() -> rows); a nullcontext (value None) where it reads none."""
         return nullcontext()
 
     def begin(self, vocab: int, aux: torch.Tensor | None, device: str) -> None:
