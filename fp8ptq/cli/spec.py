@@ -294,7 +294,9 @@ def recommend_cmd(
 @spec_app.command("memory")
 def memory_cmd(
     target: str = typer.Argument(..., help="target model dir"),
-    draft: Optional[str] = typer.Argument(None, help="draft model dir (omit: no speculation)"),
+    draft: Optional[str] = typer.Argument(
+        None, help="draft model dir, or ngram / suffix / mtp (no separate draft weights); omit: no speculation"
+    ),
     device_memory: str = typer.Option(..., "--device-memory", help="e.g. 24GiB, 80GB"),
     context: int = typer.Option(4096),
     batch: int = typer.Option(1),
@@ -308,15 +310,18 @@ def memory_cmd(
     \b
     Examples:
       fp8ptq spec memory out/q out/draft --device-memory 24GiB --context 8192
+      fp8ptq spec memory out/q ngram --device-memory 24GiB   # no draft weights: the plain plan
     """
     offline()
     from fp8ptq.models.loader import resolve_model
     from fp8ptq.spec.memory import model_shape, parse_size, plan
+    from fp8ptq.spec.proposers import proposer_class
 
     with user_errors():
         size = parse_size(device_memory)
         t = model_shape(resolve_model(target).path, kv_dtype)
-        d = model_shape(resolve_model(draft).path, kv_dtype if kv_dtype != "auto" else t.kv_dtype) if draft else None
+        separate = draft is not None and not proposer_class(draft).model_free
+        d = model_shape(resolve_model(draft).path, kv_dtype if kv_dtype != "auto" else t.kv_dtype) if separate else None
         p = plan(t, d, size, context=context, batch=batch, gamma=gamma, utilization=utilization).as_dict()
     if json_out:
         _echo_json(p)

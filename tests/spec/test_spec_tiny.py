@@ -437,6 +437,9 @@ def test_cli_memory_and_measure_json(tiny_dir, drafted):
     assert r.exit_code == 0, r.output
     p = json.loads(r.stdout)
     assert p["fits_spec"] and p["max_batch_spec"] <= p["max_batch_plain"]
+    r = _cli("spec", "memory", tiny_dir, "ngram", "--device-memory", "1GiB", "--context", "512", "--json")
+    assert r.exit_code == 0, r.output  # a proposer without draft weights (was: "ngram" read as a model path)
+    assert json.loads(r.stdout)["draft_weight_bytes"] == 0
     r = _cli(
         "spec", "measure", tiny_dir, drafted[0], "--gammas", "1,2", "--num-prompts", "1", "--max-tokens", "6", "--json"
     )
