@@ -314,14 +314,12 @@ def memory_cmd(
     """
     offline()
     from fp8ptq.models.loader import resolve_model
-    from fp8ptq.spec.memory import model_shape, parse_size, plan
-    from fp8ptq.spec.proposers import proposer_class
+    from fp8ptq.spec.memory import draft_shape, model_shape, parse_size, plan
 
     with user_errors():
         size = parse_size(device_memory)
         t = model_shape(resolve_model(target).path, kv_dtype)
-        separate = draft is not None and not proposer_class(draft).model_free
-        d = model_shape(resolve_model(draft).path, kv_dtype if kv_dtype != "auto" else t.kv_dtype) if separate else None
+        d = draft_shape(draft, kv_dtype if kv_dtype != "auto" else t.kv_dtype)
         p = plan(t, d, size, context=context, batch=batch, gamma=gamma, utilization=utilization).as_dict()
     if json_out:
         _echo_json(p)

@@ -21,6 +21,7 @@ import torch
 from fp8ptq.spec.eagle3 import Eagle3Head
 from fp8ptq.spec.models import LoadedModel
 from fp8ptq.spec.sampling import probs as to_probs
+from fp8ptq.spec.steps import draft_chain
 
 
 @dataclass
@@ -126,21 +127,18 @@ def propose(draft: Eagle3Draft, st: HeadState, seq: list[int], aux: torch.Tensor
     out, logits, kv = head.block(toks, head.fuse(aux[None]), pos, st.past(start))
     st.extend(start, kv)
     st.committed = base - 1
-    hidden, last = out[:, -1:], logits[0, -1]
-    drafted, q_rows = [], []
-    for k in range(gamma):
-        if threshold is not None and float(torch.softmax(last.float(), -1).max()) < threshold:
-            break
-        tok, q = _sample(head, last.float(), temperature, g)
-        drafted.append(tok)
-        q_rows.append(q)
-        if k == gamma - 1:
-            break
-        p = torch.tensor([base - 1 + k], device=dev)  # drafted token k sits at position base - 1 + k
-        past = (st.k, st.v)
-        hidden, lg, kv = head.block(torch.tensor([[tok]], device=dev), hidden, p, past)
+    hidden = out[:, -1:]
+
+    def step(tok, k):  # drafted token k sits at position base - 1 + k; its KV entries are speculative
+        nonlocal hidden
+        p = torch.tensor([base - 1 + k], device=dev)
+        hidden, lg, kv = head.block(torch.tensor([[tok]], device=dev), hidden, p, (st.k, st.v))
         st.k, st.v = torch.cat([st.k, kv[0]], 2), torch.cat([st.v, kv[1]], 2)
-        last = lg[0, -1]
+        return lg[0, -1]
+
+    drafted, q_rows = draft_chain(
+        logits[0, -1], gamma, threshold, lambda x: _sample(head, x.float(), temperature, g), step
+    )
     st.k, st.v = st.k[:, :, : st.committed], st.v[:, :, : st.committed]  # drop the speculative entries
     return drafted, q_rows
 

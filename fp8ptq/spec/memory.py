@@ -98,6 +98,18 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str)
     return 2 * layers * kv_heads * head_dim * KV_BYTES[kv_dtype]
 
 
+def draft_shape(draft: str | None, kv_dtype: str = "auto") -> ModelShape | None:
+    """The draft's shape, as model_shape reads it; None where speculation adds no draft weights of its own
+    (no draft; n-gram, suffix and MTP: the proposer's `model_free`)."""
+    from fp8ptq.spec.proposers import proposer_class
+
+    if draft is None or proposer_class(draft).model_free:
+        return None
+    from fp8ptq.models.loader import resolve_model
+
+    return model_shape(resolve_model(draft).path, kv_dtype)
+
+
 def model_shape(model_dir: Path, kv_dtype: str = "auto") -> ModelShape:
     """Read config.json + safetensors headers. kv_dtype 'auto': fp8 if the checkpoint carries a
     kv_cache_scheme, else the config's torch dtype (bf16 when absent)."""

@@ -166,26 +166,23 @@ class MtpState:
 def propose(draft: MtpDraft, st: MtpState, seq: list[int], aux: torch.Tensor, *, gamma, temperature, g, threshold):
     """seq: tokens so far (the target verified positions 0..len(seq)-2; aux holds their final hidden rows
     from st.committed on). Returns (drafted ids, q rows): eagle3_loop.propose with this layer."""
-    from fp8ptq.spec.steps import pick_token
+    from fp8ptq.spec.steps import draft_chain, pick_token
 
     m, dev = draft.module, aux.device
     base, start = len(seq), st.committed
     pos = torch.arange(start, base - 1, device=dev)
     logits, hidden = m.step(torch.tensor([seq[start + 1 : base]], device=dev), aux[None], pos, st.cache)
     st.committed = base - 1
-    hidden, last = hidden[:, -1:], logits[0, -1]
-    drafted, q_rows = [], []
-    for k in range(gamma):
-        if threshold is not None and float(torch.softmax(last, -1).max()) < threshold:
-            break
-        tok, q = pick_token(last, temperature, g)
-        drafted.append(tok)
-        q_rows.append(q)
-        if k == gamma - 1:
-            break
-        p = torch.tensor([base - 1 + k], device=dev)  # drafted token k sits at position base - 1 + k
-        logits, hidden = m.step(torch.tensor([[tok]], device=dev), hidden, p, st.cache)
-        last = logits[0, -1]
+    hidden = hidden[:, -1:]
+
+    def step(tok, k):  # drafted token k sits at position base - 1 + k; its KV entries are speculative
+        nonlocal hidden
+        logits, hidden = m.step(
+            torch.tensor([[tok]], device=dev), hidden, torch.tensor([base - 1 + k], device=dev), st.cache
+        )
+        return logits[0, -1]
+
+    drafted, q_rows = draft_chain(logits[0, -1], gamma, threshold, lambda x: pick_token(x, temperature, g), step)
     crop(st.cache, st.committed)  # drop the speculative entries
     return drafted, q_rows
 

@@ -340,13 +340,12 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
         sglang = sglang_check(flags)
     plan = None
     if cfg.device_memory:
-        from fp8ptq.spec.memory import model_shape, parse_size
+        from fp8ptq.spec.memory import draft_shape, model_shape, parse_size
         from fp8ptq.spec.memory import plan as memory_plan
-        from fp8ptq.spec.proposers import proposer_class
 
-        plan = memory_plan(
+        plan = memory_plan(  # the measured draft's real path: draft_for_engine may be relative to a bundle
             model_shape(Path(measured.target_path), cfg.kv_dtype),
-            None if proposer_class(draft).model_free else model_shape(Path(draft)),
+            draft_shape(measured.draft),
             parse_size(cfg.device_memory),
             context=cfg.context,
             batch=cfg.batch,

@@ -20,6 +20,24 @@ def pick_token(logits: torch.Tensor, temperature: float, g: torch.Generator) -> 
     return int(torch.multinomial(p.cpu(), 1, generator=g)), p
 
 
+def draft_chain(last: torch.Tensor, gamma: int, threshold: float | None, sample, step) -> tuple[list, list]:
+    """The drafted steps of a draft on the target's hidden states (EAGLE-3 head, MTP layer), after its first
+    pass: from that pass's last logits, up to γ tokens, each sampled (sample(logits) -> (id, q row)) and fed
+    back (step(id, k) -> the next logits) unless it is the last; drafting stops where the max probability is
+    below `threshold` (dynamic draft length)."""
+    drafted, q_rows = [], []
+    for k in range(gamma):
+        if threshold is not None and float(torch.softmax(last.float(), -1).max()) < threshold:
+            break
+        tok, q = sample(last)
+        drafted.append(tok)
+        q_rows.append(q)
+        if k == gamma - 1:
+            break
+        last = step(tok, k)
+    return drafted, q_rows
+
+
 def median_time(fn, repeats: int) -> float:
     """Median wall time of fn() over `repeats` calls, after one warm-up call."""
     fn()  # warm-up: allocator, lazy init

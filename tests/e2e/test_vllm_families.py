@@ -247,12 +247,10 @@ def test_mtp_layer_the_export_carries_runs_in_vllm(engine, model_type):
         assert a[:8] == b[:8], (a, b)
     m = spec.metrics
     target, _ = load_target(engine[2][("mtp", model_type)])
-    stats = SpecStats(MTP_GAMMA)
+    draft, stats = load_mtp(target), SpecStats(MTP_GAMMA)
     for prompt, stream, longer in zip(PROMPTS, spec.token_ids, plain.token_ids):
         stream = longer if longer[: len(stream)] == stream else stream  # as spec/run.engine_check replays
-        replay_greedy(
-            load_mtp(target), list(prompt), stream, gamma=MTP_GAMMA, stats=stats, max_tokens=MTP_TOKENS, target=target
-        )
+        replay_greedy(draft, list(prompt), stream, gamma=MTP_GAMMA, stats=stats, max_tokens=MTP_TOKENS, target=target)
     s = stats.summary()
     v_acc = m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
     report = f"vLLM {m}; fp8ptq replay {s.accepted}/{s.drafted} per position {s.per_pos_accepted}"

@@ -459,10 +459,13 @@ def test_quantize_draft_auto_bundles_target_draft_and_config(tmp_path, tiny_dir)
             recipe="fp8-dynamic",
             output=out,
             eval_samples=0,
-            draft=DraftBundleConfig(max_steps=3, time_budget_s=30),
+            draft=DraftBundleConfig(max_steps=3, time_budget_s=30, device_memory="1GiB"),
         )
     )
     spec = m.speculative
+    # the memory plan sizes the bundle's draft, not a "draft" folder in the working directory (it did)
+    plan = json.loads((out / "speculative" / "recommendation.json").read_text())["memory_plan"]
+    assert plan["draft_weight_bytes"] > 0
     assert spec.speculative_config["method"] == "draft_model" and spec.speculative_config["model"] == "draft"
     assert json.loads((out / "speculative_config.json").read_text()) == spec.speculative_config
     assert (out / "draft" / "config.json").is_file() and (out / "sglang_flags.txt").is_file()
