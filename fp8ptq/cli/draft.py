@@ -34,7 +34,8 @@ def _eagle3_train(
     from fp8ptq.spec import SpecError
 
     names = ("prompts", "text_field", "num_prompts", "gen_tokens", "gen_batch_size", "max_steps", "batch_size")
-    names += ("lr", "topk", "checkpoint_every", "seed", "resume", "overwrite", "keep_work", "device")
+    names += ("lr", "checkpoint_every", "seed", "resume", "overwrite", "keep_work", "device")
+    names += ("sampled_data", "loss_on_prompt", "capture_batch", "precision")
     given = {k: kw[k] for k in names if kw.get(k) is not None}
     if kw.get("time_budget") is not None:
         given["time_budget_s"] = None if kw["time_budget"] <= 0 else kw["time_budget"]
@@ -99,6 +100,10 @@ def _draft_train(
     keep_work,
     device,
     json_out,
+    sampled_data=None,
+    loss_on_prompt=None,
+    capture_batch=None,
+    precision=None,
 ):
     offline()
     for flag, value, lo, hi in (("--lr", lr, 1e-9, 1.0), ("--time-budget", time_budget, 0.0, None)):
@@ -126,13 +131,16 @@ def _draft_train(
             time_budget=time_budget,
             batch_size=batch_size,
             lr=lr,
-            topk=topk,
             checkpoint_every=checkpoint_every,
             seed=seed,
             resume=resume,
             overwrite=overwrite,
             keep_work=keep_work,
             device=device,
+            sampled_data=sampled_data,
+            loss_on_prompt=loss_on_prompt,
+            capture_batch=capture_batch,
+            precision=precision,
         )
     if kind != "model":
         with user_errors():
@@ -208,7 +216,9 @@ def draft_train_cmd(
     ),
     draft_vocab: int = typer.Option(16384, help="eagle3: LM-head rows (most frequent generated ids); 0 = full"),
     ttt_steps: int = typer.Option(3, help="eagle3: training-time-test unroll steps"),
-    plain_texts: int = typer.Option(32, help="eagle3: plain built-in text passages added to the generations"),
+    plain_texts: Optional[int] = typer.Option(
+        None, help="eagle3: text passages added (built-in, then stdlib docstrings); default: time budget / 4.5 s"
+    ),
     fc_norm: bool = typer.Option(True, help="eagle3: an RMSNorm per aux layer before fc (vLLM's fc_norm)"),
     warm_start: bool = typer.Option(True, help="eagle3: start from a linear predictor fitted in closed form"),
     layers: int = typer.Option(2, help="decoder layers of the draft (initialised from the target's first ones)"),
@@ -219,9 +229,19 @@ def draft_train_cmd(
     gen_batch_size: int = typer.Option(16, help="prompts the target generates from at once"),
     max_steps: Optional[int] = typer.Option(None, help="training steps at most (default 400; eagle3 2000)"),
     time_budget: float = typer.Option(900, help="training wall-clock budget in seconds (0 = steps only)"),
-    batch_size: Optional[int] = typer.Option(None, help="sequences per training step (default 8; eagle3 4)"),
+    batch_size: Optional[int] = typer.Option(None, help="sequences per training step (default 8; eagle3 8)"),
     lr: Optional[float] = typer.Option(None, help="AdamW peak learning rate (default 2e-4; eagle3 1e-3)"),
-    topk: int = typer.Option(32, help="target log-probs kept per position (the distillation target)"),
+    topk: int = typer.Option(32, help="model: target log-probs kept per position (eagle3 reads the full distribution)"),
+    sampled_data: Optional[bool] = typer.Option(
+        None, "--sampled-data/--greedy-data", help="eagle3: also generate at T = 1 (default: greedy only)"
+    ),
+    loss_on_prompt: Optional[bool] = typer.Option(
+        None, "--loss-on-prompt/--loss-on-generated", help="eagle3: train on prompt rows too (default: generated)"
+    ),
+    capture_batch: Optional[int] = typer.Option(None, help="eagle3: sequences per capture forward (default 16)"),
+    precision: Optional[str] = typer.Option(
+        None, help="eagle3 training: auto (bf16 where the CPU has native bf16), bf16 or fp32"
+    ),
     checkpoint_every: int = typer.Option(50, help="steps between checkpoints in .OUT.draft-work/"),
     seed: int = typer.Option(0),
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint of this output"),

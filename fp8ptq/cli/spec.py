@@ -39,14 +39,16 @@ def _acceptance_table(measured, costs: dict | None) -> None:
 
     c = Costs.from_dict(costs) if costs else None
     for temp, r in measured.by_temperature.items():
-        table = Table("γ", "τ", "α (all)", "α per position", "pred. speedup" if c else "", title=f"T = {temp}")
+        cols = ("γ", "τ ± s.e.", "α (all)", "α per position", "α given the previous")
+        table = Table(*cols, "pred. speedup" if c else "", title=f"T = {temp}")
         for run in r.runs:
             s = speedup_from_steps(run.steps(), run.emitted, c) if c else None
             table.add_row(
                 str(run.gamma),
-                f"{run.tau:.2f}",
+                f"{run.tau:.2f}" + (f" ± {run.tau_se:.2f}" if run.tau_se is not None else ""),
                 f"{run.alpha:.3f}",
                 " ".join(f"{a:.2f}" for a in run.alpha_per_pos),
+                " ".join(f"{a:.2f}" for a in run.alpha_conditional),
                 f"{s:.2f}×" if s else "",
             )
         for run in r.threshold_runs:
@@ -56,6 +58,7 @@ def _acceptance_table(measured, costs: dict | None) -> None:
                 f"{run.tau:.2f}",
                 f"{run.alpha:.3f}",
                 "drafted/step " + f"{run.drafted / max(1, run.target_forwards):.2f}",
+                "",
                 f"{s:.2f}×" if s else "",
             )
         out.print(table)

@@ -1,21 +1,26 @@
 """draft-train --kind eagle3: train an EAGLE-3 head for the (quantized) target it will serve.
 
-1. Data: the target (simulated engine numerics for an fp8ptq export) generates from the training prompts
-   (`train.generate_data`: half greedy, half T = 1), plus `plain_texts` passages of plain built-in
-   text. Cached in the work dir.
+1. Data (`eagle3_data`): the target's greedy generations from the training prompts (simulated engine
+   numerics for an fp8ptq export; prompts sorted by length so a batch pads little; `sampled_data` adds
+   T = 1 batches), plus `plain_texts` passages of text (built-in, then the stdlib's docstrings); cached.
 2. Vocabulary (VocabTrim): the `draft_vocab` target ids most frequent in the target's generations
    (special tokens forced in); d2t / t2d as vLLM reads them. draft_vocab 0 = the full vocabulary.
-3. Capture (streamed): one target forward per batch of sequences records the residual streams at the
-   aux layer ids and the target's top-k next-token log-probs at every position, written as small
-   safetensors shards in the work dir; training reads one shard per step, so memory does not grow with
-   the data.
+3. Capture (streamed, `eagle3_data.capture`): one target forward per batch of similar-length sequences
+   records the residual streams at the aux layer ids and the target's last residual stream over its RMS
+   (`final`), with the target's LM head over the last position only; small safetensors shards.
 4. Training-time test: the head runs `ttt_steps` times over each sequence; step k reads the
    ground-truth next token and ITS OWN pre-norm output of step k-1 one position earlier (what vLLM
    feeds it at draft step k+1), attending to the step-0 keys of its chain's prefix and to its chain's
-   own keys of steps 1..k. Loss: Σ_k 0.8^k · KL(target top-k, renormalised over the kept ids ‖ head).
+   own keys of steps 1..k. Loss: Σ_k 0.8^k · KL(target ‖ head) over the kept ids, at the loss rows only
+   (generated and plain-text rows, not prompts), the head's logits computed there only. The teacher is the
+   target's own distribution over the kept ids, computed in the step from what the target's LM head read
+   (`normed`) through its LM-head rows of the kept ids (the head's LM head holds those rows, frozen). Batches
+   draw similar-length sequences across all shards each epoch; bf16 autocast where the CPU computes bf16
+   natively (`precision`).
 5. Resumable (checkpoint = trainable weights + AdamW moments + step; batch order a pure function of
-   (seed, step)), progress, a time budget; output atomic: config.json + model.safetensors in vLLM 0.32's
-   EAGLE-3 layout (see fp8ptq.spec.eagle3), fp8ptq_eagle3.json.
+   (seed, step)), progress, a time budget over the whole run (data, capture and training); output atomic:
+   config.json + model.safetensors in vLLM 0.32's EAGLE-3 layout (see fp8ptq.spec.eagle3),
+   fp8ptq_eagle3.json with each phase's tokens/s beside a plain prefill's.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -33,11 +38,19 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.draft.eagle3_data import (
+    BatchPlan,
+    ShardStore,
+    capture,
+    generated_sequences,
+    has_current_layout,
+    plain_sequences,
+    prefill_floor,
+)
 from fp8ptq.draft.eagle3_warm import linear_warm_start
 from fp8ptq.draft.loop import TrainRun, TrainSummary, fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
-from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
 
 
 @dataclass(frozen=True)
@@ -52,12 +65,17 @@ class Eagle3TrainConfig:
     gen_tokens: int = 128
     gen_batch_size: int = 16
     max_prompt_tokens: int = 256
-    plain_texts: int = 32  # plain built-in text passages added to the generations
-    topk: int = 32
+    # passages of text (max_prompt_tokens + gen_tokens long) added to the generations; None: one per 4.5 s of
+    # the time budget (their capture then takes ~1/8 of it on a 2-core CPU), 200 without a budget
+    plain_texts: int | None = None
+    sampled_data: bool = False  # also generate at T = 1 (every other batch); greedy only by default
+    loss_on_prompt: bool = False  # the loss on prompt rows of the generations too
+    capture_batch: int = 16  # sequences per capture forward (= per shard)
+    precision: str = "auto"  # training: bf16 autocast | fp32 | auto (bf16 where the CPU computes bf16 natively)
     ttt_steps: int = 3
     fc_norm: bool = True  # an RMSNorm per aux layer before fc (vLLM's fc_norm)
     warm_start: bool = True  # start from a closed-form linear predictor (fp8ptq.draft.eagle3_warm)
-    batch_size: int = 4  # sequences per step (= per shard)
+    batch_size: int = 8  # sequences per step
     lr: float = 1e-3
     warmup_steps: int = 20
     max_steps: int = 2000
@@ -76,6 +94,7 @@ class Eagle3Data:
     generated_tokens: int
     sequences: int  # generations + plain passages trained on
     tokens: int
+    loss_rows: int  # positions the loss reads (generated and plain-text rows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,12 +108,14 @@ class Eagle3Summary(TrainSummary):
     kept_coverage_of_generated_tokens: float
     data: Eagle3Data
     warm_start: dict | None  # the closed-form start (eagle3_warm.linear_warm_start), None when off
+    precision: str  # what training ran in: bf16 (autocast) or fp32
+    throughput: dict[str, float]  # tokens/s per phase of this run, and a plain prefill's (the floor)
 
 
 def _fingerprint(cfg: Eagle3TrainConfig, layer_ids: list[int]) -> dict:
     keys = ("target", "prompts", "text_field", "num_prompts", "gen_tokens", "max_prompt_tokens", "plain_texts")
-    keys += ("topk", "seed", "batch_size")  # not draft_vocab: the data is the same for every trim
-    return {k: str(getattr(cfg, k)) for k in keys} | {"layer_ids": str(layer_ids)}
+    keys += ("sampled_data", "loss_on_prompt", "seed", "capture_batch")  # not draft_vocab: same data for every trim
+    return {k: str(getattr(cfg, k)) for k in keys} | {"layer_ids": str(layer_ids), "plain_texts": str(plain_count(cfg))}
 
 
 def _same_data(fp_file: Path, cfg: Eagle3TrainConfig, layer_ids: list[int]) -> bool:
@@ -107,74 +128,15 @@ def _same_data(fp_file: Path, cfg: Eagle3TrainConfig, layer_ids: list[int]) -> b
     return stored == _fingerprint(cfg, layer_ids)
 
 
-def _has_final(shard: Path) -> bool:
-    """The shard exists and holds the target's final feature (captures before the warm start lack it)."""
-    if not shard.is_file():
-        return False
-    with safe_open(str(shard), "pt") as f:
-        return "final" in f.keys()
+@dataclass(frozen=True)
+class Teacher:
+    """The target's distribution over the kept ids at a position, from its final feature there."""
 
+    weight: torch.Tensor  # [N, H] the target's LM-head rows of the kept ids
 
-def plain_sequences(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
-    from fp8ptq.data import BUILTIN, load_texts
-
-    if n <= 0:
-        return []
-    import random
-
-    texts = [t for t in load_texts(BUILTIN, "calibration") if len(t) > 200]
-    random.Random(seed).shuffle(texts)
-    out = []
-    for t in texts[:n]:
-        ids = tokenizer(t, add_special_tokens=False)["input_ids"][:length]
-        if len(ids) > 8:
-            out.append(ids)
-    return out
-
-
-def sequences(data: dict, plain: list[list[int]]) -> list[list[int]]:
-    """Generated samples (prompt + generation) then the plain passages."""
-    out = []
-    for i in range(data["tokens"].shape[0]):
-        n = int(data["prompt_len"][i] + data["gen_len"][i])
-        out.append(data["tokens"][i, :n].tolist())
-    return out + plain
-
-
-@torch.inference_mode()
-def capture(target, seqs: list[list[int]], layer_ids, work: Path, *, batch: int, topk: int, device: str, progress=None):
-    """Shard files work/shard-XXXXX.safetensors: aux [b, T, n·H] bf16, ids [b, T] int64, lens [b], top-k
-    next-token ids [b, T, k] int32 and log-probs fp16 of the target at every position, and `final` [b, T, H]
-    bf16: the target's last residual stream divided by its RMS (what its final norm scales for the LM head;
-    the linear warm start's regression target). Returns the count."""
-    n_shards = math.ceil(len(seqs) / batch)
-    L = len(decoder_layers(target.model))
-    # id L = after the last layer (AuxCapture), before the final norm; hooked once if the head reads it too
-    ids_all = list(layer_ids) + ([] if L in layer_ids else [L])
-    with AuxCapture(target.model, ids_all) as cap:
-        for s in range(n_shards):
-            chunk = seqs[s * batch : (s + 1) * batch]
-            T = max(len(c) for c in chunk)
-            ids = torch.zeros(len(chunk), T, dtype=torch.long)
-            mask = torch.zeros(len(chunk), T, dtype=torch.long)
-            for r, c in enumerate(chunk):
-                ids[r, : len(c)], mask[r, : len(c)] = torch.tensor(c), 1
-            logits = target.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-            top = torch.log_softmax(logits, -1).topk(topk, -1)
-            by_id = dict(zip(ids_all, cap.take().chunk(len(ids_all), -1)))
-            last = by_id[L]
-            shard = {
-                "aux": torch.cat([by_id[i] for i in layer_ids], -1).to(torch.bfloat16).cpu().contiguous(),
-                "final": (last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).cpu(),
-                "ids": ids,
-                "lens": mask.sum(1),
-                "top_ids": top.indices.int().cpu().contiguous(),
-                "top_logp": top.values.half().cpu().contiguous(),
-            }
-            save_file(shard, str(work / f"shard-{s:05d}.safetensors"))
-            if progress:
-                progress("capture", s + 1, n_shards)
-    return n_shards
+    def log_probs(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [n, H]: what the target's LM head reads (eagle3_data's capture) -> [n, N] log-probs."""
+        return F.log_softmax(F.linear(normed.float(), self.weight.float()), -1)
 
 
 def ttt_mask(T: int, k: int, device) -> torch.Tensor:
@@ -185,86 +147,149 @@ def ttt_mask(T: int, k: int, device) -> torch.Tensor:
     return torch.cat(blocks, 1)
 
 
-def ttt_loss(head, shard: dict, rows: list[int], steps: int, t2d_rows: torch.Tensor, device: str) -> torch.Tensor:
-    """Σ_k 0.8^k · mean KL over the valid positions of step k (see the module docstring)."""
-    lens = shard["lens"][rows]
+def loss_rows(lens: torch.Tensor, loss_from: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T] bool: index i is trained on (it predicts token i + 2, the target's distribution at i + 1)."""
+    idx = torch.arange(T, device=lens.device).view(1, -1)
+    return (idx <= (lens - 3).view(-1, 1)) & (idx >= loss_from.view(-1, 1))
+
+
+def ttt_loss(head, batch: dict, steps: int, teacher: Teacher, device: str) -> torch.Tensor:
+    """Σ_k 0.8^k · mean KL(target ‖ head) over the loss rows of step k (the module docstring); the head's
+    logits and the teacher's are computed at those rows only."""
+    lens, lf = batch["lens"].to(device), batch["loss_from"].to(device)
     T = int(lens.max())
-    ids = shard["ids"][rows, :T].to(device)
+    ids = batch["ids"][:, :T].to(device)
     nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)  # token i + 1 at index i
     pos = torch.arange(T, device=device)
-    hid = head.fuse(shard["aux"][rows, :T].to(device).float())
-    tgt_rows = t2d_rows[shard["top_ids"][rows, :T].long().to(device)]  # [B, T, k] draft rows (-1 = not kept)
-    logp = shard["top_logp"][rows, :T].float().to(device).masked_fill(tgt_rows < 0, -torch.inf)
-    logp = logp - torch.logsumexp(logp, -1, keepdim=True)
-    p = logp.exp().nan_to_num(0.0)
-    idx = torch.arange(T, device=device)
+    hid = head.fuse(batch["aux"][:, :T].to(device).float())
+    rows0 = loss_rows(lens, lf, T)
+    at = torch.full(rows0.shape, -1, dtype=torch.long, device=device)
+    at[rows0] = torch.arange(int(rows0.sum()), device=device)
+    b, i = rows0.nonzero(as_tuple=True)
+    with torch.no_grad():
+        t_logp = teacher.log_probs(batch["normed"].to(device)[b, i + 1])  # [n, N]
+        t_p = t_logp.exp()
+    idx = torch.arange(T, device=device).view(1, -1)
     keys, vals, total, wsum = [], [], 0.0, 0.0
     for k in range(steps):
         past = None if k == 0 else (torch.cat(keys, 2), torch.cat(vals, 2))
-        out, logits, (kk, vv) = head.block(nxt, hid, pos, past, ttt_mask(T, k, device))
+        out, _, (kk, vv) = head.block(nxt, hid, pos, past, ttt_mask(T, k, device), logits=False)
         keys.append(kk)
         vals.append(vv)
-        # index i predicts token i + 2: the target's distribution at position i + 1 (valid: k ≤ i ≤ len - 3)
-        valid = (idx >= k).view(1, -1) & (idx.view(1, -1) <= (lens.to(device) - 3).view(-1, 1))
+        valid = rows0 & (idx >= k)
         if valid.any():
-            q = F.log_softmax(logits[:, :-1].float(), -1)  # index i vs target row i + 1
-            tp, tr = p[:, 1:], tgt_rows[:, 1:].clamp(min=0)
-            kl = (tp * (logp[:, 1:].nan_to_num(0.0, neginf=0.0) - q.gather(-1, tr))).sum(-1)  # [B, T-1]
-            v = valid[:, :-1] & (tp.sum(-1) > 0)
-            total = total + 0.8**k * kl[v].mean()
+            q = F.log_softmax(head.lm_head(head.norm(out[valid])).float(), -1)
+            r = at[valid]
+            total = total + 0.8**k * (t_p[r] * (t_logp[r] - q)).sum(-1).mean()
             wsum += 0.8**k
         hid = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step k+1 at i reads out_k[i - 1]
     return total / max(wsum, 1e-9)
 
 
-def step_rows(step: int, n_shards: int, seed: int) -> int:
-    """The shard of training step `step` (a pure function: seeded per-epoch permutations of the shards)."""
-    epoch, off = divmod(step, n_shards)
-    return int(torch.randperm(n_shards, generator=torch.Generator().manual_seed(seed * 7919 + epoch))[off])
+def bf16_native() -> bool:
+    """The CPU computes bf16 matrix products natively (AVX512-BF16 or AMX), where autocast pays."""
+    cpu = getattr(torch, "cpu", None)
+    return any(bool(getattr(cpu, f, lambda: False)()) for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
-def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress=None) -> tuple[TrainRun, dict | None]:
-    """The training loop (loop.fit) on the TTT loss, one capture shard per step; and the warm start's numbers."""
+def training_precision(precision: str, device: str) -> str:
+    if precision not in ("auto", "bf16", "fp32"):
+        raise SpecError(f"precision '{precision}' is not one of auto, bf16, fp32", fix="use --precision auto")
+    if precision != "auto":
+        return precision
+    return "bf16" if device.startswith("cuda") or bf16_native() else "fp32"
+
+
+def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress=None) -> tuple[TrainRun, dict, dict]:
+    """The training loop (loop.fit) on the TTT loss; the warm start's numbers; the tokens, padded tokens and
+    loss rows the steps read (this run's)."""
+    head.lm_head.weight.requires_grad_(False)  # the target's rows: the teacher reads them too
+    teacher = Teacher(head.lm_head.weight.detach().clone())
     params = trainable(head)
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.safetensors"
     resumed = (0, [], 0.0)
     if cfg.resume and ckpt.is_file():
         with safe_open(str(ckpt), "pt") as f:
-            saved = f.get_slice("model.lm_head.weight").get_shape()[0]
-            same = saved == head.s.draft_vocab and all(f"model.{n}" in f.keys() for n, _ in params)
+            same = all(f"model.{n}" in f.keys() for n, _ in params) and "model.lm_head.weight" not in f.keys()
+        same = same and (work / HEAD_FILE).is_file() and json.loads((work / HEAD_FILE).read_text()) == _head_key(head)
         if same:  # else: a head of another trim (or without fc_norm) on the same data, trained afresh
             resumed = load_checkpoint(ckpt, head, opt, cfg.device)
+    (work / HEAD_FILE).write_text(json.dumps(_head_key(head)))
     warm = None
     if cfg.warm_start and resumed[0] == 0 and cfg.max_steps > 0:
         warm = linear_warm_start(head, work, n_shards, cfg.seed)
-    t2d_rows = head.target_to_draft()
+    store = ShardStore(work, n_shards)
+    plan = BatchPlan(store.lengths(), cfg.batch_size, cfg.seed)
+    bf16 = training_precision(cfg.precision, cfg.device) == "bf16"
+    dev_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
+
+    seen = {"train_tok_s": 0, "train_padded_tok_s": 0, "train_loss_rows_s": 0}
 
     def loss_at(step: int) -> torch.Tensor:
-        shard = load_file(str(work / f"shard-{step_rows(step, n_shards, cfg.seed):05d}.safetensors"))
-        return ttt_loss(head, shard, list(range(shard["ids"].shape[0])), cfg.ttt_steps, t2d_rows, cfg.device)
+        batch = store.batch(plan(step))
+        seen["train_tok_s"] += int(batch["lens"].sum())
+        seen["train_padded_tok_s"] += batch["ids"].numel()
+        seen["train_loss_rows_s"] += int(loss_rows(batch["lens"], batch["loss_from"], batch["ids"].shape[1]).sum())
+        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16):
+            return ttt_loss(head, batch, cfg.ttt_steps, teacher, cfg.device)
 
-    return fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress), warm
+    run = fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress)
+    return run, warm, seen
+
+
+HEAD_FILE = "head.json"  # the head a work dir's checkpoint belongs to
+
+
+def _head_key(head) -> dict:
+    return {"draft_vocab": head.s.draft_vocab, "fc_norm": head.s.fc_norm, "layer_ids": list(head.s.layer_ids)}
+
+
+def _generate(target, tokenizer, cfg: Eagle3TrainConfig, progress) -> dict:
+    """The target's generations from the training prompts, shortest prompts batched together."""
+    from fp8ptq.draft.train import Generation, generate_data
+    from fp8ptq.spec.prompts import encode_prompts, load_prompts
+
+    texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
+    prompts = sorted(encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens), key=len)
+    # topk 0: the training step computes the target's distributions from the captured final feature
+    how = Generation(
+        cfg.gen_tokens, cfg.gen_batch_size, topk=0, seed=cfg.seed, device=cfg.device, sample_odd=cfg.sampled_data
+    )
+    return generate_data(target, tokenizer, prompts, how, progress)
+
+
+def plain_count(cfg: Eagle3TrainConfig) -> int:
+    if cfg.plain_texts is not None:
+        return cfg.plain_texts
+    return 200 if cfg.time_budget_s is None else int(cfg.time_budget_s / 4.5)
+
+
+def _check(cfg: Eagle3TrainConfig) -> None:
+    bad = cfg.ttt_steps < 1 or cfg.max_steps < 0 or cfg.batch_size < 1 or cfg.capture_batch < 1 or cfg.draft_vocab < 0
+    if bad:
+        raise SpecError(
+            f"bad eagle3 settings: ttt_steps={cfg.ttt_steps}, max_steps={cfg.max_steps}, batch_size={cfg.batch_size}, "
+            f"capture_batch={cfg.capture_batch}, draft_vocab={cfg.draft_vocab}",
+            fix="ttt_steps, batch_size, capture_batch ≥ 1; max_steps, draft_vocab ≥ 0 (0 = the full vocabulary)",
+        )
+    training_precision(cfg.precision, cfg.device)
 
 
 @locked_output
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
-    """Generate, count, capture, train, export (atomically)."""
-    from fp8ptq.draft.train import DATA_FILE, Generation, generate_data, work_dir
+    """Generate, count, capture, train, export (atomically). A time budget covers the whole run: training
+    gets what generation and capture left of it (at least one step)."""
+    from fp8ptq.draft.train import DATA_FILE, work_dir
     from fp8ptq.draft.trim import choose_kept, count_tokens
     from fp8ptq.io import atomic_output_dir, check_output
     from fp8ptq.spec.models import load_target
-    from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
+    t_run = time.perf_counter()
     check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))
-    if cfg.ttt_steps < 1 or cfg.max_steps < 0 or cfg.topk < 1 or cfg.batch_size < 1 or cfg.draft_vocab < 0:
-        raise SpecError(
-            f"bad eagle3 settings: ttt_steps={cfg.ttt_steps}, max_steps={cfg.max_steps}, topk={cfg.topk}, "
-            f"batch_size={cfg.batch_size}, draft_vocab={cfg.draft_vocab}",
-            fix="ttt_steps, topk, batch_size ≥ 1; max_steps, draft_vocab ≥ 0 (draft_vocab 0 = full vocabulary)",
-        )
+    _check(cfg)
     torch.manual_seed(cfg.seed)
-    timings = {}
+    timings, rates = {}, {}
     target, src = load_target(cfg.target, cfg.device)
     tokenizer = src.tokenizer()
     tconf = target.model.config
@@ -280,35 +305,35 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     if fresh:
         for old in work.glob("*"):
             old.unlink() if old.is_file() else shutil.rmtree(old)
-        texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
         t = time.perf_counter()
-        prompts = encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens)
-        # topk 0: the capture pass records the target's distributions
-        how = Generation(cfg.gen_tokens, cfg.gen_batch_size, topk=0, seed=cfg.seed, device=cfg.device)
-        data = generate_data(target, tokenizer, prompts, how, progress)
+        data = _generate(target, tokenizer, cfg, progress)
         timings["generate_s"] = time.perf_counter() - t
+        rates["generate_tok_s"] = float(data["gen_len"].sum()) / max(timings["generate_s"], 1e-9)
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
     data = load_file(str(data_file))
     counts = count_tokens(data["tokens"], data["prompt_len"], data["gen_len"], V)
-    special = list(tokenizer.all_special_ids)
-    kept = choose_kept(counts, keep, special) if keep < V else torch.arange(V)
+    kept = choose_kept(counts, keep, list(tokenizer.all_special_ids)) if keep < V else torch.arange(V)
     coverage = float(counts[kept].sum()) / max(1, int(counts.sum()))
     init_lm_head(head, target.model, kept.to(cfg.device) if keep < V else kept)
-    seqs = sequences(
-        data, plain_sequences(tokenizer, cfg.plain_texts, cfg.max_prompt_tokens + cfg.gen_tokens, cfg.seed)
-    )
-    n_shards = math.ceil(len(seqs) / cfg.batch_size)
-    if fresh or not _has_final(work / f"shard-{n_shards - 1:05d}.safetensors"):
+    plain = plain_sequences(tokenizer, plain_count(cfg), cfg.max_prompt_tokens + cfg.gen_tokens, cfg.seed)
+    seqs = generated_sequences(data, cfg.loss_on_prompt) + plain
+    n_shards = math.ceil(len(seqs) / cfg.capture_batch)
+    if fresh or not has_current_layout(work / f"shard-{n_shards - 1:05d}.safetensors"):
+        rates["prefill_floor_tok_s"] = prefill_floor(target, seqs, cfg.capture_batch, cfg.device)
         t = time.perf_counter()
-        capture(
-            target, seqs, layer_ids, work, batch=cfg.batch_size, topk=cfg.topk, device=cfg.device, progress=progress
-        )
+        cap = capture(target, seqs, layer_ids, work, batch=cfg.capture_batch, device=cfg.device, progress=progress)
         timings["capture_s"] = time.perf_counter() - t
+        rates["capture_tok_s"] = cap["tokens"] / max(timings["capture_s"], 1e-9)
         fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))
     del target
     head = head.to(cfg.device)
-    run, warm = train_head(head, work, n_shards, cfg, progress)
+    budget = cfg.time_budget_s
+    if budget is not None:  # the whole run's budget: training gets the rest (fit runs one step at least)
+        budget = max(budget - (time.perf_counter() - t_run), 1e-3)
+    run, warm, trained = train_head(head, work, n_shards, replace(cfg, time_budget_s=budget), progress)
     timings["train_s"] = run.train_s
+    rates |= {k: v / max(run.train_s, 1e-9) for k, v in trained.items()}
+    n_rows = sum(max(0, len(q.ids) - 2 - q.loss_from) for q in seqs)
     meta = Eagle3Summary(
         target=str(cfg.target),
         target_path=str(src.path),
@@ -321,11 +346,14 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
             generations=int(data["tokens"].shape[0]),
             generated_tokens=int(data["gen_len"].sum()),
             sequences=len(seqs),
-            tokens=sum(len(s) for s in seqs),
+            tokens=sum(len(q.ids) for q in seqs),
+            loss_rows=n_rows,
         ),
-        loss=f"sum_k 0.8^k KL(target top-{cfg.topk} renormalised over the kept ids || head), {cfg.ttt_steps} TTT steps",
+        loss=f"sum_k 0.8^k KL(target || head) over the kept ids at the loss rows, {cfg.ttt_steps} TTT steps",
         **run.fields(),
         warm_start=warm,
+        precision=training_precision(cfg.precision, cfg.device),
+        throughput=rates,
         timings=timings,
         losses=run.losses,
     )

@@ -81,15 +81,16 @@ def trainable(module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def lr_at(step: int, cfg, elapsed_s: float = 0.0) -> float:
-    """Linear warm-up, then a cosine from lr down to 0.1·lr over the run's progress: the larger of the
-    step fraction and, with a time budget, the fraction of the budget spent — so the rate decays by
-    whichever bound ends the run."""
+def lr_at(step: int, cfg, elapsed_s: float = 0.0, warm_s: float = 0.0) -> float:
+    """Linear warm-up, then a cosine from lr down to 0.1·lr over the run's progress after warm-up: the
+    larger of the step fraction and, with a time budget, the fraction of the budget left after warm-up
+    (`warm_s`: the seconds warm-up took) that is spent — so the rate decays by whichever bound ends the
+    run, and a slow warm-up does not eat the cosine."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     if cfg.time_budget_s:
-        t = max(t, elapsed_s / cfg.time_budget_s)
+        t = max(t, (elapsed_s - warm_s) / max(cfg.time_budget_s - warm_s, 1e-9))
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
@@ -153,13 +154,16 @@ def fit(
     params = [p for _, p in trainable(module)]
     step, losses, elapsed = resumed
     start, t0, stopped = step, time.perf_counter() - elapsed, "max_steps"
+    warm_s = 0.0  # a run resumed after warm-up counts the budget from its start
     module.train()
     while step < cfg.max_steps:
         if cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s and step > start:
             stopped = "time_budget"
             break
+        if step == cfg.warmup_steps and step > start:
+            warm_s = time.perf_counter() - t0
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
+            group["lr"] = lr_at(step, cfg, time.perf_counter() - t0, warm_s)
         loss = loss_at(step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -100,10 +100,11 @@ class Generation:
     """How the target generates a draft's training data (generate_data)."""
 
     gen_tokens: int  # per prompt at most
-    batch_size: int  # prompts at once; odd batches sample at T = 1, even ones are greedy
+    batch_size: int  # prompts at once; odd batches sample at T = 1 (sample_odd), even ones are greedy
     topk: int  # log-probs kept per generated position; 0: tokens only
     seed: int
     device: str = "cpu"
+    sample_odd: bool = True  # False: every batch greedy
 
 
 @torch.inference_mode()
@@ -129,7 +130,7 @@ def generate_data(
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        sample = b % 2 == 1
+        sample = how.sample_odd and b % 2 == 1
         gen = target.model.generate(
             input_ids=ids,
             attention_mask=mask,

@@ -31,6 +31,8 @@ class RunSummary:
     target_forwards: int
     k_hist: dict[str, int]  # drafted tokens k (as a string: a JSON key) -> steps that drafted k
     threshold: float | None = None  # the dynamic draft length's confidence threshold, if any
+    tau_se: float | None = None  # τ's standard error: bootstrap over the prompts (None: fewer than 2 prompts)
+    alpha_conditional: list[float] = field(default_factory=list)  # P(position i accepted | i - 1 accepted)
 
     def steps(self) -> dict[int, int]:
         """k_hist with integer keys (recommend.speedup_from_steps)."""

@@ -193,10 +193,10 @@ class Eagle3Head(nn.Module):
         self.t2d[kept] = True
 
     # -- one layer over a block of positions
-    def block(self, tokens, hidden, positions, past=None, mask=None):
+    def block(self, tokens, hidden, positions, past=None, mask=None, logits: bool = True):
         """tokens [B, T] (target ids), hidden [B, T, H] (fc output or a previous step's `out`), positions
-        [T]; past: (k, v) of earlier positions or None. Returns (out [B, T, H], logits [B, T, N], (k, v) of
-        this block)."""
+        [T]; past: (k, v) of earlier positions or None. Returns (out [B, T, H], logits [B, T, N] or None
+        without `logits`, (k, v) of this block)."""
         layer = self.midlayer
         emb = self.embed_tokens(tokens).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], -1)
@@ -211,7 +211,7 @@ class Eagle3Head(nn.Module):
             kk, vv = k, v
         r = layer.self_attn.attend(q, kk, vv, mask) + hidden
         out = layer.mlp(layer.post_attention_layernorm(r)) + r
-        return out, self.lm_head(self.norm(out)), (k, v)
+        return out, self.lm_head(self.norm(out)) if logits else None, (k, v)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [.., n·H] (the aux layers' residual streams, concatenated in id order) -> g [.., H]."""

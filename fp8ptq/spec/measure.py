@@ -69,6 +69,7 @@ class SpecStats:
     emitted: int = 0  # tokens emitted by verification steps (excludes the prefill token)
     target_forwards: int = 0
     k_hist: dict[int, int] = field(default_factory=dict)
+    prompts: list[tuple[int, int]] = field(default_factory=list)  # (emitted, target_forwards) per ended prompt
 
     def __post_init__(self):
         self.per_pos = self.per_pos or [0] * self.gamma
@@ -88,8 +89,25 @@ class SpecStats:
         for i in range(n):
             self.per_pos[i] += 1
 
+    def end_prompt(self) -> None:
+        """Close one prompt's counts (its share of emitted tokens and forwards: tau_se's bootstrap unit)."""
+        done = [sum(x) for x in zip(*self.prompts)] if self.prompts else [0, 0]
+        self.prompts.append((self.emitted - done[0], self.target_forwards - done[1]))
+
+    def tau_se(self, resamples: int = 2000) -> float | None:
+        """τ's standard error over prompts: the std of τ = Σ emitted / Σ forwards over prompt resamples
+        drawn with replacement (fixed seed, so a measurement's number is reproducible)."""
+        if len(self.prompts) < 2:
+            return None
+        x = torch.tensor(self.prompts, dtype=torch.float64)
+        pick = torch.randint(0, len(x), (resamples, len(x)), generator=torch.Generator().manual_seed(0))
+        taus = x[pick, 0].sum(1) / x[pick, 1].sum(1).clamp_min(1)
+        return float(taus.std())
+
     def summary(self, threshold: float | None = None) -> RunSummary:
         alphas = [a / r if r else 0.0 for a, r in zip(self.per_pos, self.reached)]
+        # accepted at i over accepted at i - 1 (drafts cut short by max_tokens make this a slight underestimate)
+        cond = alphas[:1] + [a / b if b else 0.0 for a, b in zip(self.per_pos[1:], self.per_pos[:-1])]
         return RunSummary(
             gamma=self.gamma,
             drafts=self.drafts,
@@ -104,6 +122,8 @@ class SpecStats:
             target_forwards=self.target_forwards,
             k_hist={str(k): v for k, v in sorted(self.k_hist.items())},
             threshold=threshold,
+            tau_se=self.tau_se(),
+            alpha_conditional=cond,
         )
 
 
@@ -202,6 +222,7 @@ def measure_acceptance(
                     stats=stats,
                 )
             )
+            stats.end_prompt()
             done += 1
             if progress:
                 progress("measure", done, total)

@@ -210,6 +210,44 @@ def test_head_reads_lm_rows_through_the_targets_final_norm(target4):
     assert torch.equal(build_head(model, [1, 2], 256).norm.weight, model.model.norm.weight.float())
 
 
+def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(tmp_path, target4):
+    """The capture pass (LM head over the last position only) stores the final norm's output; through the
+    target's LM-head rows of the kept ids it gives the target's own distribution renormalised over them."""
+    from fp8ptq.draft.eagle3_data import Sequence, ShardStore, capture
+    from fp8ptq.draft.eagle3_train import Teacher
+
+    target, _ = load_target(str(target4))
+    seqs = [Sequence([5, 6, 7, 8, 9, 10], 0), Sequence([11, 12, 13], 1), Sequence(list(range(20, 29)), 2)]
+    got = capture(target, seqs, [1, 2], tmp_path, batch=2, device="cpu")
+    assert got["shards"] == 2 and got["tokens"] == 18
+    store = ShardStore(tmp_path, 2)
+    assert sorted(store.lengths()) == [3, 6, 9] and sorted(store.loss_from) == [0, 1, 2]
+    i = store.lengths().index(9)
+    batch = store.batch([i])
+    kept = torch.arange(0, 300, 3)
+    with torch.no_grad():
+        logits = target.model(input_ids=torch.tensor([list(range(20, 29))])).logits[0].float()
+    teacher = Teacher(target.model.get_output_embeddings().weight[kept].detach())
+    want = torch.log_softmax(logits[:, kept], -1)
+    torch.testing.assert_close(teacher.log_probs(batch["normed"][0]), want, atol=2e-2, rtol=0)  # fp16 storage
+    assert store.loss_from[i] == 2 and torch.equal(batch["ids"][0], torch.arange(20, 29))
+
+
+def test_batches_cover_every_sequence_each_epoch_with_similar_lengths():
+    from fp8ptq.draft.eagle3_data import BatchPlan, epoch_batches
+    from fp8ptq.draft.eagle3_train import loss_rows
+
+    lengths = [10 + (i * 37) % 300 for i in range(200)]
+    plan = BatchPlan(lengths, 8, seed=1)
+    first = [plan(s) for s in range(plan.per_epoch)]
+    assert sorted(i for b in first for i in b) == list(range(200))
+    assert epoch_batches(lengths, 8, 1, 0) == first and plan(plan.per_epoch) != first[0]  # next epoch: new order
+    padded = sum(8 * max(lengths[i] for i in b) for b in first)
+    assert padded < 1.15 * sum(lengths)  # similar lengths together (a random batch: ~1.8x)
+    rows = loss_rows(torch.tensor([6, 5]), torch.tensor([0, 2]), 6)
+    assert rows.tolist() == [[True] * 4 + [False] * 2, [False, False, True, False, False, False]]
+
+
 def test_lr_decays_by_whichever_bound_ends_the_run():
     from types import SimpleNamespace
 
@@ -223,6 +261,9 @@ def test_lr_decays_by_whichever_bound_ends_the_run():
     assert lr_at(20, timed, 50.0) == pytest.approx(0.55)  # half the budget spent: the cosine's midpoint
     assert lr_at(20, timed, 100.0) == pytest.approx(0.1)  # budget spent: the floor
     assert lr_at(5, timed, 99.0) == pytest.approx(0.6)  # warm-up is by steps
+    # a warm-up that took 60 s of the 100: the cosine spans the 40 s after it, not the budget from zero
+    assert lr_at(10, timed, 60.0, warm_s=60.0) == pytest.approx(1.0) and lr_at(10, timed, 60.0) < 0.42
+    assert lr_at(30, timed, 80.0, warm_s=60.0) == pytest.approx(0.55)
 
 
 def test_linear_warm_start_recovers_a_linear_target(tmp_path, target4):

@@ -184,6 +184,25 @@ def test_measure_loop_counts_like_vllm(tiny_dir, drafted):
     assert r.threshold_runs[0].drafted <= r.runs[0].drafted and r.threshold_runs[0].threshold == 0.99
 
 
+def test_tau_standard_error_and_conditional_acceptance():
+    """τ's standard error is a bootstrap over prompts; α given the previous position is accepted at i over
+    accepted at i - 1."""
+    same, mixed = SpecStats(2), SpecStats(2)
+    for _ in range(4):  # every prompt alike: no spread
+        for k, n in ((2, 2), (2, 1), (2, 0)):
+            same.add(k, n)
+        same.end_prompt()
+    for n in (2, 0, 2, 0):  # half the prompts accept everything, half nothing
+        for _ in range(3):
+            mixed.add(2, n)
+        mixed.end_prompt()
+    s, m = same.summary(), mixed.summary()
+    assert s.tau == pytest.approx(2.0) and s.tau_se == pytest.approx(0.0, abs=1e-12)
+    assert m.tau == pytest.approx(2.0) and 0.3 < m.tau_se < 0.7  # τ 3 or 1 per prompt: s.e. ≈ 1/√4
+    assert s.alpha_per_pos == pytest.approx([2 / 3, 1 / 3]) and s.alpha_conditional == pytest.approx([2 / 3, 0.5])
+    assert mixed.prompts == [(9, 3), (3, 3), (9, 3), (3, 3)] and SpecStats(2).summary().tau_se is None
+
+
 def test_ngram_proposer_follows_vllms_rule():
     """vLLM's prompt lookup (its counters matched this rule exactly on real runs, BENCHMARKS.md)."""
     assert NgramDraft(1, 3).propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # longest suffix match [1, 2, 3]
