@@ -57,7 +57,9 @@ class DraftBundleConfig:
         "with --draft: training steps at most (default: draft-train's, 400; eagle3 2000)",
         shown="the kind's (400; eagle3 2000)",
     )
-    time_budget_s: float | None = documented(DRAFT_TIME_BUDGET_S, "with --draft auto: training seconds at most")
+    time_budget_s: float | None = documented(
+        DRAFT_TIME_BUDGET_S, "with --draft auto: training seconds at most (eagle3: the whole run, data included)"
+    )
     trim_keep: int | None = documented(
         None, "with --draft auto: also a VocabTrim draft keeping N tokens; eagle3: the head's draft vocabulary"
     )
