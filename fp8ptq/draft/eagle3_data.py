@@ -18,6 +18,7 @@ reads, and the batches a training step draws.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import time
@@ -29,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fp8ptq.spec.eagle3_loop import AuxCapture, decoder_layers
+from fp8ptq.spec.mtp import FinalHidden
 
 SHARD_KEYS = ("aux", "final", "normed", "ids", "lens", "loss_from")  # a shard of the current layout holds these
 
@@ -102,60 +104,45 @@ def final_feature(last: torch.Tensor) -> torch.Tensor:
     return (last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
 
 
-class LmHeadInput:
-    """Context manager: records what the target's LM head reads — its final norm's output (a hook on the norm
-    the family adapter or the generic path names), or, for a model fp8ptq cannot read that way, the LM
-    head's input itself (`full_logits`: the forward must then run the head over every position)."""
+def lm_head_input(model) -> tuple[FinalHidden, bool]:
+    """A recorder of what the target's LM head reads: its final norm's output (the norm the family adapter
+    or the generic path names), or, for a model fp8ptq cannot read that way, the LM head's own input — then
+    True: the forward must run the head over every position for the hook to see them all."""
+    from fp8ptq.errors import Fp8ptqError
+    from fp8ptq.models.arch import arch_for
 
-    def __init__(self, model):
-        from fp8ptq.errors import Fp8ptqError
-        from fp8ptq.models.arch import arch_for
+    try:
+        return FinalHidden(model, arch_for(model.config).final_norm), False
+    except (Fp8ptqError, AttributeError):
+        head = model.get_output_embeddings()
+        return FinalHidden(model, next(n for n, m in model.named_modules() if m is head), reads_input=True), True
 
-        try:
-            self.module, self.full_logits = model.get_submodule(arch_for(model.config).final_norm), False
-        except (Fp8ptqError, AttributeError):
-            self.module, self.full_logits = model.get_output_embeddings(), True
-        self.handle, self.seen = None, None
 
-    def __enter__(self):
-        if self.full_logits:
-            self.handle = self.module.register_forward_pre_hook(lambda m, args: self._keep(args[0]))
-        else:
-            self.handle = self.module.register_forward_hook(lambda m, args, out: self._keep(out))
-        return self
-
-    def _keep(self, x):
-        self.seen = x.detach()
-
-    def take(self) -> torch.Tensor:
-        out, self.seen = self.seen, None
-        return out
-
-    def __exit__(self, *exc):
-        self.handle.remove()
+def padded(chunk: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention mask [b, T] of the sequences, right-padded to the longest."""
+    T = max(len(c.ids) for c in chunk)
+    ids = torch.zeros(len(chunk), T, dtype=torch.long)
+    mask = torch.zeros(len(chunk), T, dtype=torch.long)
+    for r, c in enumerate(chunk):
+        ids[r, : len(c.ids)], mask[r, : len(c.ids)] = torch.tensor(c.ids), 1
+    return ids, mask
 
 
 @torch.inference_mode()
-def capture(target, seqs: list[Sequence], layer_ids, work: Path, *, batch: int, device: str, progress=None) -> dict:
+def capture(target, seqs: list[Sequence], layer_ids, work: Path, *, batch: int, device: str, progress=None) -> int:
     """Shard files work/shard-XXXXX.safetensors of `batch` sequences each, longest first: aux [b, T, n·H]
-    bf16, final and normed [b, T, H] fp16, ids [b, T], lens [b], loss_from [b]. Returns the shard count, the tokens and
-    the seconds of the target's forwards."""
+    bf16, final and normed [b, T, H] fp16, ids [b, T], lens [b], loss_from [b]. Returns the tokens."""
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i].ids))
     n_shards = math.ceil(len(seqs) / batch)
     L = len(decoder_layers(target.model))
     ids_all = list(layer_ids) + ([] if L in layer_ids else [L])  # id L: after the last layer, before the norm
-    tokens, forward_s = 0, 0.0
-    with AuxCapture(target.model, ids_all) as cap, LmHeadInput(target.model) as lm:
+    tokens = 0
+    recorder, full_logits = lm_head_input(target.model)
+    with AuxCapture(target.model, ids_all) as cap, recorder as lm:
         for s in range(n_shards):
             chunk = [seqs[i] for i in order[s * batch : (s + 1) * batch]]
-            T = max(len(c.ids) for c in chunk)
-            ids = torch.zeros(len(chunk), T, dtype=torch.long)
-            mask = torch.zeros(len(chunk), T, dtype=torch.long)
-            for r, c in enumerate(chunk):
-                ids[r, : len(c.ids)], mask[r, : len(c.ids)] = torch.tensor(c.ids), 1
-            t = time.perf_counter()
-            prefill(target.model, ids.to(device), mask.to(device), last_only=not lm.full_logits)
-            forward_s += time.perf_counter() - t
+            ids, mask = padded(chunk)
+            prefill(target.model, ids.to(device), mask.to(device), last_only=not full_logits)
             by_id = dict(zip(ids_all, cap.take().chunk(len(ids_all), -1)))
             shard = {
                 "aux": torch.cat([by_id[i] for i in layer_ids], -1).to(torch.bfloat16).cpu().contiguous(),
@@ -169,17 +156,14 @@ def capture(target, seqs: list[Sequence], layer_ids, work: Path, *, batch: int, 
             tokens += int(mask.sum())
             if progress:
                 progress("capture", s + 1, n_shards)
-    return {"shards": n_shards, "tokens": tokens, "forward_s": forward_s}
+    return tokens
 
 
 def prefill(model, ids: torch.Tensor, mask: torch.Tensor, last_only: bool = True):
     """One forward of the target, with its LM head over the last position only where `last_only` (what the
-    head trains on comes from hooks; transformers' `logits_to_keep`, where the model takes it)."""
-    if last_only:
-        try:
-            return model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
-        except TypeError:
-            pass
+    head trains on comes from hooks; transformers' `logits_to_keep`, where the model's forward takes it)."""
+    if last_only and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
     return model(input_ids=ids, attention_mask=mask)
 
 
@@ -188,12 +172,7 @@ def prefill_floor(target, seqs: list[Sequence], batch: int, device: str) -> floa
     """Tokens/s of a plain prefill (LM head over the last position, no hooks, nothing stored) over the
     longest `batch` sequences, the faster of two (the first pays the warm-up): what the capture's rate is
     compared with."""
-    chunk = sorted(seqs, key=lambda c: -len(c.ids))[:batch]
-    T = max(len(c.ids) for c in chunk)
-    ids = torch.zeros(len(chunk), T, dtype=torch.long)
-    mask = torch.zeros(len(chunk), T, dtype=torch.long)
-    for r, c in enumerate(chunk):
-        ids[r, : len(c.ids)], mask[r, : len(c.ids)] = torch.tensor(c.ids), 1
+    ids, mask = padded(sorted(seqs, key=lambda c: -len(c.ids))[:batch])
     best = math.inf
     for _ in range(2):
         t = time.perf_counter()
@@ -221,9 +200,6 @@ class ShardStore:
             for r, (n, lf) in enumerate(zip(f.get_tensor("lens").tolist(), f.get_tensor("loss_from").tolist())):
                 self.rows.append((s, r, int(n)))
                 self.loss_from.append(int(lf))
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
     def lengths(self) -> list[int]:
         return [n for _, _, n in self.rows]

@@ -35,7 +35,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.draft.eagle3_data import (
@@ -209,13 +208,11 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.safetensors"
     resumed = (0, [], 0.0)
-    if cfg.resume and ckpt.is_file():
-        with safe_open(str(ckpt), "pt") as f:
-            same = all(f"model.{n}" in f.keys() for n, _ in params) and "model.lm_head.weight" not in f.keys()
-        same = same and (work / HEAD_FILE).is_file() and json.loads((work / HEAD_FILE).read_text()) == _head_key(head)
-        if same:  # else: a head of another trim (or without fc_norm) on the same data, trained afresh
+    head_file = work / HEAD_FILE
+    if cfg.resume and ckpt.is_file() and head_file.is_file():
+        if json.loads(head_file.read_text()) == _head_key(head):  # else: another trim (or fc_norm), trained afresh
             resumed = load_checkpoint(ckpt, head, opt, cfg.device)
-    (work / HEAD_FILE).write_text(json.dumps(_head_key(head)))
+    head_file.write_text(json.dumps(_head_key(head)))
     warm = None
     if cfg.warm_start and resumed[0] == 0 and cfg.max_steps > 0:
         warm = linear_warm_start(head, work, n_shards, cfg.seed)
@@ -224,18 +221,18 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     bf16 = training_precision(cfg.precision, cfg.device) == "bf16"
     dev_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
 
-    seen = {"train_tok_s": 0, "train_padded_tok_s": 0, "train_loss_rows_s": 0}
+    read = {"tok": 0, "padded_tok": 0, "loss_rows": 0}
 
     def loss_at(step: int) -> torch.Tensor:
         batch = store.batch(plan(step))
-        seen["train_tok_s"] += int(batch["lens"].sum())
-        seen["train_padded_tok_s"] += batch["ids"].numel()
-        seen["train_loss_rows_s"] += int(loss_rows(batch["lens"], batch["loss_from"], batch["ids"].shape[1]).sum())
+        read["tok"] += int(batch["lens"].sum())
+        read["padded_tok"] += batch["ids"].numel()
+        read["loss_rows"] += int(loss_rows(batch["lens"], batch["loss_from"], batch["ids"].shape[1]).sum())
         with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16):
             return ttt_loss(head, batch, cfg.ttt_steps, teacher, cfg.device)
 
     run = fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress)
-    return run, warm, seen
+    return run, warm, read
 
 
 HEAD_FILE = "head.json"  # the head a work dir's checkpoint belongs to
@@ -273,7 +270,6 @@ def _check(cfg: Eagle3TrainConfig) -> None:
             f"capture_batch={cfg.capture_batch}, draft_vocab={cfg.draft_vocab}",
             fix="ttt_steps, batch_size, capture_batch ≥ 1; max_steps, draft_vocab ≥ 0 (0 = the full vocabulary)",
         )
-    training_precision(cfg.precision, cfg.device)
 
 
 @locked_output
@@ -288,6 +284,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     t_run = time.perf_counter()
     check_output(Path(cfg.output), cfg.overwrite, (cfg.target, cfg.prompts))
     _check(cfg)
+    precision = training_precision(cfg.precision, cfg.device)  # refused here, before any work, if unknown
     torch.manual_seed(cfg.seed)
     timings, rates = {}, {}
     target, src = load_target(cfg.target, cfg.device)
@@ -321,18 +318,20 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     if fresh or not has_current_layout(work / f"shard-{n_shards - 1:05d}.safetensors"):
         rates["prefill_floor_tok_s"] = prefill_floor(target, seqs, cfg.capture_batch, cfg.device)
         t = time.perf_counter()
-        cap = capture(target, seqs, layer_ids, work, batch=cfg.capture_batch, device=cfg.device, progress=progress)
+        tokens = capture(target, seqs, layer_ids, work, batch=cfg.capture_batch, device=cfg.device, progress=progress)
         timings["capture_s"] = time.perf_counter() - t
-        rates["capture_tok_s"] = cap["tokens"] / max(timings["capture_s"], 1e-9)
+        rates["capture_tok_s"] = tokens / max(timings["capture_s"], 1e-9)
         fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))
     del target
     head = head.to(cfg.device)
     budget = cfg.time_budget_s
     if budget is not None:  # the whole run's budget: training gets the rest (fit runs one step at least)
         budget = max(budget - (time.perf_counter() - t_run), 1e-3)
-    run, warm, trained = train_head(head, work, n_shards, replace(cfg, time_budget_s=budget), progress)
+    run, warm, trained = train_head(
+        head, work, n_shards, replace(cfg, time_budget_s=budget, precision=precision), progress
+    )
     timings["train_s"] = run.train_s
-    rates |= {k: v / max(run.train_s, 1e-9) for k, v in trained.items()}
+    rates |= {f"train_{k}_s": v / max(run.train_s, 1e-9) for k, v in trained.items()}
     n_rows = sum(max(0, len(q.ids) - 2 - q.loss_from) for q in seqs)
     meta = Eagle3Summary(
         target=str(cfg.target),
@@ -352,7 +351,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
         loss=f"sum_k 0.8^k KL(target || head) over the kept ids at the loss rows, {cfg.ttt_steps} TTT steps",
         **run.fields(),
         warm_start=warm,
-        precision=training_precision(cfg.precision, cfg.device),
+        precision=precision,
         throughput=rates,
         timings=timings,
         losses=run.losses,

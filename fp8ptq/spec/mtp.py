@@ -133,13 +133,18 @@ def load_mtp(target: LoadedModel, device: str = "cpu") -> MtpDraft:
 
 class FinalHidden:
     """Context manager: records the target's hidden states after its final norm (what vLLM hands an MTP
-    layer) during forwards; take() -> [B, T, H] fp32."""
+    layer) during forwards; take() -> [B, T, H] fp32. `reads_input`: what the named module reads instead
+    of what it returns (the EAGLE-3 trainer's LM-head input where it cannot name the final norm)."""
 
-    def __init__(self, model: nn.Module, final_norm: str):
+    def __init__(self, model: nn.Module, final_norm: str, reads_input: bool = False):
         self.norm, self.handle, self.seen = model.get_submodule(final_norm), None, None
+        self.reads_input = reads_input
 
     def __enter__(self):
-        self.handle = self.norm.register_forward_hook(self._hook)
+        if self.reads_input:
+            self.handle = self.norm.register_forward_pre_hook(lambda m, args: self._hook(m, args, args[0]))
+        else:
+            self.handle = self.norm.register_forward_hook(self._hook)
         return self
 
     def _hook(self, module, args, output):

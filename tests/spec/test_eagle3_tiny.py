@@ -210,7 +210,7 @@ def test_head_reads_lm_rows_through_the_targets_final_norm(target4):
     assert torch.equal(build_head(model, [1, 2], 256).norm.weight, model.model.norm.weight.float())
 
 
-def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(tmp_path, target4):
+def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(tmp_path, target4, monkeypatch):
     """The capture pass (LM head over the last position only) stores the final norm's output; through the
     target's LM-head rows of the kept ids it gives the target's own distribution renormalised over them."""
     from fp8ptq.draft.eagle3_data import Sequence, ShardStore, capture
@@ -218,8 +218,8 @@ def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(t
 
     target, _ = load_target(str(target4))
     seqs = [Sequence([5, 6, 7, 8, 9, 10], 0), Sequence([11, 12, 13], 1), Sequence(list(range(20, 29)), 2)]
-    got = capture(target, seqs, [1, 2], tmp_path, batch=2, device="cpu")
-    assert got["shards"] == 2 and got["tokens"] == 18
+    assert capture(target, seqs, [1, 2], tmp_path, batch=2, device="cpu") == 18  # tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.safetensors", "shard-00001.safetensors"]
     store = ShardStore(tmp_path, 2)
     assert sorted(store.lengths()) == [3, 6, 9] and sorted(store.loss_from) == [0, 1, 2]
     i = store.lengths().index(9)
@@ -231,6 +231,17 @@ def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(t
     want = torch.log_softmax(logits[:, kept], -1)
     torch.testing.assert_close(teacher.log_probs(batch["normed"][0]), want, atol=2e-2, rtol=0)  # fp16 storage
     assert store.loss_from[i] == 2 and torch.equal(batch["ids"][0], torch.arange(20, 29))
+    # a model whose final norm fp8ptq cannot name: the LM head's own input, over every position
+    import fp8ptq.models.arch as arch
+    from fp8ptq.errors import ModelError
+
+    def unreadable(config):
+        raise ModelError("no adapter")
+
+    monkeypatch.setattr(arch, "arch_for", unreadable)
+    (tmp_path / "b").mkdir()
+    assert capture(target, seqs, [1, 2], tmp_path / "b", batch=2, device="cpu") == 18
+    assert torch.equal(ShardStore(tmp_path / "b", 2).batch([i])["normed"], batch["normed"])
 
 
 def test_batches_cover_every_sequence_each_epoch_with_similar_lengths():
