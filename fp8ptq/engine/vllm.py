@@ -267,6 +267,7 @@ class VllmJob:
     probe_layers: int = 0
     warmup: bool = False
     validate_only: bool = False
+    ignore_eos: bool = True  # False: a sequence stops at EOS (data generation), which is then its last token
 
 
 def vllm_request(model: Path, prompts: list[list[int]] | list[dict], max_tokens: int, **options) -> dict:

@@ -10,9 +10,9 @@ model: vLLM's own processor expands the image; RESULT then has prompt_token_ids)
 (0 = greedy), seed, dtype, kv_cache_dtype, max_model_len, speculative_config (dict or null), prompt_logprobs (bool),
 capture_layers (int: save the first N decoder layers' outputs for prompt 0), probe_layers (int: save
 the effective weights of the first N layers' Linears), warmup (bool: one untimed 1-token generate before
-the timed one), extra (LLM kwargs), validate_only (bool: build vLLM's engine config from these arguments,
-its SpeculativeConfig included, and stop there: no weights are loaded; RESULT's `speculative` is what
-vLLM resolved).
+the timed one), ignore_eos (bool, default true: every prompt generates max_tokens), extra (LLM kwargs),
+validate_only (bool: build vLLM's engine config from these arguments, its SpeculativeConfig included, and
+stop there: no weights are loaded; RESULT's `speculative` is what vLLM resolved).
 RESULT keys: ok, token_ids (per prompt), load_s, generate_s, generated_tokens, metrics (vLLM's own
 counters whose name contains 'spec_decode'), versions; or ok=false with error / error_type / stage.
 

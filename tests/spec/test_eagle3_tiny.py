@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8ptq.draft.eagle3_train import Eagle3Summary, Eagle3TrainConfig, eagle3_train, ttt_mask
+from fp8ptq.draft.eagle3_loss import ttt_mask
+from fp8ptq.draft.eagle3_train import Eagle3Summary, Eagle3TrainConfig, eagle3_train
 from fp8ptq.draft.eagle3_warm import linear_warm_start
 from fp8ptq.results import read_json
 from fp8ptq.spec import SpecError
@@ -158,7 +159,13 @@ def test_resume_continues(tmp_path, target4):
 
 @pytest.mark.parametrize(
     "extra, phrase",
-    [(["--kind", "bogus"], "unknown --kind"), (["--kind", "eagle3", "--layer-ids", "2,x"], "--layer-ids")],
+    [
+        (["--kind", "bogus"], "unknown --kind"),
+        (["--kind", "eagle3", "--layer-ids", "2,x"], "--layer-ids"),
+        (["--kind", "eagle3", "--aux-noise", "-0.1"], "aux_noise=-0.1"),
+        (["--kind", "eagle3", "--feature-loss", "nan"], "feature_loss=nan"),
+        (["--kind", "eagle3", "--generator", "bogus"], "generator 'bogus'"),
+    ],
 )
 def test_cli_bad_input_is_one_line(tmp_path, target4, extra, phrase):
     from typer.testing import CliRunner
@@ -214,7 +221,7 @@ def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(t
     """The capture pass (LM head over the last position only) stores the final norm's output; through the
     target's LM-head rows of the kept ids it gives the target's own distribution renormalised over them."""
     from fp8ptq.draft.eagle3_data import Sequence, ShardStore, capture
-    from fp8ptq.draft.eagle3_train import Teacher
+    from fp8ptq.draft.eagle3_loss import Teacher
 
     target, _ = load_target(str(target4))
     seqs = [Sequence([5, 6, 7, 8, 9, 10], 0), Sequence([11, 12, 13], 1), Sequence(list(range(20, 29)), 2)]
@@ -246,7 +253,7 @@ def test_capture_records_what_the_lm_head_reads_and_the_teacher_is_the_targets(t
 
 def test_batches_cover_every_sequence_each_epoch_with_similar_lengths():
     from fp8ptq.draft.eagle3_data import BatchPlan, epoch_batches
-    from fp8ptq.draft.eagle3_train import loss_rows
+    from fp8ptq.draft.eagle3_loss import loss_rows
 
     lengths = [10 + (i * 37) % 300 for i in range(200)]
     plan = BatchPlan(lengths, 8, seed=1)
@@ -257,6 +264,36 @@ def test_batches_cover_every_sequence_each_epoch_with_similar_lengths():
     assert padded < 1.15 * sum(lengths)  # similar lengths together (a random batch: ~1.8x)
     rows = loss_rows(torch.tensor([6, 5]), torch.tensor([0, 2]), 6)
     assert rows.tolist() == [[True] * 4 + [False] * 2, [False, False, True, False, False, False]]
+
+
+def test_regularisers_noise_relative_to_each_layer_and_feature_term(tmp_path, target4):
+    """aux_noise: each aux layer's noise is σ times that layer's RMS at the position (one layer 1000x the
+    other's scale keeps the same relative noise), the same for the same (seed, step), another for the next
+    step; feature_loss adds a non-negative term that is 0 when the weight is 0."""
+    from fp8ptq.draft.eagle3_data import Sequence, ShardStore, capture
+    from fp8ptq.draft.eagle3_loss import Objective, Teacher, noisy, ttt_loss
+
+    aux = torch.cat([torch.randn(2, 50, 64), 1000 * torch.randn(2, 50, 64)], -1)
+    gen = torch.Generator().manual_seed(3)
+    delta = (noisy(aux, 2, 0.1, gen) - aux).unflatten(-1, (2, -1))
+    rel = delta.pow(2).mean(-1).sqrt() / aux.unflatten(-1, (2, -1)).pow(2).mean(-1).sqrt()
+    assert 0.08 < float(rel.mean()) < 0.12 and float(rel[..., 0].mean() / rel[..., 1].mean()) == pytest.approx(1, 0.1)
+    assert noisy(aux, 2, 0.0, None) is aux
+
+    target, _ = load_target(str(target4))
+    seqs = [Sequence(list(range(5, 17)), 2), Sequence(list(range(30, 40)), 1)]
+    capture(target, seqs, [1, 2], tmp_path, batch=2, device="cpu")
+    batch = ShardStore(tmp_path, 1).batch([0, 1])
+    head = build_head(target.model, [1, 2], 300, fc_norm=True)
+    teacher = Teacher(target.model.get_output_embeddings().weight[:300].detach())
+    with torch.no_grad():
+        plain = ttt_loss(head, batch, Objective(2), teacher, "cpu")
+        assert torch.equal(ttt_loss(head, batch, Objective(2, feature_loss=0.0), teacher, "cpu", step=5), plain)
+        feat = ttt_loss(head, batch, Objective(2, feature_loss=1.0), teacher, "cpu")
+        a, b = (ttt_loss(head, batch, Objective(2, aux_noise=0.5), teacher, "cpu", step=s) for s in (7, 7))
+        c = ttt_loss(head, batch, Objective(2, aux_noise=0.5), teacher, "cpu", step=8)
+    assert float(feat) > float(plain) > 0
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, plain)
 
 
 def test_lr_decays_by_whichever_bound_ends_the_run():
