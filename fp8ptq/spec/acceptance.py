@@ -33,10 +33,32 @@ class RunSummary:
     threshold: float | None = None  # the dynamic draft length's confidence threshold, if any
     tau_se: float | None = None  # τ's standard error: bootstrap over the prompts (None: fewer than 2 prompts)
     alpha_conditional: list[float] = field(default_factory=list)  # P(position i accepted | i - 1 accepted)
+    per_prompt: list[list[int]] = field(default_factory=list)  # [emitted, target_forwards] per prompt, in order
 
     def steps(self) -> dict[int, int]:
         """k_hist with integer keys (recommend.speedup_from_steps)."""
         return {int(k): v for k, v in self.k_hist.items()}
+
+
+def paired_tau_difference(a: RunSummary, b: RunSummary, resamples: int = 2000) -> tuple[float, float]:
+    """τ(b) − τ(a) and its standard error, both measured on the same prompts: one bootstrap draw of prompts
+    resamples both runs alike (fixed seed), so what the prompts share cancels — far tighter than the two
+    runs' own errors combined when the proposers are alike."""
+    import torch
+
+    if len(a.per_prompt) != len(b.per_prompt) or len(a.per_prompt) < 2:
+        raise SpecError(
+            f"a paired comparison needs the same prompts, ≥ 2, with per-prompt counts (got {len(a.per_prompt)} "
+            f"and {len(b.per_prompt)})",
+            fix="measure both with the same --prompts/--num-prompts/--max-tokens by this fp8ptq (measure.json "
+            "keeps per-prompt counts since stop 56)",
+        )
+    x = torch.tensor([a.per_prompt, b.per_prompt], dtype=torch.float64)  # [2, prompts, 2]
+    pick = torch.randint(0, x.shape[1], (resamples, x.shape[1]), generator=torch.Generator().manual_seed(0))
+    sums = x[:, pick].sum(2)  # [2, resamples, 2]
+    taus = sums[..., 0] / sums[..., 1].clamp_min(1)
+    diff = float(b.tau - a.tau)
+    return diff, float((taus[1] - taus[0]).std())
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,7 @@ class SpecStats:
             threshold=threshold,
             tau_se=self.tau_se(),
             alpha_conditional=cond,
+            per_prompt=[list(x) for x in self.prompts],
         )
 
 

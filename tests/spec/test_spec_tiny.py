@@ -201,6 +201,31 @@ def test_tau_standard_error_and_conditional_acceptance():
     assert m.tau == pytest.approx(2.0) and 0.3 < m.tau_se < 0.7  # τ 3 or 1 per prompt: s.e. ≈ 1/√4
     assert s.alpha_per_pos == pytest.approx([2 / 3, 1 / 3]) and s.alpha_conditional == pytest.approx([2 / 3, 0.5])
     assert mixed.prompts == [(9, 3), (3, 3), (9, 3), (3, 3)] and SpecStats(2).summary().tau_se is None
+    assert m.per_prompt == [[9, 3], [3, 3], [9, 3], [3, 3]]
+
+
+def test_paired_tau_difference_cancels_what_the_prompts_share():
+    """Two proposers on the same prompts, one a bit better everywhere: the paired error is far below either
+    run's own; mismatched prompt counts are refused."""
+    from fp8ptq.spec.acceptance import paired_tau_difference
+
+    a, b = SpecStats(2), SpecStats(2)
+    for i in range(16):  # prompts from hard to easy, b accepts one more token on every 4th step (to 2 at most)
+        for j in range(12):
+            n = i % 3
+            a.add(2, n)
+            b.add(2, min(2, n + (j % 4 == 0)))
+        a.end_prompt()
+        b.end_prompt()
+    sa, sb = a.summary(), b.summary()
+    diff, se = paired_tau_difference(sa, sb)
+    assert diff == pytest.approx(sb.tau - sa.tau) and diff > 0
+    assert se < 0.5 * min(sa.tau_se, sb.tau_se) and diff > 3 * se
+    c = SpecStats(2)
+    c.add(2, 1)
+    c.end_prompt()
+    with pytest.raises(SpecError, match="same prompts"):
+        paired_tau_difference(sa, c.summary())
 
 
 def test_ngram_proposer_follows_vllms_rule():
