@@ -288,6 +288,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
         if "engine_s" in data:  # vLLM's own generate time: its steady rate, start-up excluded
             rates["generate_engine_tok_s"] = float(data["gen_len"].sum()) / max(float(data["engine_s"]), 1e-9)
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
+        fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))  # a capture cut short keeps these
     data = load_file(str(data_file))
     counts = count_tokens(data["tokens"], data["prompt_len"], data["gen_len"], V)
     kept = choose_kept(counts, keep, list(tokenizer.all_special_ids)) if keep < V else torch.arange(V)
@@ -302,7 +303,6 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
         tokens = capture(target, seqs, layer_ids, work, batch=cfg.capture_batch, device=cfg.device, progress=progress)
         timings["capture_s"] = time.perf_counter() - t
         rates["capture_tok_s"] = tokens / max(timings["capture_s"], 1e-9)
-        fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))
     del target
     head = head.to(cfg.device)
     budget = cfg.time_budget_s

@@ -157,6 +157,23 @@ def test_resume_continues(tmp_path, target4):
     assert load_file(str(tmp_path / "a" / "model.safetensors"))["d2t"].shape == (64,)
 
 
+def test_a_capture_cut_short_keeps_the_generations(tmp_path, target4, monkeypatch):
+    """The generations (the slowest data) survive an interrupted capture: the rerun captures again from them."""
+    import fp8ptq.draft.eagle3_train as e3
+
+    cfg = Eagle3TrainConfig(target=str(target4), output=tmp_path / "o", draft_vocab=0, max_steps=1, **SMALL)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(e3, "capture", killed)
+    with pytest.raises(KeyboardInterrupt):
+        eagle3_train(cfg)
+    monkeypatch.undo()
+    again = eagle3_train(replace(cfg, resume=True))
+    assert "generate_s" not in again.timings and again.timings["capture_s"] > 0 and again.steps == 1
+
+
 @pytest.mark.parametrize(
     "extra, phrase",
     [
