@@ -21,13 +21,13 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    runs = []
-    for f in (args.a, args.b):
-        m = read_measurement(f)
-        acc = m.by_temperature[str(args.temperature)]
-        runs.append(next(r for r in acc.runs if r.gamma == args.gamma and r.threshold is None))
-    if read_measurement(args.a).prompt_ids != read_measurement(args.b).prompt_ids:
+    ms = [read_measurement(f) for f in (args.a, args.b)]
+    if ms[0].prompt_ids != ms[1].prompt_ids:
         raise SystemExit("the two measurements ran on different prompts: a paired comparison needs the same ones")
+    runs = [
+        next(r for r in m.by_temperature[str(args.temperature)].runs if r.gamma == args.gamma and r.threshold is None)
+        for m in ms
+    ]
     diff, se = paired_tau_difference(*runs)
     a, b = runs
     print(f"τ A {a.tau:.3f} ± {a.tau_se:.3f}, B {b.tau:.3f} ± {b.tau_se:.3f}; B − A = {diff:+.3f} ± {se:.3f} (paired)")

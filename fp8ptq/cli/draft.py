@@ -35,8 +35,7 @@ def _eagle3_train(
 
     names = ("prompts", "text_field", "num_prompts", "gen_tokens", "gen_batch_size", "max_steps", "batch_size")
     names += ("lr", "checkpoint_every", "seed", "resume", "overwrite", "keep_work", "device")
-    names += ("sampled_data", "loss_on_prompt", "capture_batch", "precision", "aux_noise", "feature_loss")
-    names += ("generator",)
+    names += ("sampled_data", "loss_on_prompt", "capture_batch", "precision", "aux_noise", "feature_loss", "generator")
     given = {k: kw[k] for k in names if kw.get(k) is not None}
     if kw.get("time_budget") is not None:
         given["time_budget_s"] = None if kw["time_budget"] <= 0 else kw["time_budget"]

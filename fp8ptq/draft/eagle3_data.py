@@ -89,11 +89,13 @@ def plain_sequences(tokenizer, n: int, length: int, seed: int) -> list[Sequence]
     return out
 
 
-def engine_generations(model: Path, prompts: list[list[int]], gen_tokens: int, *, seed: int, sampled: bool) -> dict:
+def engine_generations(
+    model: Path, prompts: list[list[int]], gen_tokens: int, *, seed: int, sampled: bool
+) -> tuple[dict, float]:
     """The target's generations by vLLM in its own venv (fp8ptq.engine.vllm): the engine's kernels and
     numerics, continuous batching, no padding. Greedy; `sampled`: every other prompt at T = 1 (a second job
     in the same process). Returns generate_data's tokens / prompt_len / gen_len (EOS kept as the last
-    generated token) and `engine_s`, the engine's own generate time (load excluded)."""
+    generated token) and the engine's own generate time in seconds (load excluded)."""
     from fp8ptq.engine.vllm import engine_dtype, run_vllm_jobs, vllm_request
     from fp8ptq.spec import SpecError
 
@@ -102,7 +104,7 @@ def engine_generations(model: Path, prompts: list[list[int]], gen_tokens: int, *
             f"vLLM generates from a checkpoint directory; '{model}' has no config.json",
             fix="convert the target to a directory first (fp8ptq convert), or use --generator hf",
         )
-    n = len(prompts)
+    n, L = len(prompts), max(len(p) for p in prompts) + gen_tokens
     groups = [list(range(0, n, 2)), list(range(1, n, 2))] if sampled else [list(range(n))]
     jobs = [
         vllm_request(
@@ -112,7 +114,7 @@ def engine_generations(model: Path, prompts: list[list[int]], gen_tokens: int, *
             temperature=float(t),
             seed=seed,
             dtype=engine_dtype(model),
-            max_model_len=max(len(p) for p in prompts) + gen_tokens,
+            max_model_len=L,
             ignore_eos=False,
         )
         for t, g in enumerate(groups)
@@ -126,15 +128,13 @@ def engine_generations(model: Path, prompts: list[list[int]], gen_tokens: int, *
                 fix="use --generator hf (transformers, fp8ptq's simulation of the engine's numerics)",
             )
         outs.update(zip(g, run.token_ids))
-    L = max(len(p) for p in prompts) + gen_tokens
-    tokens = torch.zeros(len(prompts), L, dtype=torch.long)
-    plen, glen = torch.zeros(len(prompts), dtype=torch.long), torch.zeros(len(prompts), dtype=torch.long)
+    tokens = torch.zeros(n, L, dtype=torch.long)
+    plen, glen = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
     for i, p in enumerate(prompts):
         row = (p + outs[i])[:L]
         tokens[i, : len(row)] = torch.tensor(row)
         plen[i], glen[i] = len(p), len(row) - len(p)
-    engine_s = sum(float(r.generate_s or 0.0) for r in runs)
-    return {"tokens": tokens, "prompt_len": plen, "gen_len": glen, "engine_s": torch.tensor(engine_s)}
+    return {"tokens": tokens, "prompt_len": plen, "gen_len": glen}, sum(float(r.generate_s or 0.0) for r in runs)
 
 
 def generated_sequences(data: dict, loss_on_prompt: bool = False) -> list[Sequence]:

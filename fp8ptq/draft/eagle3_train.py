@@ -192,27 +192,28 @@ def _head_key(head) -> dict:
     return {"draft_vocab": head.s.draft_vocab, "fc_norm": head.s.fc_norm, "layer_ids": list(head.s.layer_ids)}
 
 
-def _generate(target, src, cfg: Eagle3TrainConfig, progress) -> dict:
+def _generate(target, tokenizer, path: Path, cfg: Eagle3TrainConfig, progress) -> tuple[dict, float | None]:
     """The target's generations from the training prompts, shortest prompts batched together (by
-    transformers on the simulated target, or by vLLM: `generator`)."""
+    transformers on the simulated target, or by vLLM from the checkpoint at `path`: `generator`), and vLLM's
+    own generate time (None for transformers)."""
     from fp8ptq.draft.eagle3_data import engine_generations
     from fp8ptq.draft.train import Generation, generate_data
     from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
     texts = load_prompts(cfg.prompts, "calibration", cfg.num_prompts, cfg.seed, cfg.text_field)
-    prompts = sorted(encode_prompts(src.tokenizer(), texts, max_tokens=cfg.max_prompt_tokens), key=len)
+    prompts = sorted(encode_prompts(tokenizer, texts, max_tokens=cfg.max_prompt_tokens), key=len)
     if cfg.generator == "vllm":
         if progress:
             progress("generate (vLLM)", 0, 1)
-        data = engine_generations(Path(src.path), prompts, cfg.gen_tokens, seed=cfg.seed, sampled=cfg.sampled_data)
+        out = engine_generations(path, prompts, cfg.gen_tokens, seed=cfg.seed, sampled=cfg.sampled_data)
         if progress:
             progress("generate (vLLM)", 1, 1)
-        return data
+        return out
     # topk 0: the training step computes the target's distributions from the captured final feature
     how = Generation(
         cfg.gen_tokens, cfg.gen_batch_size, topk=0, seed=cfg.seed, device=cfg.device, sample_odd=cfg.sampled_data
     )
-    return generate_data(target, src.tokenizer(), prompts, how, progress)
+    return generate_data(target, tokenizer, prompts, how, progress), None
 
 
 def _loss_name(cfg: Eagle3TrainConfig) -> str:
@@ -282,11 +283,11 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
         for old in work.glob("*"):
             old.unlink() if old.is_file() else shutil.rmtree(old)
         t = time.perf_counter()
-        data = _generate(target, src, cfg, progress)
+        data, engine_s = _generate(target, tokenizer, Path(src.path), cfg, progress)
         timings["generate_s"] = time.perf_counter() - t
         rates["generate_tok_s"] = float(data["gen_len"].sum()) / max(timings["generate_s"], 1e-9)
-        if "engine_s" in data:  # vLLM's own generate time: its steady rate, start-up excluded
-            rates["generate_engine_tok_s"] = float(data["gen_len"].sum()) / max(float(data["engine_s"]), 1e-9)
+        if engine_s is not None:  # vLLM's own generate time: its steady rate, start-up excluded
+            rates["generate_engine_tok_s"] = float(data["gen_len"].sum()) / max(engine_s, 1e-9)
         save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
         fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))  # a capture cut short keeps these
     data = load_file(str(data_file))

@@ -40,12 +40,22 @@ class RunSummary:
         return {int(k): v for k, v in self.k_hist.items()}
 
 
-def paired_tau_difference(a: RunSummary, b: RunSummary, resamples: int = 2000) -> tuple[float, float]:
-    """τ(b) − τ(a) and its standard error, both measured on the same prompts: one bootstrap draw of prompts
-    resamples both runs alike (fixed seed), so what the prompts share cancels — far tighter than the two
-    runs' own errors combined when the proposers are alike."""
+def bootstrap_taus(runs: list[list[list[int]]] | list[list[tuple[int, int]]], resamples: int = 2000):
+    """τ = Σ emitted / Σ forwards of each run over `resamples` draws of its prompts with replacement, the
+    same draw for every run (fixed seed: a measurement's numbers are reproducible). runs: per run, the
+    [emitted, forwards] of each prompt, the same prompts in the same order. Returns [runs, resamples]."""
     import torch
 
+    x = torch.tensor(runs, dtype=torch.float64)  # [runs, prompts, 2]
+    pick = torch.randint(0, x.shape[1], (resamples, x.shape[1]), generator=torch.Generator().manual_seed(0))
+    sums = x[:, pick].sum(2)  # [runs, resamples, 2]
+    return sums[..., 0] / sums[..., 1].clamp_min(1)
+
+
+def paired_tau_difference(a: RunSummary, b: RunSummary, resamples: int = 2000) -> tuple[float, float]:
+    """τ(b) − τ(a) and its standard error, both measured on the same prompts: one bootstrap draw of prompts
+    resamples both runs alike, so what the prompts share cancels — far tighter than the two runs' own
+    errors combined when the proposers are alike."""
     if len(a.per_prompt) != len(b.per_prompt) or len(a.per_prompt) < 2:
         raise SpecError(
             f"a paired comparison needs the same prompts, ≥ 2, with per-prompt counts (got {len(a.per_prompt)} "
@@ -53,12 +63,8 @@ def paired_tau_difference(a: RunSummary, b: RunSummary, resamples: int = 2000) -
             fix="measure both with the same --prompts/--num-prompts/--max-tokens by this fp8ptq (measure.json "
             "keeps per-prompt counts since stop 56)",
         )
-    x = torch.tensor([a.per_prompt, b.per_prompt], dtype=torch.float64)  # [2, prompts, 2]
-    pick = torch.randint(0, x.shape[1], (resamples, x.shape[1]), generator=torch.Generator().manual_seed(0))
-    sums = x[:, pick].sum(2)  # [2, resamples, 2]
-    taus = sums[..., 0] / sums[..., 1].clamp_min(1)
-    diff = float(b.tau - a.tau)
-    return diff, float((taus[1] - taus[0]).std())
+    taus = bootstrap_taus([a.per_prompt, b.per_prompt], resamples)
+    return float(b.tau - a.tau), float((taus[1] - taus[0]).std())
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8ptq.spec import SpecError
-from fp8ptq.spec.acceptance import Acceptance, RunSummary
+from fp8ptq.spec.acceptance import Acceptance, RunSummary, bootstrap_taus
 from fp8ptq.spec.models import LoadedModel, crop, new_cache, step_logits
 from fp8ptq.spec.proposers import proposer_for
 from fp8ptq.spec.recommend import Costs
@@ -99,10 +99,7 @@ class SpecStats:
         drawn with replacement (fixed seed, so a measurement's number is reproducible)."""
         if len(self.prompts) < 2:
             return None
-        x = torch.tensor(self.prompts, dtype=torch.float64)
-        pick = torch.randint(0, len(x), (resamples, len(x)), generator=torch.Generator().manual_seed(0))
-        taus = x[pick, 0].sum(1) / x[pick, 1].sum(1).clamp_min(1)
-        return float(taus.std())
+        return float(bootstrap_taus([self.prompts], resamples)[0].std())
 
     def summary(self, threshold: float | None = None) -> RunSummary:
         alphas = [a / r if r else 0.0 for a, r in zip(self.per_pos, self.reached)]
