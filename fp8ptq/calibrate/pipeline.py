@@ -1,21 +1,20 @@
 """Sequential, chunked, staged calibration: one decoder layer at a time, inputs from the quantized past.
 
-A decoder layer is a sequence of residual blocks, x + post(module(norm(x))), as its architecture adapter
-describes (models/arch/). For each block, the targeted Linears form fused groups in execution order
-(q/k/v, o; gate/up, down for a Llama layer), and the KV cache sits between the attention's input
-projections and its output projection. Each group is one *stage*: (1) a stats pass runs the block over
-every chunk with everything upstream already quantized, stops at the group's input and collects its
-statistics (abs-max, optional row subsample) and, for GPTQ, the per-chunk Hessian partials 2 X^T X;
-(2) they are reduced across chunks and ranks (fp8ptq/dist.py: exact, split-independent); (3) the static
-input scale is chosen, the group's weights quantized (RTN or GPTQ) and the engine's input quantizer
-installed, so later stages see what the engine will compute. With `rounding: signround` the block's
-groups are then refined together on its output error (calibrate/signround.py).
+A decoder layer is a sequence of residual blocks, x + post(module(norm(x))), as its architecture adapter describes
+(models/arch/). For each block, the targeted Linears form fused groups in execution order (q/k/v, o; gate/up, down for
+a Llama layer), and the KV cache sits between the attention's input projections and its output projection. Each group
+is one *stage*: (1) a stats pass runs the block over every chunk with everything upstream already quantized, stops at
+the group's input and collects its statistics (abs-max, optional row subsample) and, for GPTQ, the per-chunk Hessian
+partials 2 X^T X; (2) they are reduced across chunks and ranks (fp8ptq/dist.py: exact, split-independent); (3) the
+static input scale is chosen, the group's weights quantized (RTN or GPTQ) and the engine's input quantizer installed,
+so later stages see what the engine will compute. `rounding: signround` then refines the block's groups together on its
+output error (calibrate/signround.py), through input and KV quantizers that pass the gradient straight through.
 
-After the last stage the block runs once more over all chunks to produce the next block's input,
-written back to the activation store. Memory is one layer + one chunk's intermediates + the store
-(in RAM or on disk), whatever the depth; the math does not depend on the chunking or on the number of
-ranks (maxima are exact, sums use a fixed tree). Optional exact transforms (SmoothQuant folding,
-FlattenQuant channel splitting) run first, from an observe pass over the float layer.
+After the last stage the block runs once more over all chunks to produce the next block's input, written back to the
+activation store. Memory is one layer + one chunk's intermediates + the store (in RAM or on disk), whatever the depth;
+the math does not depend on the chunking or on the number of ranks (maxima are exact, sums use a fixed tree). Optional
+exact transforms (SmoothQuant folding, FlattenQuant channel splitting) run first, from an observe pass over the float
+layer.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.precision import pass_precision
 from fp8ptq.outliers.stats import ActStats, StatsSpec
-from fp8ptq.quantize.numerics import input_quantizer, install_kv_quant
+from fp8ptq.quantize.numerics import input_quantizer, install_kv_quant, straight_through
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
 from fp8ptq.quantize.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
@@ -209,14 +208,15 @@ class LayerCalibrator:
             self.result.linears[self.plan.prefix + name] = QuantizedLinear(qw.fake, params, scheme, report)
 
     def _install_input_quant(self, group, quant: Callable) -> None:
+        quant = straight_through(quant)  # rounding steps (signround.py): a straight-through gradient
+
         def hook(_m, args):
             if _m in self.replay.active:  # its output is replayed: its input is not needed
                 return None
             x = args[0]
             if self._last is None or self._last[0] is not x:
                 self._last = None  # drop the previous pair before allocating the next
-                q = quant(x)  # rounding steps (signround.py): a straight-through gradient
-                self._last = (x, x + (q - x).detach() if x.requires_grad else q)
+                self._last = (x, quant(x))
             return (self._last[1], *args[1:])
 
         for n in group:

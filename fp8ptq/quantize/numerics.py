@@ -113,11 +113,28 @@ def kv_quantizer(
     return quant
 
 
+def straight_through(quant: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`quant` for passes that train something upstream of it (SignRound's steps): where x carries a
+    gradient, the forward is x + (quant(x) - x) and the gradient goes straight through to x, with quant run
+    without a graph (its rounding has no useful gradient, and its in-place steps would break backward);
+    elsewhere plain quant(x)."""
+
+    def quant_st(x: torch.Tensor) -> torch.Tensor:
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return quant(x)
+        with torch.no_grad():
+            q = quant(x)
+        return x + (q - x).detach()
+
+    return quant_st
+
+
 def install_kv_quant(
     attn: torch.nn.Module, kv: QuantizationArgs, k_scale: torch.Tensor, v_scale: torch.Tensor, toward_zero=False
 ) -> None:
-    """Keys/values quantized with per-layer (or per-KV-head) scales, as the KV scheme `kv` says."""
-    kq, vq = kv_quantizer(kv, k_scale, toward_zero), kv_quantizer(kv, v_scale, toward_zero)
+    """Keys/values quantized with per-layer (or per-KV-head) scales, as the KV scheme `kv` says (straight
+    through for a gradient: `straight_through`)."""
+    kq, vq = (straight_through(kv_quantizer(kv, s, toward_zero)) for s in (k_scale, v_scale))
     attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
 
 
