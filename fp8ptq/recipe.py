@@ -95,7 +95,7 @@ class QuantArgs(QuantizationArgs):
 
 class Head(_Frozen):
     """The LM head, quantized at export (round to nearest with its weights' grid; `--quantize-lm-head`
-    derives it from the scheme: `head_from`). Its inputs are not calibrated: dynamic or none. vLLM 0.32
+    derives it from the scheme: runs/overrides.head_from). Its inputs are not calibrated: dynamic or none. vLLM 0.32
     quantizes a ParallelLMHead with any Linear scheme a name target picks (compressed_tensors.py
     `get_quant_method`); a tied head is written untied (the embedding stays as stored)."""
 
@@ -138,19 +138,6 @@ class Scheme(_Frozen):
                 except re.error as err:
                     raise ValueError(f"{field}: '{pattern}' is not a valid regular expression ({err})") from None
         return self
-
-
-HEAD_8BIT = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
-
-
-def head_from(scheme: Scheme) -> dict:
-    """The LM head a scheme implies (`--quantize-lm-head`), weight-only: 8-bit schemes get INT8 per
-    output channel (SmolLM2's head, fp8-kv8 body: KL 0.0337 against 0.0325 with a float head, where FP8
-    per-channel weights gave 0.0641 and with dynamic FP8 inputs 0.0707: a vocabulary's rows span more
-    range than E4M3's 3 mantissa bits keep; BENCHMARKS.md), 4-bit ones their own weights. Any other head
-    is a recipe's `scheme.lm_head`."""
-    w = HEAD_8BIT if scheme.weights.num_bits == 8 else scheme.weights.model_dump()
-    return {"weights": dict(w), "input_activations": None}
 
 
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -236,6 +223,9 @@ class Calibration(_Frozen):
     # GPTQ Hessian from the quantized inputs the engine sees; costs one more pass per static group and
     # measured no better (fp8-kv8, 16x512: KL 0.03542 quantized vs 0.03497 unquantized inputs).
     gptq_quantized_inputs: bool = False
+    # GPTQ towards the float model's output (GPTAQ, calibrate/gptaq.py): each group's weights first move this
+    # fraction of the way to the least-squares map from the quantized model's inputs to it; 0: plain GPTQ
+    gptq_float_target: float = Field(0.0, ge=0.0, le=1.0)
     # MoE: an expert the router sends fewer (token, expert) pairs than this is calibrated on every token
     # (its output still uses only its routed tokens); see calibrate/experts.py
     moe_min_tokens: int = Field(64, ge=0)
@@ -283,6 +273,8 @@ class Recipe(_Frozen):
                 "smooth (SmoothQuant) migrates activation outliers into weights: it needs input_activations "
                 "(weight-only recipes: smooth.method awq)"
             )
+        if self.calibration.gptq_float_target > 0 and self.calibration.weight_method != "gptq":
+            raise ValueError("calibration.gptq_float_target moves GPTQ's target: it needs weight_method gptq")
         kv = self.scheme.kv_cache
         if kv is not None and kv.strategy == "attn_head" and self.calibration.kv_observer != "minmax":
             raise ValueError("calibration.kv_observer: per-head KV scales (strategy attn_head) take minmax")
@@ -373,6 +365,7 @@ _WRITTEN_ONLY_IF_SET = {
     ("scheme", "lm_head"): None,
     ("smooth", "method"): "smoothquant",
     **{("calibration", k): v for k, v in (("rounding", "nearest"), ("rounding_iters", 200), ("rounding_lr", 0.005))},
+    ("calibration", "gptq_float_target"): 0.0,
 }
 # the manifest's record kept kv_observer and transforms from the start
 _RECORDED_ONLY_IF_SET = {k: v for k, v in _WRITTEN_ONLY_IF_SET.items() if k[-1] not in ("kv_observer", "transforms")}

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 
 from fp8ptq.calibrate.experts import ExpertStage, merge_expert_stages, quantize_expert_stage
+from fp8ptq.calibrate.gptaq import CrossTerm, toward_float
+from fp8ptq.calibrate.kv import quantize_kv
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
 from fp8ptq.calibrate.replay import Replay
 from fp8ptq.calibrate.signround import float_targets, refine_block
@@ -44,8 +46,8 @@ from fp8ptq.models.prefetch import LayerPrefetch
 from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.precision import pass_precision
-from fp8ptq.outliers.stats import ActStats, StatsSpec
-from fp8ptq.quantize.numerics import input_quantizer, install_kv_quant, straight_through
+from fp8ptq.outliers.stats import StatsSpec
+from fp8ptq.quantize.numerics import input_quantizer, straight_through
 from fp8ptq.quantize.plan import LayerPlan, plan_layer
 from fp8ptq.quantize.results import LayerResult, QuantizedLinear
 from fp8ptq.quantize.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
@@ -77,6 +79,7 @@ class LayerCalibrator:
         self._caching, self._cached = None, {}
         self.routes: dict[str, list[int]] = {}  # experts path -> routed tokens per expert (calibrate/experts.py)
         self.solved, self.refining = [], False  # block's (group, SolvedGroup, H, amax, input scale) to refine
+        self.float_inputs, self.cross = {}, None  # float model's group inputs, their cross term (calibrate/gptaq.py)
         tokens = len(state.chunks.local_samples()) * state.seq_len
         self.replay = Replay(self.modules, 0, tokens)  # calibrate/replay.py
 
@@ -133,6 +136,7 @@ class LayerCalibrator:
         h_fn is given (identity, or the engine's input quantizer when it needs no global statistic)."""
         stats = self.state.new_stats(self.modules[group[0]].in_features, spec)
         tree = TreeSum() if h_fn is not None else None
+        cross = CrossTerm.of(self.float_inputs, group) if tree is not None else None
 
         keep = self._caching == group  # the block's final Linear: keep its input for the output pass
 
@@ -140,22 +144,28 @@ class LayerCalibrator:
             c, first = self.chunk
             stats.update(c, first, args[0])
             if tree is not None:
-                tree.add(c, hessian_partial(h_fn(args[0])))
+                tree.add(c, hessian_partial(xh := h_fn(args[0])))
+                if cross is not None:
+                    cross.add(c, xh)
             if keep:  # no copy: the pass stops here, so nothing writes to this input afterwards
                 self._cached[c] = args[0]
             raise Stop
 
         self._run_hooked(block, group[0], hook)
+        self.cross = None if cross is None else cross.total(self.state.comm)
         return stats.reduce(self.state.comm), (None if tree is None else tree.total(self.state.comm))
 
     def _hessian_pass(self, block: Block, group, quant: Callable) -> torch.Tensor:
-        tree = TreeSum()
+        tree, cross = TreeSum(), CrossTerm.of(self.float_inputs, group)
 
         def hook(_m, args):
-            tree.add(self.chunk[0], hessian_partial(quant(args[0])))
+            tree.add(self.chunk[0], hessian_partial(xh := quant(args[0])))
+            if cross is not None:
+                cross.add(self.chunk[0], xh)
             raise Stop
 
         self._run_hooked(block, group[0], hook)
+        self.cross = None if cross is None else cross.total(self.state.comm)
         return tree.total(self.state.comm)
 
     def _run_hooked(self, block: Block, module: str, hook) -> None:
@@ -188,6 +198,7 @@ class LayerCalibrator:
             if cal.weight_method == "gptq" and quant_h:
                 H = self._hessian_pass(block, group, quant)
         weights = {n: self.modules[n].weight.data.float() for n in group}  # bf16 passes: solved in fp32
+        weights, self.cross = toward_float(weights, self.cross, H, cal), None
         weight_only = scheme.input_activations is None
         solved = (group, solve_group(weights, scheme.weights, cal, H, weight_only), H, stats.amax, choice)
         self.solved += [solved] if self.refining else []  # kept for the block's rounding (calibrate/signround.py)
@@ -222,44 +233,6 @@ class LayerCalibrator:
         for n in group:
             self.handles.append(self.modules[n].register_forward_pre_hook(hook))
 
-    def quantize_kv(self, block: Block) -> None:
-        """Post-RoPE keys and values: static per-layer scales, then the KV quantizer is installed."""
-        attn = self.modules[self.attn_name]
-        stats: dict[str, ActStats] = {}
-        kv_observer = self.recipe.calibration.kv_observer
-        spec = OBSERVER_STATS[kv_observer]
-
-        def observe(_m, k, v):
-            c, first = self.chunk
-            self.kv_heads = k.shape[1]
-            for key, t in (("k", k), ("v", v)):  # [n, kv_heads, seq, head] -> [n, seq, kv_heads*head]
-                t = t.transpose(1, 2).flatten(2)
-                stats.setdefault(key, self.state.new_stats(t.shape[-1], spec)).update(c, first, t)
-            raise Stop
-
-        attn.fp8ptq_kv_hook = observe
-        try:
-            self._pass(block)
-        finally:
-            attn.__dict__.pop("fp8ptq_kv_hook", None)
-        kv = self.recipe.scheme.kv_cache
-        grid = handler(kv).act_grid(kv)
-        # default minmax: clipping hurts FP8's flat relative error (BENCHMARKS.md, issues 2 and 21)
-        reduced = {key: stats[key].reduce(self.state.comm) for key in ("k", "v")}
-        kc, vc = (OBSERVERS[kv_observer](reduced[key], grid) for key in ("k", "v"))
-        prefix = self.plan.prefix + self.attn_name
-        finite_stats(f"{prefix} (keys)", kc.amax)
-        finite_stats(f"{prefix} (values)", vc.amax)
-        k_scale, v_scale = kc.scale, vc.scale
-        self.result.report["kv"] = {"k_amax": kc.amax, "v_amax": vc.amax}
-        if kv.strategy == "attn_head":  # one min-max scale per KV head (the recipe refuses other observers)
-            heads = {key: reduced[key].channel_amax.reshape(self.kv_heads, -1).amax(dim=1) for key in ("k", "v")}
-            k_scale, v_scale = (torch.stack([grid.scale(float(a))[0] for a in heads[key]]) for key in ("k", "v"))
-            self.result.report["kv"] |= {f"{key}_amax_heads": heads[key].tolist() for key in ("k", "v")}
-        self.result.kv_scales[f"{prefix}.k_scale"] = k_scale
-        self.result.kv_scales[f"{prefix}.v_scale"] = v_scale
-        install_kv_quant(attn, kv, k_scale, v_scale)
-
     def run(self, order: list[list]) -> None:
         for block, stages in zip(self.arch.blocks, order):
             last = stages[-1] if stages else None
@@ -275,10 +248,11 @@ class LayerCalibrator:
             )
             self._caching, self._cached = (last if cacheable else None), {}
             self._plan_replay(block, stages, cacheable)
-            targets, self.solved = float_targets(self, block), []  # the float model's output (signround runs)
+            # the float model's block output (SignRound's targets) and its groups' inputs (gptq_float_target)
+            targets, self.solved = float_targets(self, block, stages), []
             for k, stage in enumerate(stages):
                 if stage == "kv":
-                    self.quantize_kv(block)
+                    quantize_kv(self, block)
                 elif isinstance(stage, ExpertStage):
                     quantize_expert_stage(self, block, stage)
                 else:
@@ -293,7 +267,7 @@ class LayerCalibrator:
                 self._output_from_cache(block)
             else:
                 self._pass(block, write=True)
-            self._caching, self._cached = None, {}
+            self._caching, self._cached, self.float_inputs = None, {}, {}
             self.replay.clear()
 
     def _plan_replay(self, block: Block, stages: list, cacheable: bool) -> None:

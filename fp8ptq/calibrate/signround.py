@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from fp8ptq.calibrate.gptaq import record_float_inputs
 from fp8ptq.calibrate.state import finite_stats
 from fp8ptq.models.arch import Block
 from fp8ptq.ops.precision import fast_bf16
@@ -31,22 +32,27 @@ from fp8ptq.ops.signround import Offsets, step_of
 from fp8ptq.quantize.weights import SolvedGroup, fake_quant_with
 
 
-def float_targets(cal, block: Block) -> dict[int, torch.Tensor] | None:
+def float_targets(cal, block: Block, stages: list) -> dict[int, torch.Tensor] | None:
     """The float model's output of this block per chunk, from the float model's own input (the run's float
     stream, advanced here), as SignRound's reference (auto-round's default: quantized input, float target),
-    so each block also corrects the drift the quantized blocks before it left. None: no float stream (not
-    a signround run). Runs before any of the block's groups is quantized (no_grad, not inference mode:
-    the targets enter the training steps' loss)."""
+    so each block also corrects the drift the quantized blocks before it left; the same pass records the
+    inputs of the block's groups (`stages`) where GPTQ targets the float model (calibrate/gptaq.py). None: no
+    float stream, or no SignRound (the outputs are then only written to the stream). Runs before any of the
+    block's groups is quantized (no_grad, not inference mode: the targets enter the training steps' loss)."""
     st = cal.state
     if st.float_store is None:
         return None
-    out, base = {}, st.chunks.local_samples().start
-    with torch.no_grad(), cal._precision():
+    out, base, at = {}, st.chunks.local_samples().start, [0]
+    keep = cal.recipe.calibration.rounding == "signround"
+    with torch.no_grad(), cal._precision(), record_float_inputs(cal, stages, at):
         for c, first, x in st.each_chunk():
+            at[0] = c
             x = st.float_store.read(first - base, first - base + x.shape[0]).to(st.device, st.dtype)
-            out[c] = cal._run_block(block, x, st.inputs_at(cal.index, first))
-            st.float_store.write(first - base, out[c])
-    return out
+            y = cal._run_block(block, x, st.inputs_at(cal.index, first))
+            st.float_store.write(first - base, y)
+            if keep:
+                out[c] = y
+    return out if keep else None
 
 
 def plain(value):

@@ -167,7 +167,8 @@ def prepare(
             if own is not None:
                 own_at = own.__getitem__
                 state.own[i] = own_at if dtype == torch.float32 else _cast_inputs(own_at, dtype, device)
-    if setup.recipe is not None and setup.recipe.calibration.rounding == "signround":  # its float targets
+    cal = None if setup.recipe is None else setup.recipe.calibration  # SignRound's targets, GPTAQ's inputs
+    if cal is not None and (cal.rounding == "signround" or cal.gptq_float_target > 0):
         state.keep_float_stream(setup.offload_dir)
     return model, state
 

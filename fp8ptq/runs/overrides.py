@@ -7,10 +7,21 @@ from __future__ import annotations
 import yaml
 
 from fp8ptq.errors import RecipeError
-from fp8ptq.recipe import Recipe, builtin_names, head_from, load_recipe, parse_recipe
+from fp8ptq.recipe import Recipe, Scheme, builtin_names, load_recipe, parse_recipe
 from fp8ptq.runs.config import QuantizeConfig
 
 WEIGHT_METHODS = ("rtn", "gptq")
+HEAD_8BIT = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+
+
+def head_from(scheme: Scheme) -> dict:
+    """The LM head a scheme implies (`--quantize-lm-head`), weight-only: 8-bit schemes get INT8 per
+    output channel (SmolLM2's head, fp8-kv8 body: KL 0.0337 against 0.0325 with a float head, where FP8
+    per-channel weights gave 0.0641 and with dynamic FP8 inputs 0.0707: a vocabulary's rows span more
+    range than E4M3's 3 mantissa bits keep; BENCHMARKS.md), 4-bit ones their own weights. Any other head
+    is a recipe's `scheme.lm_head`."""
+    w = HEAD_8BIT if scheme.weights.num_bits == 8 else scheme.weights.model_dump()
+    return {"weights": dict(w), "input_activations": None}
 
 
 def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:

@@ -15,7 +15,8 @@ from fp8ptq.export.compressed_tensors import ct_scheme, decompress_linear
 from fp8ptq.manifest import Manifest
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.recipe import Head, head_from, load_recipe, parse_recipe
+from fp8ptq.recipe import Head, load_recipe, parse_recipe
+from fp8ptq.runs.overrides import head_from
 
 from helpers import parse_config_under, read_config, read_tensors
 
