@@ -40,6 +40,8 @@ def recipe_overrides(cfg: QuantizeConfig, recipe: Recipe) -> Recipe:
                 fix="use --weights rtn (round to nearest: fastest) or --weights gptq (lower error)",
             )
         data["calibration"]["weight_method"] = cfg.weights
+        if cfg.weights == "rtn":  # GPTQ's float target goes with GPTQ
+            data["calibration"]["gptq_float_target"] = 0.0
     if cfg.smooth_alpha is not None:
         data["smooth"] = _smooth_alpha(cfg.smooth_alpha, recipe, data.get("smooth"))
     if cfg.rotate and "rotate" not in data["transforms"]:

@@ -55,7 +55,7 @@ def test_the_option_needs_gptq_and_is_written_only_when_set():
     data["calibration"] |= {"weight_method": "rtn", "gptq_float_target": 0.5}
     with pytest.raises(RecipeError, match="gptq_float_target.*weight_method gptq"):
         parse_recipe(data, "test")
-    assert "gptq_float_target" not in recipe_yaml(load_recipe("w4a16"))  # outputs of other recipes hash as before
+    assert "gptq_float_target" not in recipe_yaml(load_recipe("fp8-kv8"))  # outputs of other recipes hash as before
     data["calibration"]["weight_method"] = "gptq"
     assert "gptq_float_target: 0.5" in recipe_yaml(parse_recipe(data, "test"))
 
@@ -63,7 +63,8 @@ def test_the_option_needs_gptq_and_is_written_only_when_set():
 @pytest.mark.tiny
 def test_quantize_moves_the_weights_and_exports_the_simulation(tmp_path, tiny_dir):
     runs = {}
-    for name, sets in (("gptq", ()), ("gptaq", ("calibration.gptq_float_target=0.5",))):
+    for name, alpha in (("gptq", 0), ("gptaq", 0.5)):  # w4a16 itself runs with 0.25
+        sets = (f"calibration.gptq_float_target={alpha}",)
         out = tmp_path / name
         cfg = dict(num_samples=8, seq_len=64, eval_samples=4, sets=sets, weights="gptq")
         fakes = quantize_recording(QuantizeConfig(model=str(tiny_dir), recipe="w4a16", output=out, **cfg))

@@ -46,6 +46,7 @@ def test_weights_rtn_makes_w4a16_data_free(tiny_dir, tmp_path):
     out = tmp_path / "w4"
     m = quantize(QuantizeConfig(model=str(tiny_dir), recipe="w4a16", output=out, eval_samples=0, weights="rtn"))
     assert m.calibration is None and m.recipe["calibration"]["weight_method"] == "rtn"
+    assert "gptq_float_target" not in m.recipe["calibration"]  # w4a16's float target (GPTQ's) is dropped: 0
 
 
 def test_smooth_alpha_fixes_the_alpha_without_a_search(tiny_dir, tmp_path):
