@@ -274,7 +274,9 @@ class Recipe(_Frozen):
                 "(weight-only recipes: smooth.method awq)"
             )
         if self.calibration.gptq_float_target > 0 and self.calibration.weight_method != "gptq":
-            raise ValueError("calibration.gptq_float_target moves GPTQ's target: it needs weight_method gptq")
+            raise ValueError(
+                "calibration.gptq_float_target moves GPTQ's target: it needs weight_method gptq (or set it to 0)"
+            )
         kv = self.scheme.kv_cache
         if kv is not None and kv.strategy == "attn_head" and self.calibration.kv_observer != "minmax":
             raise ValueError("calibration.kv_observer: per-head KV scales (strategy attn_head) take minmax")
