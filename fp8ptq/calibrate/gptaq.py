@@ -30,15 +30,15 @@ from fp8ptq.ops.precision import strict_fp32
 
 
 @contextmanager
-def record_float_inputs(cal, stages: list, chunk: list):
-    """While the float block runs: each plain group's input per chunk (chunk[0]) into cal.float_inputs; a
-    no-op unless the recipe asks for gptq_float_target."""
+def record_float_inputs(cal, stages: list):
+    """While the float block runs: each plain group's input per chunk (the pass's `cal.chunk`) into
+    cal.float_inputs; a no-op unless the recipe asks for gptq_float_target."""
     handles = []
     if cal.recipe.calibration.gptq_float_target > 0:
         for group in (s for s in stages if isinstance(s, tuple)):
 
             def hook(_m, args, g=group):
-                cal.float_inputs.setdefault(g, {})[chunk[0]] = args[0].detach().clone()
+                cal.float_inputs.setdefault(g, {})[cal.chunk[0]] = args[0].detach().clone()
 
             handles.append(cal.modules[group[0]].register_forward_pre_hook(hook))
     try:
@@ -75,7 +75,11 @@ def toward_float(weights: dict[str, torch.Tensor], D: torch.Tensor | None, H: to
     cal.gptq_float_target; `weights` unchanged without a cross term."""
     if D is None:
         return weights
-    A = H.double().clone()
+    A = H.to(torch.float64, copy=True)  # H stays GPTQ's, undamped here
     A.diagonal().add_(cal.gptq_damp * float(A.diagonal().mean().clamp_min(1e-12)))
     M = torch.linalg.solve(A, D.double().T).T.mul_(cal.gptq_float_target)  # alpha D A^-1 (A symmetric)
-    return {n: torch.addmm(w.double(), w.double(), M).float() for n, w in weights.items()}
+    moved = {}
+    for n, w in weights.items():
+        w64 = w.double()
+        moved[n] = torch.addmm(w64, w64, M).float()
+    return moved

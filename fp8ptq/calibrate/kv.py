@@ -17,13 +17,14 @@ def quantize_kv(cal, block: Block) -> None:
     """Post-RoPE keys and values: static per-layer scales, then the KV quantizer is installed."""
     attn = cal.modules[cal.attn_name]
     stats: dict[str, ActStats] = {}
-    kv_heads = []  # KV heads, as the hook sees them
+    kv_heads = 0  # KV heads, as the hook sees them
     kv_observer = cal.recipe.calibration.kv_observer
     spec = OBSERVER_STATS[kv_observer]
 
     def observe(_m, k, v):
+        nonlocal kv_heads
         c, first = cal.chunk
-        kv_heads[:] = [k.shape[1]]
+        kv_heads = k.shape[1]
         for key, t in (("k", k), ("v", v)):  # [n, kv_heads, seq, head] -> [n, seq, kv_heads*head]
             t = t.transpose(1, 2).flatten(2)
             stats.setdefault(key, cal.state.new_stats(t.shape[-1], spec)).update(c, first, t)
@@ -45,7 +46,7 @@ def quantize_kv(cal, block: Block) -> None:
     k_scale, v_scale = kc.scale, vc.scale
     cal.result.report["kv"] = {"k_amax": kc.amax, "v_amax": vc.amax}
     if kv.strategy == "attn_head":  # one min-max scale per KV head (the recipe refuses other observers)
-        heads = {key: reduced[key].channel_amax.reshape(kv_heads[0], -1).amax(dim=1) for key in ("k", "v")}
+        heads = {key: reduced[key].channel_amax.reshape(kv_heads, -1).amax(dim=1) for key in ("k", "v")}
         k_scale, v_scale = (torch.stack([grid.scale(float(a))[0] for a in heads[key]]) for key in ("k", "v"))
         cal.result.report["kv"] |= {f"{key}_amax_heads": heads[key].tolist() for key in ("k", "v")}
     cal.result.kv_scales[f"{prefix}.k_scale"] = k_scale

@@ -79,7 +79,7 @@ class LayerCalibrator:
         self._caching, self._cached = None, {}
         self.routes: dict[str, list[int]] = {}  # experts path -> routed tokens per expert (calibrate/experts.py)
         self.solved, self.refining = [], False  # block's (group, SolvedGroup, H, amax, input scale) to refine
-        self.float_inputs, self.cross = {}, None  # float model's group inputs, their cross term (calibrate/gptaq.py)
+        self.float_inputs: dict = {}  # group -> chunk -> the float model's input (calibrate/gptaq.py)
         tokens = len(state.chunks.local_samples()) * state.seq_len
         self.replay = Replay(self.modules, 0, tokens)  # calibrate/replay.py
 
@@ -133,7 +133,8 @@ class LayerCalibrator:
 
     def _stage_stats(self, block: Block, group, spec: StatsSpec, h_fn: Callable | None):
         """Statistics of `group`'s input over all chunks, and the Hessian partials of h_fn(input) when
-        h_fn is given (identity, or the engine's input quantizer when it needs no global statistic)."""
+        h_fn is given (identity, or the engine's input quantizer when it needs no global statistic), with
+        the float-target cross term where the float pass recorded the group's inputs (else None)."""
         stats = self.state.new_stats(self.modules[group[0]].in_features, spec)
         tree = TreeSum() if h_fn is not None else None
         cross = CrossTerm.of(self.float_inputs, group) if tree is not None else None
@@ -152,10 +153,11 @@ class LayerCalibrator:
             raise Stop
 
         self._run_hooked(block, group[0], hook)
-        self.cross = None if cross is None else cross.total(self.state.comm)
-        return stats.reduce(self.state.comm), (None if tree is None else tree.total(self.state.comm))
+        comm = self.state.comm
+        D = None if cross is None else cross.total(comm)
+        return stats.reduce(comm), (None if tree is None else tree.total(comm)), D
 
-    def _hessian_pass(self, block: Block, group, quant: Callable) -> torch.Tensor:
+    def _hessian_pass(self, block: Block, group, quant: Callable) -> tuple[torch.Tensor, torch.Tensor | None]:
         tree, cross = TreeSum(), CrossTerm.of(self.float_inputs, group)
 
         def hook(_m, args):
@@ -165,8 +167,7 @@ class LayerCalibrator:
             raise Stop
 
         self._run_hooked(block, group[0], hook)
-        self.cross = None if cross is None else cross.total(self.state.comm)
-        return tree.total(self.state.comm)
+        return tree.total(self.state.comm), (None if cross is None else cross.total(self.state.comm))
 
     def _run_hooked(self, block: Block, module: str, hook) -> None:
         h = self.modules[module].register_forward_pre_hook(hook)
@@ -189,16 +190,16 @@ class LayerCalibrator:
         if cal.weight_method == "gptq" and not (quant_h and static):
             h_fn = quant if (quant_h and quant is not None) else (lambda t: t)
         spec = OBSERVER_STATS[cal.observer] if static else StatsSpec()
-        stats, H = self._stage_stats(block, group, spec, h_fn)
+        stats, H, D = self._stage_stats(block, group, spec, h_fn)
         finite_stats(self.plan.prefix + group[0], stats.amax, H)
         choice = None
         if static:
             choice = OBSERVERS[cal.observer](stats, handler(acts).act_grid(acts))
             quant = input_quantizer(acts, choice.scale)
             if cal.weight_method == "gptq" and quant_h:
-                H = self._hessian_pass(block, group, quant)
+                H, D = self._hessian_pass(block, group, quant)
         weights = {n: self.modules[n].weight.data.float() for n in group}  # bf16 passes: solved in fp32
-        weights, self.cross = toward_float(weights, self.cross, H, cal), None
+        weights = toward_float(weights, D, H, cal)  # calibration.gptq_float_target
         weight_only = scheme.input_activations is None
         solved = (group, solve_group(weights, scheme.weights, cal, H, weight_only), H, stats.amax, choice)
         self.solved += [solved] if self.refining else []  # kept for the block's rounding (calibrate/signround.py)

@@ -42,11 +42,11 @@ def float_targets(cal, block: Block, stages: list) -> dict[int, torch.Tensor] | 
     st = cal.state
     if st.float_store is None:
         return None
-    out, base, at = {}, st.chunks.local_samples().start, [0]
+    out, base = {}, st.chunks.local_samples().start
     keep = cal.recipe.calibration.rounding == "signround"
-    with torch.no_grad(), cal._precision(), record_float_inputs(cal, stages, at):
+    with torch.no_grad(), cal._precision(), record_float_inputs(cal, stages):
         for c, first, x in st.each_chunk():
-            at[0] = c
+            cal.chunk = (c, first)  # as the calibrator's passes set it: the recording hooks read it
             x = st.float_store.read(first - base, first - base + x.shape[0]).to(st.device, st.dtype)
             y = cal._run_block(block, x, st.inputs_at(cal.index, first))
             st.float_store.write(first - base, y)
