@@ -158,9 +158,10 @@ def nvfp4_grid(global_scale: torch.Tensor, mse: bool = False, hessian: bool = Fa
         lambda w, p: fake_quant_nvfp4(w, p[0]),
         NVFP4_GROUP,
         choose_weighted=(lambda w, d: (nvfp4_search_scale(w, gs, factors, d), None)) if mse and hessian else None,
+        fused=("fp4",),
     )
 
 
 def mxfp4_grid(mse: bool = False, hessian: bool = False) -> WeightGrid:
-    """MXFP4 (ops.fp4): E2M1 values; the eager solver only."""
-    return mx_grid(choose_mxfp4_scale, fake_quant_mxfp4, mse, hessian)
+    """MXFP4 (ops.fp4): E2M1 values times a power of two, so the fused block kernel's E2M1 rounding applies."""
+    return mx_grid(choose_mxfp4_scale, fake_quant_mxfp4, mse, hessian, fused=("fp4",))

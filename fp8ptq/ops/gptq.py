@@ -104,32 +104,47 @@ class Columns:
     order: the column visit order (a permutation of in_features); natural: it is the identity.
     quant(w, j) rounds one column w [out] onto the grid; j is the column's index (indexed: group grids)
     or its solve position.
-    start_group(slab [out, group_size]) is called when the solve reaches the first column of each
-    group, with that group's current (error-updated) weights; blocks must then be group-aligned.
+    start_group(slab [out, group_size]) -> that group's Params, called when the solve reaches the first
+    column of each group, with that group's current (error-updated) weights; blocks must then be
+    group-aligned.
     fused: the grid as `gptq_kernel.FusedGrid`: each block is one kernel launch where that runs (CUDA).
+    fused_group (lazy groups): one group's Params as a `FusedGrid`: one kernel launch per group.
     """
 
     order: torch.Tensor
     quant: Callable[[torch.Tensor, int], torch.Tensor]
     natural: bool
     group_size: int | None = None
-    start_group: Callable[[torch.Tensor], None] | None = None
+    start_group: Callable[[torch.Tensor], Params] | None = None
     fused: gptq_kernel.FusedGrid | None = None
     indexed: bool = True
+    fused_group: Callable[[Params], gptq_kernel.FusedGrid] | None = None
+
+
+def _kernel_block(cols: Columns, W1, Q1, Err1, Hinv1, i1: int) -> None:
+    """One block on the fused kernel: one launch, or (lazy groups) one per group, each group's params
+    chosen from the weights the launches before it left in W1, as the eager loop chooses them."""
+    if cols.start_group is None:
+        gptq_kernel.solve_block(W1, Q1, Err1, Hinv1, cols.fused, (i1, 0, W1.shape[0]))
+        return
+    for c0 in range(0, W1.shape[0], cols.group_size):
+        grid = cols.fused_group(cols.start_group(W1[c0 : c0 + cols.group_size].T))
+        gptq_kernel.solve_block(W1, Q1, Err1, Hinv1, grid, (i1, c0, c0 + cols.group_size))
 
 
 def _solve(W, H, cols: Columns, *, block_size, damp):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
     Returns (Q [out, in] in original column order, damping used, the error-updated W it rounded).
     """
-    order, quant_col, natural, fused = cols.order, cols.quant, cols.natural, cols.fused
+    order, quant_col, natural = cols.order, cols.quant, cols.natural
     group_size, start_group = cols.group_size, cols.start_group
+    kernel = cols.fused is not None or cols.fused_group is not None
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
     Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
     # column indices for quant_col: a host copy, needed only by the per-column loop of a group grid
-    js = None if natural or fused is not None or not cols.indexed else order.tolist()
+    js = None if natural or kernel or not cols.indexed else order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
     # rounding of the original implementation bit for bit, without a temporary per column
     buf = torch.empty(min(block_size, n), Wt.shape[1], dtype=Wt.dtype, device=Wt.device)
@@ -138,10 +153,9 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
         W1 = Wt[i1:i2]  # a view: updated in place
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        if fused is not None:
-            gptq_kernel.solve_block(W1, Qt[i1:i2], Err1, Hinv1, fused, i1)
-            W1.copy_(Qt[i1:i2] + Err1 * Hinv1.diagonal().unsqueeze(1))  # what the kernel rounded (w = q + err d)
-        for i in range(0 if fused is not None else i2 - i1):
+        if kernel:
+            _kernel_block(cols, W1, Qt[i1:i2], Err1, Hinv1, i1)
+        for i in range(0 if kernel else i2 - i1):
             if start_group is not None and (i1 + i) % group_size == 0:
                 start_group(W1[i : i + group_size].T)
             w = W1[i]
@@ -157,7 +171,8 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
 
 
 def _fused(grid: WeightGrid, scale, zero_point, order, n_g):
-    """The kernel's view of params fixed before the solve: every column's params column, in solve order."""
+    """The kernel's view of params: every column's params column, in solve order (n_g None: one params
+    column for all, as for one lazy group's)."""
     gidx = (order // n_g if n_g else torch.zeros_like(order)).to(torch.int32)
     z = None if zero_point is None else zero_point.float()
     return gptq_kernel.FusedGrid(grid.fused[0], scale.float(), z, gidx, *grid.fused[1:])
@@ -232,8 +247,13 @@ def gptq(
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
             aligned = max(1, block_size // n_g) * n_g
-            start = lambda slab: groups.append(grid.choose(slab))
-            cols = Columns(order, quant, natural=not act_order, group_size=n_g, start_group=start)
+
+            def start(slab: torch.Tensor) -> Params:
+                groups.append(grid.choose(slab))
+                return groups[-1]
+
+            one_group = (lambda p: fuse(*p, None)) if kernel else None
+            cols = Columns(order, quant, not act_order, n_g, start, fused_group=one_group)
             Q, used, updated = _solve(W, H, cols, block_size=aligned, damp=damp)
             scale = torch.cat([p[0] for p in groups], dim=1)
             zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)

@@ -6,13 +6,15 @@ launch solves a whole block (<= 128 columns): each program owns a tile of output
 block's [B, tile] weights in registers and walks the columns on-chip. Output channels are independent
 in GPTQ (they share only the inverse Hessian), so tiles need no communication.
 
-Bit for bit what the eager solver computes, for the grids whose params are known before the block
-starts (`FusedGrid`: FP8 per-tensor / per-channel / static groups and FP8 blocks; integer grids with
-static params): the same operations in the same order, IEEE-rounded division (`div_rn`), no FMA
-contraction (`enable_fp_fusion=False`), the FP8 and integer roundings done with the exact
-add-and-subtract trick of `ops.fp8.round_to_fp8` (Triton 3.5's interpreter mis-rounds the FP8 cast
-where a carry crosses a binade). Grids that choose params inside the block (lazy groups) and the FP4
-grids stay eager.
+Bit for bit what the eager solver computes, for every grid the solver serves (`FusedGrid`): FP8
+per-tensor / per-channel / groups / blocks (MXFP8 included), integer grids, FP4 E2M1 (NVFP4, MXFP4).
+The same operations in the same order, IEEE-rounded division (`div_rn`), no FMA contraction
+(`enable_fp_fusion=False`), every rounding (E4M3, integers, E2M1, bf16) done with exact integer or
+add-and-subtract arithmetic instead of a cast (Triton 3.5's interpreter mis-rounds the FP8 cast where a
+carry crosses a binade). Params fixed before the block (per-tensor, per-channel, static groups) make one
+launch per block; lazy groups (params chosen from the error-updated weights when the solve reaches a
+group) one launch per group: the kernel writes the updated block back, the solver chooses the next
+group's params from it, and the next launch reads it.
 
 On the CPU the kernel runs only under Triton's interpreter (`TRITON_INTERPRET=1`, set before this
 module is imported): that is how the test suite checks it against the eager solver without a GPU.
@@ -39,8 +41,9 @@ TILE = (32, 4)
 
 @dataclass(frozen=True)
 class FusedGrid:
-    """A grid the kernel can apply: kind "fp8" or "int" (qmin, qmax), scale [out, G] (or [1]: one for
-    the tensor), zero_point like scale or None, gidx [in] int32: the params column of each input
+    """A grid the kernel can apply: kind "fp8" (E4M3), "int" (qmin, qmax) or "fp4" (E2M1 codes times the
+    scale, rounded to bf16: NVFP4's effective scale, MXFP4's power of two), scale [out, G] (or [1]: one
+    for the tensor), zero_point like scale or None, gidx [in] int32: the params column of each input
     column in the solver's (possibly act-ordered) column order."""
 
     kind: str
@@ -75,16 +78,37 @@ if triton is not None:
         return ((r.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _round_bf16(x):
+        # fp32 -> bf16 -> fp32, nearest with ties to even (torch's cast, for finite values)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000 as int32
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _round_e2m1(t):
+        # ops.fp4.cast_e2m1 on t in [-6, 6]: |t| / step (the power of two of |t|'s binade clamped to [1, 4],
+        # halved: exact), rounded half to even, times step, signed as t (torch.sign: +0.0 for either zero)
+        a = tl.abs(t)
+        step = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        step = tl.minimum(tl.maximum(step, 1.0), 4.0) * 0.5
+        m = ((tl.math.div_rn(a, step) + 12582912.0) - 12582912.0) * step
+        return tl.where(t == 0.0, 0.0, _copysign(m, t))
+
+    @triton.jit
     def _block_kernel(
         W, Q, E, H, S, Z, G,
-        nb, out, ldw, hs0, hs1, lds, qmin, qmax,
-        B: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, HAS_Z: tl.constexpr, PER_TENSOR: tl.constexpr,
+        c0, c1, nb, out, ldw, hs0, hs1, lds, qmin, qmax,
+        B: tl.constexpr, BN: tl.constexpr, KIND: tl.constexpr, HAS_Z: tl.constexpr, PER_TENSOR: tl.constexpr,
     ):  # fmt: skip
+        # KIND 0: E4M3, 1: integer, 2: E2M1. Columns c0..c1 of the block are solved; every later row of the
+        # block takes their errors, and the whole register tile is written back to W (what the eager loop
+        # leaves there: each row as it was rounded)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         cmask = cols < out
         rows = tl.arange(0, B)
-        w = tl.load(W + rows[:, None] * ldw + cols[None, :], mask=(rows[:, None] < nb) & cmask[None, :], other=0.0)
-        for i in tl.range(0, nb):
+        tile = (rows[:, None] < nb) & cmask[None, :]
+        w = tl.load(W + rows[:, None] * ldw + cols[None, :], mask=tile, other=0.0)
+        for i in tl.range(c0, c1):
             # row i of the register tile, exactly (max over one value and -infs keeps -0.0)
             wi = tl.max(tl.where(rows[:, None] == i, w, float("-inf")), axis=0)
             g = tl.load(G + i)
@@ -93,9 +117,11 @@ if triton is not None:
             else:
                 s = tl.load(S + cols * lds + g, mask=cmask, other=1.0)
             t = tl.math.div_rn(wi, s)
-            if FP8:
+            if KIND == 0:
                 t = _round_fp8(tl.minimum(tl.maximum(t, -448.0), 448.0))
                 q = t * s
+            elif KIND == 2:
+                q = _round_bf16(_round_e2m1(tl.minimum(tl.maximum(t, -6.0), 6.0)) * s)
             else:
                 if HAS_Z:
                     if PER_TENSOR:
@@ -114,16 +140,29 @@ if triton is not None:
             later = (rows > i) & (rows < nb)
             h = tl.load(H + i * hs0 + rows * hs1, mask=later, other=0.0)
             w = tl.where(later[:, None], w - h[:, None] * err[None, :], w)
+        tl.store(W + rows[:, None] * ldw + cols[None, :], w, mask=tile)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def solve_block(W1: torch.Tensor, Q1: torch.Tensor, E1: torch.Tensor, Hinv1: torch.Tensor, grid: FusedGrid, i1: int):
-    """One block of the recurrence: W1 [nb, out] (the error-updated block rows, read only), Hinv1 [nb, nb]
-    (a view of the upper Cholesky factor, any strides), Q1 / E1 [nb, out] written: the quantized rows and the
-    scaled errors the eager loop leaves in Qt and Err1. i1: the block's first column (for gidx)."""
+_KINDS = {"fp8": 0, "int": 1, "fp4": 2}
+
+
+def solve_block(
+    W1: torch.Tensor,
+    Q1: torch.Tensor,
+    E1: torch.Tensor,
+    Hinv1: torch.Tensor,
+    grid: FusedGrid,
+    at: tuple[int, int, int],
+):
+    """Columns c0..c1 of one block of the recurrence, at = (i1, c0, c1); i1: the block's first column (for
+    gidx). W1 [nb, out]: the error-updated block rows, updated in place as the eager loop updates them;
+    Hinv1 [nb, nb]: a view of the upper Cholesky factor, any strides; Q1 / E1 [nb, out]: rows c0..c1
+    written, the quantized rows and the scaled errors the eager loop leaves in Qt and Err1."""
+    i1, c0, c1 = at
     nb, out = W1.shape
     assert W1.stride(1) == 1 and Q1.stride(1) == 1 and E1.stride(1) == 1
     per_tensor = grid.scale.numel() == 1
@@ -132,8 +171,8 @@ def solve_block(W1: torch.Tensor, Q1: torch.Tensor, E1: torch.Tensor, Hinv1: tor
     bn, warps = TILE if nb > 64 else (2 * TILE[0], TILE[1])
     _block_kernel[(triton.cdiv(out, bn),)](
         W1, Q1, E1, Hinv1, s, z, grid.gidx[i1 : i1 + nb],
-        nb, out, W1.stride(0), Hinv1.stride(0), Hinv1.stride(1), 1 if per_tensor else s.stride(0),
+        c0, c1, nb, out, W1.stride(0), Hinv1.stride(0), Hinv1.stride(1), 1 if per_tensor else s.stride(0),
         float(grid.qmin), float(grid.qmax),
-        B=_pow2(nb), BN=bn, FP8=grid.kind == "fp8", HAS_Z=grid.zero_point is not None, PER_TENSOR=per_tensor,
+        B=_pow2(nb), BN=bn, KIND=_KINDS[grid.kind], HAS_Z=grid.zero_point is not None, PER_TENSOR=per_tensor,
         num_warps=warps, **({} if INTERPRET else {"enable_fp_fusion": False}),
     )  # fmt: skip

@@ -41,6 +41,6 @@ class WeightGrid:
     # choose_weighted(W rows [R, n], d [R, n]) -> Params: like choose, but each column's error weighted
     # by d (GPTQ passes the Hessian diagonal: the output error a column's rounding causes on its own)
     choose_weighted: Callable[[torch.Tensor, torch.Tensor], Params] | None = None
-    # what the fused block kernel (ops.gptq_kernel) applies for this fake_quant: ("fp8",) or ("int", qmin,
-    # qmax); None: the eager loop only (FP4 grids)
+    # what the fused block kernel (ops.gptq_kernel) applies for this fake_quant: ("fp8",), ("int", qmin,
+    # qmax) or ("fp4",); None: the eager loop only
     fused: tuple | None = None
