@@ -4,7 +4,8 @@
 #   gpu.txt                      the card, torch and Triton versions, the commit (COMMIT_ID: the device copy
 #                                has the working tree, not the history), each step's exit status
 #   gptq_kernel.json             benchmarks/speed/gptq_kernel_bench.py: the GPTQ solve alone on Llama-3-8B shapes
-#                                (KERNEL_S=0 skips it)
+#                                (KERNEL_S=0 skips it; KERNEL_GRIDS=a,b picks grids, e.g. the FP4 and lazy-group
+#                                ones: nvfp4-actorder,mxfp4-actorder,int4-g128-lazy)
 #   gpu_profile-<L>l-<w>-<d>.json benchmarks/speed/gpu_profile.py, one per word of PROFILES ("weights:dtype[:layers]"):
 #                                host regions and device kernels of one fp8ptq run (before the STEPS)
 #   gpu_bench-<L>l-<plan>.json   benchmarks/speed/gpu_bench.py, one file per step of STEPS ("layers:plan[:repeats]"
@@ -24,7 +25,7 @@ LLMC_PY=${LLMC_PY:-$(command -v python3)}
   echo "commit ${COMMIT_ID:-$(git rev-parse HEAD 2>/dev/null)}"; nproc; } > "$OUT/gpu.txt" 2>&1
 if [ "${KERNEL_S:-150}" != 0 ]; then
   timeout "${KERNEL_S:-150}" python3 benchmarks/speed/gptq_kernel_bench.py --device cuda --sweep 16x2,32x4,64x4,64x8,128x8 \
-    --json "$OUT/gptq_kernel.json" > "$OUT/gptq_kernel.log" 2>&1
+    ${KERNEL_GRIDS:+--grids "$KERNEL_GRIDS"} --json "$OUT/gptq_kernel.json" > "$OUT/gptq_kernel.log" 2>&1
   echo "gptq_kernel_bench rc=$?" >> "$OUT/gpu.txt"
 fi
 for prof in ${PROFILES:-}; do  # "weights:dtype[:layers]" words: benchmarks/speed/gpu_profile.py, where the time goes
