@@ -60,15 +60,21 @@ def _one_thread(device: torch.device):
         torch.set_num_threads(before)
 
 
-def _inverse_hessian_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, retrying with more damping if needed.
-    Damping relative to mean(diag H) makes the solve invariant to the scale of H (mean or sum).
+def _inverse_hessian_cholesky(
+    H: torch.Tensor, damp: float, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, retrying with more damping if needed; order:
+    of H permuted to that column order (act-order). Damping relative to mean(diag H) makes the solve
+    invariant to the scale of H (mean or sum).
     Memory: at most two [in, in] temporaries beside H (the intermediate-size Hessian of a 70B model is
-    3 GiB in fp32; an identity matrix and chained temporaries would triple the layer's peak)."""
-    mean_diag = torch.diag(H).mean().clamp_min(1e-12)
+    3 GiB in fp32; an identity matrix and chained temporaries would triple the layer's peak): the damped
+    copy is the permuted H itself under act-order, not a copy of a permuted copy."""
+    mean_diag = None
     for attempt in range(6):
         d = damp * 10**attempt
-        A = H.clone()
+        A = H.clone() if order is None else H[order[:, None], order]
+        if mean_diag is None:
+            mean_diag = torch.diag(A).mean().clamp_min(1e-12)
         A.diagonal().add_(d * mean_diag)  # = H + d * mean_diag * I, bit for bit
         try:
             L = torch.linalg.cholesky(A)
@@ -142,7 +148,7 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
-    Hinv, used = _inverse_hessian_cholesky(H if natural else H[order[:, None], order], damp)
+    Hinv, used = _inverse_hessian_cholesky(H, damp, None if natural else order)
     # column indices for quant_col: a host copy, needed only by the per-column loop of a group grid
     js = None if natural or kernel or not cols.indexed else order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the

@@ -110,6 +110,22 @@ def test_solver_reproduces_the_original_implementation(g, act_order):
     assert torch.equal(shared.weight, old)
 
 
+def test_act_order_is_the_natural_solve_of_the_permuted_problem_retries_included():
+    # act-order damps and factors H permuted in place (no copy of a permuted copy): the same bits as solving
+    # the permuted problem in natural order, also when the first damping fails and a retry re-permutes H
+    W, H, _ = _setup(out=24, d=96)
+    mean = H.diagonal().mean()
+    lam = torch.linalg.eigvalsh(H.double()).min().float()
+    Hbad = H - (lam + 0.03 * mean) * torch.eye(96)  # indefinite: 1% damping fails, 10% holds
+    order = torch.argsort(torch.diag(Hbad), descending=True, stable=True)
+    back = torch.argsort(order)
+    for h in (H, Hbad):
+        a = gptq(W, h, fp8_grid(TENSOR), act_order=True)
+        b = gptq(W[:, order], h[order[:, None], order], fp8_grid(TENSOR))
+        assert torch.equal(a.weight, b.weight[:, back]) and a.damp == b.damp
+    assert gptq(W, Hbad, fp8_grid(TENSOR), act_order=True).damp == pytest.approx(0.1)
+
+
 INT_GRIDS = [  # (bits, symmetric, granularity)
     (4, True, group(64)),
     (4, False, group(64)),
