@@ -38,6 +38,11 @@ class GPTQResult:
     # each weight as the solve rounded it (error-updated; `weight` is its fake-quant): the solve's own
     # rounding positions, where a rounding refinement starts (calibrate/signround.py)
     updated: torch.Tensor | None = None
+    # [out] fp64: each row's output error tr(d H d^T), d = W - weight (H as given), from the solve's own
+    # scaled errors E instead of a [out, in] x [in, in] product: W - weight = E U with U the upper Cholesky
+    # factor of (H + s I)^-1, so d (H + s I) d^T = E E^T (exact in exact arithmetic; fp32 solves agree with
+    # the product to ~1e-4 relative). s: the absolute damping. Dead inputs add nothing either way.
+    out_err: torch.Tensor | None = None
 
     @property
     def dead_columns(self) -> int:  # read on demand: a host sync on a GPU
@@ -62,8 +67,9 @@ def _one_thread(device: torch.device):
 
 def _inverse_hessian_cholesky(
     H: torch.Tensor, damp: float, order: torch.Tensor | None = None
-) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, retrying with more damping if needed; order:
+) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, the relative damping used and the absolute one
+    (damp*mean(diag)), retrying with more damping if needed; order:
     of H permuted to that column order (act-order). Damping relative to mean(diag H) makes the solve
     invariant to the scale of H (mean or sum).
     Memory: at most two [in, in] temporaries beside H (the intermediate-size Hessian of a 70B model is
@@ -83,7 +89,7 @@ def _inverse_hessian_cholesky(
         del A
         inv = torch.cholesky_inverse(L)
         del L
-        return torch.linalg.cholesky(inv, upper=True), d
+        return torch.linalg.cholesky(inv, upper=True), d, d * mean_diag
     raise torch.linalg.LinAlgError("GPTQ: Hessian is not positive definite even with 1e5x damping")
 
 
@@ -148,7 +154,8 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
     n = W.shape[1]
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
-    Hinv, used = _inverse_hessian_cholesky(H, damp, None if natural else order)
+    Hinv, used, shift = _inverse_hessian_cholesky(H, damp, None if natural else order)
+    e2 = torch.zeros(W.shape[0], dtype=torch.float64, device=W.device)  # per row: the sum of squared E
     # column indices for quant_col: a host copy, needed only by the per-column loop of a group grid
     js = None if natural or kernel or not cols.indexed else order.tolist()
     # product buffer: a separate multiply then subtract, not a fused addcmul_/addr_ (FMA), keeps the
@@ -172,8 +179,11 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
             if rest:
                 W1[i + 1 :].sub_(torch.mul(Hinv1[i, i + 1 :].unsqueeze(1), err, out=buf[:rest]))
         Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
+        e2 += Err1.double().square().sum(0)
     back = torch.argsort(order)
-    return Qt.T[:, back].contiguous(), used, Wt.T[:, back]
+    Q = Qt.T[:, back].contiguous()
+    out_err = e2 - shift.double() * (W - Q).double().square().sum(1)  # GPTQResult.out_err
+    return Q, used, Wt.T[:, back], out_err
 
 
 def _fused(grid: WeightGrid, scale, zero_point, order, n_g):
@@ -225,7 +235,7 @@ def gptq(
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
             fused = fuse(*params, None)
             cols = Columns(order, quant, natural=not act_order, fused=fused, indexed=False)
-            Q, used, updated = _solve(W, H, cols, block_size=block_size, damp=damp)
+            Q, used, updated, out_err = _solve(W, H, cols, block_size=block_size, damp=damp)
             scale, zero_point = params
         elif act_order or static_groups or grid.refine is not None:
             if grid.row_separable:
@@ -248,7 +258,7 @@ def gptq(
             ]
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), per_group[j // n_g])[:, 0]  # noqa: E731
             cols = Columns(order, quant, natural=not act_order, fused=fuse(scale, zero_point, n_g))
-            Q, used, updated = _solve(W, H, cols, block_size=block_size, damp=damp)
+            Q, used, updated, out_err = _solve(W, H, cols, block_size=block_size, damp=damp)
         else:
             groups: list[Params] = []
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), groups[j // n_g])[:, 0]  # noqa: E731
@@ -260,7 +270,7 @@ def gptq(
 
             one_group = (lambda p: fuse(*p, None)) if kernel else None
             cols = Columns(order, quant, not act_order, n_g, start, fused_group=one_group)
-            Q, used, updated = _solve(W, H, cols, block_size=aligned, damp=damp)
+            Q, used, updated, out_err = _solve(W, H, cols, block_size=aligned, damp=damp)
             scale = torch.cat([p[0] for p in groups], dim=1)
             zero_point = None if groups[0][1] is None else torch.cat([p[1] for p in groups], dim=1)
-    return GPTQResult(Q, scale, zero_point, dead, used, updated)
+    return GPTQResult(Q, scale, zero_point, dead, used, updated, out_err)

@@ -97,6 +97,9 @@ class SolvedGroup:
     zero_point: torch.Tensor | None
     args: QuantizationArgs
     start: torch.Tensor | None = None  # where the solver rounded each weight from (GPTQ: error-updated)
+    # GPTQ: (the codes it chose, each row's output error of them [out] fp64: GPTQResult.out_err). split_group
+    # reads it while `q` is still those codes; once a refinement sets q to others it computes the error itself
+    solver_err: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def fake_quant_with(w: torch.Tensor, group: SolvedGroup) -> torch.Tensor:
@@ -129,11 +132,11 @@ def solve_group(
     if cal.weight_method == "gptq":
         assert H is not None, "GPTQ needs the input Hessian"
         r = gptq(w, H, grid, block_size=cal.gptq_block_size, damp=cal.gptq_damp, act_order=cal.gptq_act_order)
-        q, scale, zp, start = r.weight, r.scale, r.zero_point, r.updated
+        q, scale, zp, start, err = r.weight, r.scale, r.zero_point, r.updated, (r.weight, r.out_err)
     else:
         q, params = _rtn(w, grid)
-        scale, zp, start = params["weight_scale"], params.get("weight_zero_point"), w
-    return SolvedGroup(names, [weights[n].shape[0] for n in names], w, q, grid, scale, zp, args, start)
+        scale, zp, start, err = params["weight_scale"], params.get("weight_zero_point"), w, None
+    return SolvedGroup(names, [weights[n].shape[0] for n in names], w, q, grid, scale, zp, args, start, err)
 
 
 def quantize_group(
@@ -170,9 +173,13 @@ def split_group(solved: SolvedGroup, H: torch.Tensor | None) -> dict[str, Quanti
         if gs is not None:
             p_i["weight_global_scale"] = gs.clone()  # one for every shard of a fused group (vLLM takes the max)
         report = {"weight_rel_err": (q_i - w_i).norm() / w_i.norm().clamp_min(1e-12)}
-        if H is not None:
-            d = q_i - w_i  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)
-            err, ref = ((d @ H) * d).sum().clamp_min(0), ((w_i @ H) * w_i).sum().clamp_min(1e-12)
+        if H is not None:  # relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T)
+            if solved.solver_err is not None and solved.solver_err[0] is q:  # GPTQ's own: one [out, in] x [in, in]
+                err = solved.solver_err[1][lo : lo + w_i.shape[0]].sum().float().clamp_min(0)  # product less
+            else:
+                d = q_i - w_i
+                err = ((d @ H) * d).sum().clamp_min(0)
+            ref = ((w_i @ H) * w_i).sum().clamp_min(1e-12)
             report["output_rel_err"] = err.sqrt() / ref.sqrt()
         numbers.append(report)
         out[name] = QuantizedWeight(q_i.contiguous(), p_i, report)

@@ -126,6 +126,26 @@ def test_act_order_is_the_natural_solve_of_the_permuted_problem_retries_included
     assert gptq(W, Hbad, fp8_grid(TENSOR), act_order=True).damp == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("grid", ["fp8 tensor", "int4 g32", "int8 channel"])
+def test_output_error_from_the_solve_equals_the_product(grid, act_order):
+    # GPTQResult.out_err (from the solve's scaled errors) is tr(d H d^T) per row, d = W - weight, without
+    # the [out, in] x [in, in] product; a dead input (zero H row) adds nothing to either
+    W, H, _ = _setup(out=32, d=128)
+    H[:, 5] = 0.0
+    H[5, :] = 0.0
+    g = {
+        "fp8 tensor": fp8_grid(TENSOR),
+        "int4 g32": int_grid(4, False, group(32)),
+        "int8 channel": int_grid(8, True, CHANNEL),
+    }
+    r = gptq(W, H, g[grid], act_order=act_order)
+    d = (r.weight - W).double()
+    product = ((d @ H.double()) * d).sum(1)
+    assert r.out_err.dtype == torch.float64 and r.out_err.shape == (32,)
+    assert torch.allclose(r.out_err, product, rtol=1e-4, atol=0)
+
+
 INT_GRIDS = [  # (bits, symmetric, granularity)
     (4, True, group(64)),
     (4, False, group(64)),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8ptq.ops.signround import REACH, Offsets, step_of
-from fp8ptq.quantize.weights import fake_quant_with, solve_group
+from fp8ptq.quantize.weights import fake_quant_with, solve_group, split_group
 from fp8ptq.recipe import load_recipe
 
 GRIDS = ["w4a16", "w8a8-int8", "nvfp4a16", "mxfp4a16", "fp8-dynamic", "fp8-block", "mxfp8"]
@@ -41,3 +41,25 @@ def test_gptq_rounds_from_the_weights_it_hands_over():
     g = _solved("w4a16", "gptq", 2 * x.T @ x)  # act-order, static groups, MSE clip
     assert not torch.equal(g.start, g.w)  # error-updated, not the float weights
     assert torch.equal(fake_quant_with(g.start, g), g.q)
+
+
+@pytest.mark.parametrize("recipe", ["w4a16", "fp8-kv8"])
+def test_the_reported_output_error_is_of_the_codes_installed(recipe):
+    # GPTQ reports its own output error (no [out, in] x [in, in] product); once a refinement moves the codes
+    # (SignRound sets q), the report is of the new codes
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(2))
+    H = 2 * x.T @ x
+    g = _solved(recipe, "gptq", H)
+    solver_err = g.solver_err
+
+    def reported_and_product(q):
+        d = (q - g.w).double()
+        product = float(((d @ H.double()) * d).sum() / ((g.w.double() @ H.double()) * g.w.double()).sum())
+        return split_group(g, H)["m"].report["output_rel_err"], product**0.5
+
+    assert solver_err is not None and solver_err[0] is g.q
+    got, want = reported_and_product(g.q)
+    assert got == pytest.approx(want, rel=1e-4)
+    g.q = fake_quant_with(g.w * 1.02, g)  # other codes on the same grid
+    moved, want_moved = reported_and_product(g.q)
+    assert moved == pytest.approx(want_moved, rel=1e-4) and moved != pytest.approx(got, rel=1e-3)
