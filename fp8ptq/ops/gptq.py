@@ -152,9 +152,10 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
     group_size, start_group = cols.group_size, cols.start_group
     kernel = cols.fused is not None or cols.fused_group is not None
     n = W.shape[1]
+    # the factorisation first: its [in, in] temporaries never sit beside the solve's [in, out] copies
+    Hinv, used, shift = _inverse_hessian_cholesky(H, damp, None if natural else order)
     Wt = W[:, order].T.contiguous()
     Qt = torch.empty_like(Wt)
-    Hinv, used, shift = _inverse_hessian_cholesky(H, damp, None if natural else order)
     e2 = torch.zeros(W.shape[0], dtype=torch.float64, device=W.device)  # per row: the sum of squared E
     # column indices for quant_col: a host copy, needed only by the per-column loop of a group grid
     js = None if natural or kernel or not cols.indexed else order.tolist()
@@ -180,10 +181,12 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
                 W1[i + 1 :].sub_(torch.mul(Hinv1[i, i + 1 :].unsqueeze(1), err, out=buf[:rest]))
         Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
         e2 += Err1.double().square().sum(0)
+    del Hinv, buf  # the solve's largest temporary: gone before the copies back to column order
     back = torch.argsort(order)
     Q = Qt.T[:, back].contiguous()
-    out_err = e2 - shift.double() * (W - Q).double().square().sum(1)  # GPTQResult.out_err
-    return Q, used, Wt.T[:, back], out_err
+    del Qt
+    d2 = torch.linalg.vector_norm(W - Q, dim=1).double().square()  # one [out, in] temporary, not fp64 ones
+    return Q, used, Wt.T[:, back], e2 - shift.double() * d2  # the last: GPTQResult.out_err
 
 
 def _fused(grid: WeightGrid, scale, zero_point, order, n_g):
