@@ -1,0 +1,56 @@
+"""One Linear through the code quantize runs (`quantize_group`: GPTQ's solve and the error report) at a real
+model's width, on the CPU: seconds, peak RSS and the reported output error, for before/after comparisons
+of the solver's cost (run each checkout with its own PYTHONPATH, alternating).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/speed/gptq_cost.py --shape 4096x14336 --recipe fp8-kv8
+
+The Hessian is built from random inputs with a few outlier channels (8 x 1024 tokens): what matters here
+is its size, not its values. Llama-3-8B's down_proj is 4096 x 14336 (its Hessian 784 MiB in fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+
+from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.recipe import load_recipe
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4096x14336", help="out x in of the Linear")
+    ap.add_argument("--recipe", default="fp8-kv8", help="its weights and calibration (GPTQ settings)")
+    a = ap.parse_args(argv)
+    out, n = map(int, a.shape.split("x"))
+    torch.manual_seed(0)
+    r = load_recipe(a.recipe)
+    W = torch.randn(out, n) * 0.02
+    H = torch.zeros(n, n)
+    for _ in range(8):
+        X = torch.randn(1024, n)
+        X[:, :: max(1, n // 8)] *= 20
+        H.addmm_(X.T, X, alpha=2.0)
+    del X
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    qw = quantize_group({"linear": W}, r.scheme.weights, r.calibration, H)["linear"]
+    row = {
+        "shape": a.shape,
+        "recipe": a.recipe,
+        "seconds": round(time.perf_counter() - t, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_mib_before": round(before / 1024),
+        "output_rel_err": qw.report.get("output_rel_err"),
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(row))
+    return row
+
+
+if __name__ == "__main__":
+    main()
