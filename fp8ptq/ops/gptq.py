@@ -69,9 +69,8 @@ def _inverse_hessian_cholesky(
     H: torch.Tensor, damp: float, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
     """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, the relative damping used and the absolute one
-    (damp*mean(diag)), retrying with more damping if needed; order:
-    of H permuted to that column order (act-order). Damping relative to mean(diag H) makes the solve
-    invariant to the scale of H (mean or sum).
+    (damp*mean(diag)), retrying with more damping if needed; with order, of H permuted to that column order
+    (act-order). Damping relative to mean(diag H) makes the solve invariant to the scale of H (mean or sum).
     Memory: at most two [in, in] temporaries beside H (the intermediate-size Hessian of a 70B model is
     3 GiB in fp32; an identity matrix and chained temporaries would triple the layer's peak): the damped
     copy is the permuted H itself under act-order, not a copy of a permuted copy."""
@@ -146,7 +145,8 @@ def _kernel_block(cols: Columns, W1, Q1, Err1, Hinv1, i1: int) -> None:
 
 def _solve(W, H, cols: Columns, *, block_size, damp):
     """Core GPTQ loop, in the transposed layout [in, out] so each column is a contiguous row.
-    Returns (Q [out, in] in original column order, damping used, the error-updated W it rounded).
+    Returns (Q [out, in] in original column order, damping used, the error-updated W it rounded, each
+    row's output error: GPTQResult.out_err).
     """
     order, quant_col, natural = cols.order, cols.quant, cols.natural
     group_size, start_group = cols.group_size, cols.start_group
@@ -181,7 +181,7 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
                 W1[i + 1 :].sub_(torch.mul(Hinv1[i, i + 1 :].unsqueeze(1), err, out=buf[:rest]))
         Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
         e2 += Err1.double().square().sum(0)
-    del Hinv, buf  # the solve's largest temporary: gone before the copies back to column order
+    Hinv = Hinv1 = buf = None  # the solve's largest temporary (and its last block's view): gone before the copies
     back = torch.argsort(order)
     Q = Qt.T[:, back].contiguous()
     del Qt
