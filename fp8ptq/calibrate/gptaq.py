@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from fp8ptq.dist import TreeSum
+from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.precision import strict_fp32
 
 
@@ -70,13 +71,30 @@ class CrossTerm:
         return self.tree.total(comm)
 
 
+class GroupHessian:
+    """A group's GPTQ Hessian H = the sum of 2 x^T x over the chunks (dist.TreeSum's fixed tree) and, where the
+    float pass recorded the group's inputs, the cross term D beside it (`CrossTerm`), from the same inputs."""
+
+    def __init__(self, float_inputs: dict, group):
+        self.tree, self.cross = TreeSum(), CrossTerm.of(float_inputs, group)
+
+    def add(self, chunk: int, x: torch.Tensor) -> None:
+        self.tree.add(chunk, hessian_partial(x))
+        if self.cross is not None:
+            self.cross.add(chunk, x)
+
+    def total(self, comm) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(H, D), D None without recorded float inputs (plain GPTQ)."""
+        return self.tree.total(comm), (None if self.cross is None else self.cross.total(comm))
+
+
 def toward_float(weights: dict[str, torch.Tensor], D: torch.Tensor | None, H: torch.Tensor, cal) -> dict:
     """Each shard's W + alpha W D (H + damp mean(diag H) I)^-1 (fp32; solved in fp64), alpha =
     cal.gptq_float_target; `weights` unchanged without a cross term."""
     if D is None:
         return weights
     A = H.to(torch.float64, copy=True)  # H stays GPTQ's, undamped here
-    A.diagonal().add_(cal.gptq_damp * float(A.diagonal().mean().clamp_min(1e-12)))
+    A.diagonal().add_(A.diagonal().mean().clamp_min(1e-12) * cal.gptq_damp)  # on the device: no host sync
     M = torch.linalg.solve(A, D.double().T).T.mul_(cal.gptq_float_target)  # alpha D A^-1 (A symmetric)
     moved = {}
     for n, w in weights.items():

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from fp8ptq.calibrate.experts import ExpertStage, merge_expert_stages, quantize_expert_stage
-from fp8ptq.calibrate.gptaq import CrossTerm, toward_float
+from fp8ptq.calibrate.gptaq import GroupHessian, toward_float
 from fp8ptq.calibrate.kv import quantize_kv
 from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
 from fp8ptq.calibrate.replay import Replay
@@ -39,12 +39,10 @@ from fp8ptq.calibrate.state import (
     finite_stats,
     prepare,
 )
-from fp8ptq.dist import TreeSum
 from fp8ptq.models.arch import Block
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.prefetch import LayerPrefetch
 from fp8ptq.models.skeleton import materialize, release
-from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.ops.precision import pass_precision
 from fp8ptq.outliers.stats import StatsSpec
 from fp8ptq.quantize.numerics import input_quantizer, straight_through
@@ -136,38 +134,32 @@ class LayerCalibrator:
         h_fn is given (identity, or the engine's input quantizer when it needs no global statistic), with
         the float-target cross term where the float pass recorded the group's inputs (else None)."""
         stats = self.state.new_stats(self.modules[group[0]].in_features, spec)
-        tree = TreeSum() if h_fn is not None else None
-        cross = CrossTerm.of(self.float_inputs, group) if tree is not None else None
+        hess = GroupHessian(self.float_inputs, group) if h_fn is not None else None
 
         keep = self._caching == group  # the block's final Linear: keep its input for the output pass
 
         def hook(_m, args):
             c, first = self.chunk
             stats.update(c, first, args[0])
-            if tree is not None:
-                tree.add(c, hessian_partial(xh := h_fn(args[0])))
-                if cross is not None:
-                    cross.add(c, xh)
+            if hess is not None:
+                hess.add(c, h_fn(args[0]))
             if keep:  # no copy: the pass stops here, so nothing writes to this input afterwards
                 self._cached[c] = args[0]
             raise Stop
 
         self._run_hooked(block, group[0], hook)
         comm = self.state.comm
-        D = None if cross is None else cross.total(comm)
-        return stats.reduce(comm), (None if tree is None else tree.total(comm)), D
+        return stats.reduce(comm), *((None, None) if hess is None else hess.total(comm))
 
     def _hessian_pass(self, block: Block, group, quant: Callable) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tree, cross = TreeSum(), CrossTerm.of(self.float_inputs, group)
+        hess = GroupHessian(self.float_inputs, group)
 
         def hook(_m, args):
-            tree.add(self.chunk[0], hessian_partial(xh := quant(args[0])))
-            if cross is not None:
-                cross.add(self.chunk[0], xh)
+            hess.add(self.chunk[0], quant(args[0]))
             raise Stop
 
         self._run_hooked(block, group[0], hook)
-        return tree.total(self.state.comm), (None if cross is None else cross.total(self.state.comm))
+        return hess.total(self.state.comm)
 
     def _run_hooked(self, block: Block, module: str, hook) -> None:
         h = self.modules[module].register_forward_pre_hook(hook)

@@ -189,10 +189,8 @@ def _solve(W, H, cols: Columns, *, block_size, damp):
     return Q, used, Wt.T[:, back], e2 - shift.double() * d2  # the last: GPTQResult.out_err
 
 
-def _fused(grid: WeightGrid, scale, zero_point, order, n_g):
-    """The kernel's view of params: every column's params column, in solve order (n_g None: one params
-    column for all, as for one lazy group's)."""
-    gidx = (order // n_g if n_g else torch.zeros_like(order)).to(torch.int32)
+def _fused(grid: WeightGrid, scale, zero_point, gidx):
+    """The kernel's view of params: gidx [in] int32, every column's params column in solve order."""
     z = None if zero_point is None else zero_point.float()
     return gptq_kernel.FusedGrid(grid.fused[0], scale.float(), z, gidx, *grid.fused[1:])
 
@@ -231,12 +229,14 @@ def gptq(
     W, H, dead = _prepare(W, H)
     order = _column_order(H, act_order)
     kernel = grid.fused is not None and gptq_kernel.available(W.device)
-    fuse = lambda s, z, g: _fused(grid, s, z, order, g) if kernel else None  # noqa: E731
+    fuse = lambda s, z, gidx: _fused(grid, s, z, gidx) if kernel else None  # noqa: E731
+    # one params column for every column: per-tensor / per-channel params, and each lazy group's own
+    column0 = torch.zeros_like(order, dtype=torch.int32) if kernel else None
     with _one_thread(W.device):
         if n_g is None:
             params = grid.choose(W)
             quant = lambda w, _j: grid.fake_quant(w.unsqueeze(1), params)[:, 0]  # noqa: E731
-            fused = fuse(*params, None)
+            fused = fuse(*params, column0)
             cols = Columns(order, quant, natural=not act_order, fused=fused, indexed=False)
             Q, used, updated, out_err = _solve(W, H, cols, block_size=block_size, damp=damp)
             scale, zero_point = params
@@ -260,7 +260,8 @@ def gptq(
                 (scale[:, k : k + 1], None if zero_point is None else zero_point[:, k : k + 1]) for k in range(n // n_g)
             ]
             quant = lambda w, j: grid.fake_quant(w.unsqueeze(1), per_group[j // n_g])[:, 0]  # noqa: E731
-            cols = Columns(order, quant, natural=not act_order, fused=fuse(scale, zero_point, n_g))
+            gidx = (order // n_g).to(torch.int32) if kernel else None  # each column's own group
+            cols = Columns(order, quant, natural=not act_order, fused=fuse(scale, zero_point, gidx))
             Q, used, updated, out_err = _solve(W, H, cols, block_size=block_size, damp=damp)
         else:
             groups: list[Params] = []
@@ -271,7 +272,7 @@ def gptq(
                 groups.append(grid.choose(slab))
                 return groups[-1]
 
-            one_group = (lambda p: fuse(*p, None)) if kernel else None
+            one_group = (lambda p: fuse(*p, column0)) if kernel else None
             cols = Columns(order, quant, not act_order, n_g, start, fused_group=one_group)
             Q, used, updated, out_err = _solve(W, H, cols, block_size=aligned, damp=damp)
             scale = torch.cat([p[0] for p in groups], dim=1)
