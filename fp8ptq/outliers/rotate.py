@@ -38,7 +38,8 @@ from safetensors.torch import save_file
 from fp8ptq.errors import RecipeError
 from fp8ptq.io import atomic_output_dir, write_json_atomic
 from fp8ptq.models.arch import Arch
-from fp8ptq.models.loader import ModelSource, cache_root, check_finite, open_hf_dir
+from fp8ptq.models.folder import cache_root
+from fp8ptq.models.loader import ModelSource, check_finite, open_hf_dir
 from fp8ptq.models.skeleton import build_skeleton
 
 ROTATION_VERSION = 1  # bump when the rotated bytes change (cache key)

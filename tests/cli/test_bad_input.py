@@ -155,7 +155,7 @@ def test_eval_of_a_checkpoint_with_a_bad_quantization_config(edit, phrase, kv8_e
 
 
 def test_gguf_missing_truncated_or_not_gguf(tmp_path):
-    from fp8ptq.models.loader import alias_gguf
+    from fp8ptq.models.gguf_files import alias_gguf
 
     rc, output = _run("convert", tmp_path / "nope.gguf", "-o", tmp_path / "o")
     _one_line_error(rc, output, "not found")

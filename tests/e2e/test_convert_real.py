@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fp8ptq.api import ConvertConfig, EvalConfig, convert, evaluate_quality
-from fp8ptq.models.loader import alias_gguf
+from fp8ptq.models.gguf_files import alias_gguf
 
 from helpers import read_config
 

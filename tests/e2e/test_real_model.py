@@ -11,7 +11,8 @@ from fp8ptq.cli import app
 from fp8ptq.data import load_samples
 from fp8ptq.eval.quality import compare, load_simulated
 from fp8ptq.manifest import Manifest
-from fp8ptq.models.loader import alias_gguf, open_hf_dir
+from fp8ptq.models.gguf_files import alias_gguf
+from fp8ptq.models.loader import open_hf_dir
 
 from independent import kl_top1_ppl, load_fake_quant, load_plain
 
