@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from fp8ptq.errors import DataError
+from fp8ptq.io import time_limit
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +50,8 @@ def load_texts(source: str, split: Split = "calibration", text_field: str = "tex
             f"data source '{source}' not found",
             fix="pass 'builtin' or an existing .txt/.jsonl/.parquet file or dataset folder",
         )
+    if not path.is_dir():
+        _check_data_file(path, source)
     if path.is_dir():
         import datasets
 
@@ -97,6 +100,27 @@ def load_texts(source: str, split: Split = "calibration", text_field: str = "tex
     raise DataError(f"unsupported data file '{path}'", fix="use .txt, .jsonl, .parquet or a datasets folder")
 
 
+def data_limit() -> int:
+    """The largest data file read, bytes: FP8PTQ_MAX_DATA_BYTES, default 2 GiB (calibration takes a few MB)."""
+    import os
+
+    raw = os.environ.get("FP8PTQ_MAX_DATA_BYTES", "")
+    return int(raw) if raw.isdigit() else 2 << 30
+
+
+def _check_data_file(path: Path, source: str) -> None:
+    """A data source is a regular file of bounded size: a FIFO blocks its read for ever, /dev/zero never
+    ends, and a file larger than any calibration needs would be read whole into memory."""
+    if not path.is_file():
+        raise DataError(f"data source '{source}' is not a regular file (a FIFO or device?)", fix="pass a text file")
+    size, limit = path.stat().st_size, data_limit()
+    if size > limit:
+        raise DataError(
+            f"data source '{source}' is {size:,} bytes, above the {limit:,}-byte limit",
+            fix="pass a smaller sample of it, or raise the limit with FP8PTQ_MAX_DATA_BYTES=BYTES",
+        )
+
+
 def pack_tokens(
     texts: list[str],
     tokenizer,
@@ -107,10 +131,13 @@ def pack_tokens(
     chat_template: bool = False,
     source: str = "data",
 ) -> torch.Tensor:
-    """Tokenize, concatenate (EOS between documents), cut into seq_len chunks, pick num_samples of them.
+    """Tokenize, concatenate (EOS between documents), cut into seq_len windows, pick num_samples of them.
 
-    Returns input ids [num_samples, seq_len] (int64). Chunks are chosen by a seeded permutation, so the
-    same data and seed always give the same samples.
+    Every window opens with the tokens the tokenizer puts before any text (`text_prefix`: Gemma's and
+    Llama's BOS, nothing for GPT-2-style tokenizers such as SmolLM2's), as every prompt the engine serves
+    does: a model's first position (an attention sink) is unlike the others, and calibration and the
+    quality numbers must see it as served. Returns input ids [num_samples, seq_len] (int64). Windows are
+    chosen by a seeded permutation, so the same data and seed always give the same samples.
     """
     texts = [t for t in texts if t.strip()]
     if not texts:
@@ -118,12 +145,16 @@ def pack_tokens(
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("--chat-template was asked for but the tokenizer has no chat template")
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False) for t in texts]
+        texts = [render_chat(tokenizer, [{"role": "user", "content": t}], tokenize=False) for t in texts]
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         stream.extend(ids + sep)
-    n_chunks = len(stream) // seq_len
+    prefix = text_prefix(tokenizer)
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise DataError(f"--seq-len {seq_len} leaves no room after the tokenizer's {prefix} prefix", fix="raise it")
+    n_chunks = len(stream) // body
     if n_chunks < num_samples:
         raise DataError(
             f"{source} has {len(stream)} tokens: {n_chunks} samples of {seq_len}, {num_samples} requested",
@@ -131,9 +162,24 @@ def pack_tokens(
         )
     import torch  # here, not at import: `fp8ptq.api` and the CLI's help import this module without torch
 
-    chunks = torch.tensor(stream[: n_chunks * seq_len], dtype=torch.long).view(n_chunks, seq_len)
+    chunks = torch.tensor(stream[: n_chunks * body], dtype=torch.long).view(n_chunks, body)
+    if prefix:
+        chunks = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(n_chunks, -1), chunks], dim=1)
     pick = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed))[:num_samples]
     return chunks[pick.sort().values]
+
+
+def text_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer places before any text when it adds its special tokens (what a served prompt
+    opens with): [bos] for Gemma and Llama tokenizers, [] for SmolLM2's and GPT-2's. Read off the
+    tokenizer itself, by encoding one text with and without its special tokens."""
+    probe = "The"
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    for k in range(len(full) - len(bare) + 1):
+        if full[k : k + len(bare)] == bare:
+            return list(full[:k])
+    return []
 
 
 def parse_mix(source: str) -> list[tuple[str, float]]:
@@ -193,3 +239,85 @@ def load_samples(
     import torch
 
     return torch.cat(parts)
+
+
+TEMPLATE_SECONDS = 10.0  # one render of a checkpoint's chat template
+TEMPLATE_CHARS = 1 << 22  # the longest string a template may build (a rendered prompt is a few KB)
+
+
+def check_chat_template(template: str) -> None:
+    """DataError unless a checkpoint's chat template renders a probe conversation within TEMPLATE_SECONDS
+    and builds no string or list longer than TEMPLATE_CHARS: it is the model author's code, run by
+    transformers in Jinja's sandbox, which bounds `range` but not `'A' * 5000000000` (5 GB) nor two
+    nested range(100000) loops (never ending). Rendered here in a sandbox that also bounds `*`, `**` and
+    `+`, with the names transformers gives templates."""
+    import json
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            sized = [len(v) for v in (left, right) if isinstance(v, (str, list, tuple))]
+            count = [v for v in (left, right) if isinstance(v, int) and not isinstance(v, bool)]
+            if operator == "*" and sized and count and sized[0] * max(count[0], 0) > TEMPLATE_CHARS:
+                raise SecurityError(f"a string or list repeated {count[0]:,} times")
+            if operator == "+" and len(sized) == 2 and sum(sized) > TEMPLATE_CHARS:
+                raise SecurityError("a string or list longer than the limit")
+            if operator == "**" and len(count) == 2 and abs(count[1]) > 1024:
+                raise SecurityError(f"a power of {count[1]:,}")
+            return super().call_binop(context, operator, left, right)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: "2026-01-01")
+    probe = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
+    probe.append({"role": "user", "content": "How are you?"})
+    try:
+        compiled = env.from_string(template)
+        with time_limit(TEMPLATE_SECONDS):
+            out = compiled.render(messages=probe, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    except TimeoutError:
+        raise DataError(
+            f"the tokenizer's chat template did not render a 3-turn conversation in {TEMPLATE_SECONDS:g} s",
+            fix="fix or replace the model's chat template (chat_template.jinja / tokenizer_config.json)",
+        ) from None
+    except (jinja2.TemplateError, SecurityError, RecursionError, MemoryError) as err:
+        raise DataError(
+            f"the tokenizer's chat template cannot be rendered ({type(err).__name__}: {str(err)[:200]})",
+            fix="fix or replace the model's chat template (chat_template.jinja / tokenizer_config.json)",
+        ) from None
+    if len(out) > TEMPLATE_CHARS:
+        raise DataError(f"the tokenizer's chat template renders {len(out):,} characters for 3 short turns")
+
+
+_CHECKED: set[str] = set()
+
+
+def render_chat(tokenizer, messages: list[dict], **kw):
+    """tokenizer.apply_chat_template(messages, **kw) (a tokenizer or a processor), its template checked
+    first (check_chat_template, once per template) and the render itself bounded in time; a template that
+    raises is one DataError."""
+    import jinja2
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template not in _CHECKED:
+        check_chat_template(template)
+        _CHECKED.add(template)
+    try:
+        with time_limit(TEMPLATE_SECONDS):
+            return tokenizer.apply_chat_template(messages, **kw)
+    except TimeoutError:
+        raise DataError(f"the tokenizer's chat template took over {TEMPLATE_SECONDS:g} s on one prompt") from None
+    except jinja2.TemplateError as err:
+        raise DataError(
+            f"the tokenizer's chat template raised on a prompt ({type(err).__name__}: {str(err)[:200]})",
+            fix="fix or replace the model's chat template, or leave the chat template out (--no-chat-template)",
+        ) from None

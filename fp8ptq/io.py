@@ -63,6 +63,16 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def own_subdir(parent: Path, name: str) -> Path:
+    """parent/name as a directory of parent's own: created when missing; a symlink (or a file) of that name,
+    which fp8ptq never makes, is removed first, so that nothing written under it lands in another folder."""
+    d = Path(parent) / name
+    if d.is_symlink() or (d.exists() and not d.is_dir()):
+        d.unlink()
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, lambda tmp: tmp.write_bytes(data))
 
@@ -198,6 +208,10 @@ _ENVIRONMENT = {
     errno.ENOENT: ("no such file or directory", "check that {where} exists and was not moved during the run"),
     errno.ENOTDIR: ("not a directory", "check that the folders on the way to {where} are folders"),
     errno.EISDIR: ("is a directory", "name a file, not a folder, at {where}"),
+    errno.ENAMETOOLONG: (
+        "file name too long",
+        "choose a shorter output name (fp8ptq adds hidden .NAME.partial siblings)",
+    ),
 }
 _OS_ERROR_CODE = re.compile(r"os error (\d+)|\[Errno (\d+)\]")
 
@@ -206,6 +220,11 @@ def environment_error(exc: BaseException, where: Path | str | None = None) -> Ou
     """A one-line OutputError for a failure of the machine rather than of fp8ptq (full disk, read-only or
     forbidden path, busy file, file limits), found on `exc` or the exceptions it came from (safetensors'
     Rust writer reports it only in its message); None for anything else, which stays a bug."""
+    if isinstance(exc, MemoryError):  # a tensor or a file declared larger than this machine holds
+        return OutputError(
+            f"out of memory while working on '{where or 'the model'}'",
+            fix="check the model's tensor sizes (a corrupt header can declare any shape), or free memory",
+        )
     seen = 0
     while exc is not None and seen < 8:
         code, path = None, None
@@ -287,3 +306,69 @@ def trim_heap() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC.malloc_trim(0)
+
+
+MAX_YAML_DEPTH = 32  # a recipe nests four levels deep
+
+
+def load_yaml(text: str) -> object:
+    """YAML as a recipe or `--set` value is read: safe (no tags that build objects), a key given twice is an
+    error instead of silently the last one, and nesting deeper than MAX_YAML_DEPTH is refused before it
+    recurses (a hostile file of nested brackets made PyYAML's constructor overflow the stack). Raises
+    ValueError (or yaml.YAMLError) with what is wrong."""
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for k, _ in node.value:
+                key = self.construct_object(k, deep=True)
+                if not isinstance(key, (str, int, float, bool)) or key is None:
+                    continue  # a mapping or list as a key: the validation after says what is wrong
+                if key in seen:
+                    raise ValueError(f"key '{key}' is given twice (line {k.start_mark.line + 1})")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    loader = Strict(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:  # the composer recurses once per level: an unclosed tower of brackets
+            raise ValueError(f"nested more than {MAX_YAML_DEPTH} levels deep") from None
+        stack = [(node, 1)] if node is not None else []
+        while stack:
+            n, depth = stack.pop()
+            if depth > MAX_YAML_DEPTH:
+                raise ValueError(f"nested more than {MAX_YAML_DEPTH} levels deep (line {n.start_mark.line + 1})")
+            if isinstance(n.value, list):
+                for child in n.value:
+                    stack.extend((c, depth + 1) for c in (child if isinstance(child, tuple) else (child,)))
+        return None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise TimeoutError in the block once `seconds` have passed (Python checks for signals between
+    bytecodes and inside `re`'s backtracking): a bound on work that untrusted input drives (a recipe's
+    regular expression, a checkpoint's chat template). Signals reach only the main thread: elsewhere the
+    block runs unbounded. An earlier SIGALRM handler and timer are put back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(*_):
+        raise TimeoutError(f"over {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -86,3 +86,31 @@ def test_weighted_mix_of_sources(tmp_path, tok):
     for bad in ("builtin:0", "builtin:-1", ":0.5"):
         with pytest.raises(DataError, match="PATH:WEIGHT"):
             load_samples(bad, tok, 2, 64)
+
+
+def _bos_tokenizer(tokenizer_dir):
+    """The test tokenizer made to open every text with a BOS, as Gemma's and Llama's tokenizers do."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    base = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    inner = Tokenizer.from_str(base.backend_tokenizer.to_str())
+    bos = base.convert_tokens_to_ids("<|im_start|>")
+    inner.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", pair="<|im_start|> $A $B", special_tokens=[("<|im_start|>", bos)]
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<|im_start|>", eos_token="<|endoftext|>")
+    return tok, bos
+
+
+def test_windows_open_with_the_bos_the_tokenizer_adds(tok, tokenizer_dir):
+    from fp8ptq.data import text_prefix
+
+    bos_tok, bos = _bos_tokenizer(tokenizer_dir)
+    assert text_prefix(tok) == [] and text_prefix(bos_tok) == [bos]
+    plain, opened = load_samples("builtin", tok, 4, 64), load_samples("builtin", bos_tok, 4, 64)
+    assert opened.shape == plain.shape == (4, 64)
+    assert (opened[:, 0] == bos).all() and not (plain[:, 0] == bos).all()
+    assert (opened[:, 1:] != bos).all()  # then running text (the test text holds no BOS)
+    with pytest.raises(DataError, match="leaves no room"):
+        load_samples("builtin", bos_tok, 1, 1)

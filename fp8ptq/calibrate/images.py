@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from fp8ptq.data import render_chat
 from fp8ptq.errors import DataError, ModelError
 
 _TEXT_ONLY = "calibrate it with text: leave out --images"  # for a forward that fails on an image
@@ -113,10 +114,32 @@ def processor_of(src):
     return proc
 
 
-def image_rows(source: str, src, text_ids: torch.Tensor, eos: int | None) -> ImageRows:
-    """The first min(rows, samples) samples of `text_ids` [samples, seq_len] as image+text samples."""
+MAX_IMAGE_PIXELS = 64_000_000  # an 8K photograph is 33 MP; a processor resizes calibration images far below
+
+
+def _read_image(path: Path, where: str):
+    """An RGB PIL image, its size bounded from the header before any pixel is decoded (a 17 KB PNG may
+    declare 144 megapixels, 2.5 GB decoded); a FIFO, a device, a NUL in the path or an unreadable file is a
+    DataError naming the row."""
     from PIL import Image, UnidentifiedImageError
 
+    if "\x00" in str(path) or not path.is_file():  # is_file: a FIFO would block open() for ever
+        raise DataError(f"{where}: image {str(path)!r} is not a regular file", fix="point it at an image file")
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            if w * h > MAX_IMAGE_PIXELS:
+                raise DataError(
+                    f"{where}: image '{path}' declares {w} x {h} pixels (limit {MAX_IMAGE_PIXELS:,})",
+                    fix="resize it: the processor scales calibration images down anyway",
+                )
+            return im.convert("RGB")
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as err:
+        raise DataError(f"{where}: cannot read image '{path}' ({type(err).__name__}: {err})") from None
+
+
+def image_rows(source: str, src, text_ids: torch.Tensor, eos: int | None) -> ImageRows:
+    """The first min(rows, samples) samples of `text_ids` [samples, seq_len] as image+text samples."""
     if not getattr(src.arch, "towers", ()):
         raise ModelError(
             f"--images: '{src.label}' ({src.config.model_type}) has no vision tower",
@@ -130,11 +153,7 @@ def image_rows(source: str, src, text_ids: torch.Tensor, eos: int | None) -> Ima
     image_token = image_token or proc.tokenizer.convert_tokens_to_ids(proc.image_token)
     ids, extras = [], []
     for n, (path, text) in enumerate(rows, 1):
-        try:
-            with Image.open(path) as im:
-                image = im.convert("RGB")
-        except (OSError, UnidentifiedImageError) as err:
-            raise DataError(f"--images '{source}' row {n}: cannot read image '{path}' ({err})") from None
+        image = _read_image(path, f"--images '{source}' row {n}")
         enc = proc(text=[_prompt(proc, text)], images=[[image]], return_tensors="pt")
         tokens = enc["input_ids"][0]
         where = (tokens == image_token).nonzero()
@@ -174,7 +193,7 @@ def _prompt(proc, text: str) -> str:
     places the image; else the image token before the text."""
     if getattr(proc, "chat_template", None):
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-        prompt = proc.apply_chat_template(turn, tokenize=False)
+        prompt = render_chat(proc, turn, tokenize=False)
         if proc.image_token in prompt:
             return prompt
     return proc.image_token + text

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from fp8ptq.data import BUILTIN, load_texts
+from fp8ptq.data import BUILTIN, load_texts, render_chat
 from fp8ptq.spec import SpecError
 
 _TEMPLATES = (
@@ -65,9 +65,7 @@ def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = True, ma
     use_chat = chat_template and getattr(tokenizer, "chat_template", None)
     for p in prompts:
         if use_chat:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True
-            )
+            ids = render_chat(tokenizer, [{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         else:
