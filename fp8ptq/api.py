@@ -49,6 +49,8 @@ class EvalConfig:
     simulate: bool = True
     eval_data: str | None = None  # a second, off-domain text source scored the same way, beside `data`
     engine: str = "declared"  # whose numerics: declared, vllm-gpu, vllm-cpu (engine.vllm.ENGINES)
+    gates: tuple[str, ...] = ()  # checked on the in-domain numbers (gates.EVAL_METRICS)
+    recipe_gates: bool = False  # also the gates of the recipe an fp8ptq export was made with (its recipe.yaml)
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,7 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> Quali
     check_option("--num-samples", cfg.num_samples, minimum=1, example=16)
     check_option("--seq-len", cfg.seq_len, minimum=8, maximum=1 << 20, example=512)
     engine = engine_numerics(cfg.engine)  # an unknown name fails here, before any model is read
+    gates = _eval_gates(cfg)
     cand_src, ref_src = resolve_model(cfg.model), resolve_model(cfg.reference)
     tokenizer = ref_src.tokenizer()
     check_same_vocabulary(cand_src, ref_src, tokenizer)
@@ -292,7 +295,7 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> Quali
     if cfg.eval_data is not None:
         metrics, _ = compare_streaming(ref_src, cand_src, ids[1], **run)
         off = QualityMetrics(**metrics, data=cfg.eval_data)
-    return QualityReport(
+    report = QualityReport(
         **result,
         data=cfg.data if cfg.data != data_mod.BUILTIN else "built-in evaluation split",
         model=cfg.model,
@@ -301,3 +304,42 @@ def evaluate_quality(cfg: EvalConfig, progress: Progress | None = None) -> Quali
         config={k: str(v) for k, v in asdict(cfg).items()},
         off_domain=off,
     )
+    if gates:
+        from fp8ptq import gates as gates_mod
+        from fp8ptq.eval.bits import weight_bits
+        from fp8ptq.manifest import GateRecord
+
+        metrics = dict(kl=report.kl, top1=report.top1, ppl=report.ppl, ppl_ratio=report.ppl / report.ppl_reference)
+        bits = weight_bits(cand_src)
+        if bits is not None:
+            metrics["weight_bits"] = bits
+        metrics["size_ratio"] = cand_src.size_bytes() / ref_src.size_bytes()
+        report = report.model_copy(update={"gates": [GateRecord.of(r) for r in gates_mod.check(gates, metrics)]})
+    return report
+
+
+def _eval_gates(cfg: EvalConfig) -> list:
+    """The gates `evaluate_quality` checks (its own and, with recipe_gates, the export's recipe's), parsed and
+    checked against what it measures before any model is read."""
+    from fp8ptq import gates as gates_mod
+    from fp8ptq.errors import RecipeError
+
+    texts = list(cfg.gates)
+    if cfg.recipe_gates:
+        from fp8ptq.recipe import load_recipe
+
+        path = Path(cfg.model).expanduser() / "recipe.yaml"
+        if not path.is_file():
+            raise RecipeError(
+                f"--recipe-gates: '{cfg.model}' has no recipe.yaml (not an fp8ptq export)",
+                fix="pass the gates with --gate METRIC<=VALUE instead",
+            )
+        texts = list(load_recipe(str(path)).gates) + texts
+    gates = gates_mod.parse_gates(texts)
+    for g in gates:
+        if g.metric not in gates_mod.EVAL_METRICS:
+            raise RecipeError(
+                f"gate '{g}': `eval quality` has no metric '{g.metric}'",
+                fix=f"its gates use {', '.join(gates_mod.EVAL_METRICS)}",
+            )
+    return gates

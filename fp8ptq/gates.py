@@ -7,7 +7,9 @@ README and docs/ci.md):
   top1                    top-1 next-token agreement with the reference, fraction 0..1
   ppl                     perplexity of the quantized model on the held-out split
   ppl_ratio               ppl / ppl of the reference
-  size_ratio              output bytes / source bytes
+  size_ratio              output bytes / source bytes (all tensors: a large float embedding moves it)
+  weight_bits             stored bits per weight of the quantized Linears, scales included (the same on
+                          any model: FP8 ~8.0, INT4 group 64 with bf16 scales ~4.25)
   worst_linear_rel_err    largest per-Linear relative output error seen in calibration
   <task>                  an lm-eval task's score, percent (e.g. mmlu_pro)
   <task>_delta            that score minus the baseline's, percentage points
@@ -79,7 +81,10 @@ def parse_gate(text: str) -> Gate:
             f"gate '{text}' is not METRIC OP NUMBER",
             fix="write e.g. 'kl<=0.05', 'top1>=0.9' or 'mmlu_pro_delta>=-1.0' (ops: <=, >=, <, >)",
         )
-    return Gate(m.group(1), m.group(2), float(m.group(3)))
+    threshold = float(m.group(3))
+    if not math.isfinite(threshold):  # 1e999 reads as inf: a gate that can never fail
+        raise RecipeError(f"gate '{text}': the threshold is not a finite number", fix="write a finite threshold")
+    return Gate(m.group(1), m.group(2), threshold)
 
 
 def parse_gates(texts) -> list[Gate]:
@@ -99,7 +104,12 @@ def check(gates: list[Gate], metrics: dict[str, float]) -> list[GateResult]:
 
 
 QUALITY_METRICS = ("kl", "top1", "ppl", "ppl_ratio")  # need the quality check
-QUANTIZE_METRICS = QUALITY_METRICS + ("size_ratio", "worst_linear_rel_err")  # what Manifest.metrics() can produce
+QUANTIZE_METRICS = QUALITY_METRICS + (
+    "size_ratio",
+    "weight_bits",
+    "worst_linear_rel_err",
+)  # what Manifest.metrics() can produce
+EVAL_METRICS = QUALITY_METRICS + ("size_ratio", "weight_bits")  # `eval quality` on an existing checkpoint
 
 
 def check_task_gates(gates: list[Gate], tasks) -> None:

@@ -53,6 +53,7 @@ class RunInfo(_Part):
 class Sizes(_Part):
     source: int
     output: int
+    weight_bits: float | None = None  # stored bits per weight of the quantized Linears (eval/bits.py)
 
     @property
     def ratio(self) -> float | None:
@@ -190,6 +191,8 @@ class Manifest(BaseModel):
         out: dict[str, float] = {"worst_linear_rel_err": self.summary.worst_linear_rel_err}
         if self.size_bytes.ratio is not None:
             out["size_ratio"] = self.size_bytes.ratio
+        if self.size_bytes.weight_bits is not None:
+            out["weight_bits"] = self.size_bytes.weight_bits
         q = self.quality
         if q is not None:
             out.update(kl=q.kl, top1=q.top1, ppl=q.ppl, ppl_ratio=q.ppl / q.ppl_reference)

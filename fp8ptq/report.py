@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from fp8ptq.io import write_bytes_atomic, write_json_atomic
+from fp8ptq.io import own_subdir, write_bytes_atomic, write_json_atomic
 from fp8ptq.manifest import MANIFEST, Manifest
 
 EVALS_DIR = "fp8ptq_evals"
@@ -112,10 +112,12 @@ def plots(manifest: Manifest) -> dict[str, tuple[str, bytes]]:
 
 
 def load_evals(out_dir: Path) -> dict[str, dict]:
+    """The evaluations recorded in out_dir/fp8ptq_evals: only the folder's own regular files (a symlink
+    there, which fp8ptq never writes, would put another file's contents into the report)."""
     d = out_dir / EVALS_DIR
-    if not d.is_dir():
+    if not d.is_dir() or d.is_symlink():
         return {}
-    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json")) if p.is_file() and not p.is_symlink()}
 
 
 _ROUNDING = {"rtn": "RTN (round to nearest)", "gptq": "GPTQ (error-compensating, calibrated)"}
@@ -144,7 +146,8 @@ def _context(out_dir: Path, manifest: Manifest, serve_path: str) -> dict:
             ("targets", ", ".join(scheme["targets"])),
             ("ignored", ", ".join(scheme["ignore"]) or "none"),
         ],
-        "mib": {k: v / 2**20 for k, v in sizes.items()},
+        "mib": {k: sizes[k] / 2**20 for k in ("source", "output")},
+        "weight_bits": manifest.size_bytes.weight_bits,
         "ratio": manifest.size_bytes.ratio,
         "serve": serve_commands(serve_path, manifest),
         "evals": load_evals(out_dir),
@@ -197,7 +200,7 @@ def write_report(out_dir: Path, manifest: Manifest | None = None, serve_path: st
     manifest = manifest if manifest is not None else Manifest.load(out_dir)
     ctx = _context(out_dir, manifest, serve_path or str(out_dir))
     figs = plots(manifest)
-    (out_dir / PLOTS_DIR).mkdir(exist_ok=True)
+    own_subdir(out_dir, PLOTS_DIR)
     written = []
     for name, (_, png) in figs.items():
         p = out_dir / PLOTS_DIR / f"{name}.png"
@@ -221,7 +224,6 @@ def save_eval(out_dir: Path, name: str, result: dict) -> Path | None:
     out_dir = Path(out_dir)
     if not (out_dir / MANIFEST).is_file() or not os.access(out_dir, os.W_OK):
         return None
-    (out_dir / EVALS_DIR).mkdir(exist_ok=True)
-    write_json_atomic(out_dir / EVALS_DIR / f"{name}.json", result, trailing_newline=True)
+    write_json_atomic(own_subdir(out_dir, EVALS_DIR) / f"{name}.json", result, trailing_newline=True)
     write_report(out_dir)
     return out_dir / "report.html"

@@ -43,6 +43,9 @@ def test_metrics_are_what_gates_read():
         {"size_ratio": 0.5, "worst_linear_rel_err": 0.1, "kl": 0.01, "top1": 0.9, "ppl": 11.0, "ppl_ratio": 1.1}
     )
     assert set(_manifest().metrics()) == {"size_ratio", "worst_linear_rel_err"}  # no quality check: no quality gates
+    m = _manifest()
+    m.size_bytes = m.size_bytes.model_copy(update={"weight_bits": 8.0001})
+    assert m.metrics()["weight_bits"] == 8.0001  # the size gate that means the same on any model
 
 
 def test_optional_sections_are_omitted_and_round_trip(tmp_path):

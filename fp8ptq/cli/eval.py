@@ -46,6 +46,12 @@ def eval_quality(
         help="whose numerics: declared (the checkpoint's scheme), vllm-gpu (+ the FP8 query an FP8 KV cache "
         "brings on GPUs), vllm-cpu (this CPU's vLLM-cpu kernels)",
     ),
+    gate: List[str] = typer.Option(
+        [], "--gate", help="gate on kl, top1, ppl, ppl_ratio, size_ratio or weight_bits, e.g. kl<=0.05 (exit 3)"
+    ),
+    recipe_gates: bool = typer.Option(
+        False, "--recipe-gates", help="also check the gates of the recipe an fp8ptq export was made with"
+    ),
     json_out: bool = typer.Option(False, "--json"),
     no_record: bool = EVAL_OPTS["no_record"],
 ):
@@ -57,6 +63,7 @@ def eval_quality(
       fp8ptq eval quality out/q --reference ./my-model --data prose.txt --num-samples 32
       fp8ptq eval quality out/q --reference smollm2-135m --eval-data novel.txt   # in- and off-domain
       fp8ptq eval quality out/q --reference smollm2-135m --engine vllm-gpu   # as a GPU serves it
+      fp8ptq eval quality out/q --reference smollm2-135m --recipe-gates     # its recipe's gates (exit 3)
     """
     offline()
     from fp8ptq.api import EvalConfig, evaluate_quality
@@ -71,6 +78,8 @@ def eval_quality(
         simulate=not no_simulate,
         eval_data=eval_data,
         engine=engine,
+        gates=tuple(gate),
+        recipe_gates=recipe_gates,
     )
     with user_errors(), progress_bar(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
@@ -79,8 +88,10 @@ def eval_quality(
     data = to_json(result)
     if not no_record:
         record_eval(model, "quality", data)
+    gates = [g.model_dump() for g in result.gates]
     if json_out:
         typer.echo(json.dumps(data, indent=2))
+        finish_gates(gates, quiet=True)
         return
     off = result.off_domain
     if off is not None:  # in-domain and off-domain side by side
@@ -94,11 +105,13 @@ def eval_quality(
         table.add_row("eval tokens", *(str(q.tokens) for q in (result, off)))
         table.add_row("simulated numerics", json.dumps(result.numerics), "")
         out.print(table)
+        finish_gates(gates)
         return
     table = Table(title=f"quality of {model} vs {reference}", show_header=False)
     quality_rows(table, result)
     table.add_row("simulated numerics", json.dumps(result.numerics))
     out.print(table)
+    finish_gates(gates)
 
 
 def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save, no_record: bool, **fields):

@@ -164,7 +164,8 @@ def quantize(
             "SignRound", f"block output error {kept[len(kept) // 2]:.2f}× the solver's (median, {len(kept)} blocks)"
         )
     sz = manifest.size_bytes
-    table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×)")
+    bits = "" if sz.weight_bits is None else f", {sz.weight_bits:.2f} bits per quantized weight"
+    table.add_row("size", f"{human(sz.source)} → {human(sz.output)} ({sz.ratio:.2f}×{bits})")
     if manifest.quality is not None:
         quality_rows(table, manifest.quality)
     if manifest.mixed is not None:

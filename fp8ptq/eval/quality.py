@@ -20,7 +20,7 @@ from compressed_tensors.utils.match import is_match, match_targets
 
 from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import decompress_linear
-from fp8ptq.manifest import Quality, QualityMetrics
+from fp8ptq.manifest import GateRecord, Quality, QualityMetrics
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
 from fp8ptq.quantize.numerics import (
@@ -45,6 +45,7 @@ class QualityReport(Quality):
     reference: str
     config: dict[str, str]
     off_domain: QualityMetrics | None = None
+    gates: list[GateRecord] = []  # --gate / --recipe-gates, on the in-domain numbers
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 
 import fp8ptq
 from fp8ptq import data as data_mod
+from fp8ptq.eval.bits import weight_bits
 from fp8ptq.eval.stream import compare_streaming
 from fp8ptq.export.compressed_tensors import quantization_config
 from fp8ptq.io import write_bytes_atomic
@@ -80,7 +81,11 @@ def finish(ctx: RunContext) -> Manifest:
             compute_dtype=None if ids is None else ctx.compute_dtype,
         ),
         shards=shards,
-        size_bytes=Sizes(source=src.size_bytes(), output=sum((ctx.path / s).stat().st_size for s in shards)),
+        size_bytes=Sizes(
+            source=src.size_bytes(),
+            output=sum((ctx.path / s).stat().st_size for s in shards),
+            weight_bits=weight_bits(open_hf_dir(ctx.path, label=str(ctx.cfg.output))),
+        ),
         layers=layers,
         summary=summary(layers),
         mixed=run.state["mixed"]["report"] if recipe.mixed is not None else None,

@@ -75,3 +75,33 @@ def test_simulated_model_masks_cache_and_padding(tiny_dir):
         mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
         out = model(padded, attention_mask=mask).logits[:, 3:]
         torch.testing.assert_close(out, full, rtol=1e-4, atol=1e-4)
+
+
+def test_eval_quality_checks_gates_on_an_existing_export(kv8_tiny, tiny_dir):
+    """`eval quality --gate` / `--recipe-gates`: the gates checked on the numbers measured (exit 3 on a
+    failure), weight_bits read off the export's files, a metric eval cannot produce refused up front."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fp8ptq.cli import app
+    from fp8ptq.cli.common import GATE_FAILED_EXIT
+    from fp8ptq.eval.bits import weight_bits
+
+    bits = weight_bits(open_hf_dir(kv8_tiny))
+    assert 8.0 < bits < 8.1  # FP8 codes + per-tensor weight and input scales of a 64-wide model
+    base = ["eval", "quality", str(kv8_tiny), "--reference", str(tiny_dir), "--num-samples", "1", "--seq-len", "32"]
+    base += ["--no-record", "--json"]
+    r = CliRunner().invoke(app, [*base, "--gate", "weight_bits<=8.1", "--gate", "kl<=100"])
+    assert r.exit_code == 0, r.output
+    gates = json.loads(r.output)["gates"]
+    assert [g["passed"] for g in gates] == [True, True] and abs(gates[0]["value"] - bits) < 1e-9
+    r = CliRunner().invoke(app, [*base, "--gate", "weight_bits<=7.9"])
+    assert r.exit_code == GATE_FAILED_EXIT and json.loads(r.output)["gates"][0]["passed"] is False
+    r = CliRunner().invoke(app, [*base, "--recipe-gates"])  # fp8-kv8's own: kl, top1, weight_bits
+    assert r.exit_code in (0, GATE_FAILED_EXIT)
+    assert [g["metric"] for g in json.loads(r.output)["gates"]] == ["kl", "top1", "weight_bits"]
+    r = CliRunner().invoke(app, [*base, "--gate", "worst_linear_rel_err<=1"])
+    assert r.exit_code == 2 and "has no metric 'worst_linear_rel_err'" in r.output
+    r = CliRunner().invoke(app, ["eval", "quality", str(tiny_dir), "--reference", str(tiny_dir), "--recipe-gates"])
+    assert r.exit_code == 2 and "no recipe.yaml" in r.output, r.output
