@@ -25,7 +25,11 @@ from fp8ptq.models.skeleton import build_skeleton, release
 from fp8ptq.quantize.numerics import register_attention
 
 CHUNK_TOKENS = 4096  # tokens per pass of a layer (whole samples)
-HEAD_BYTES = 16 << 20  # fp32 logits of one side per window of tokens at the end (~6 such temporaries live)
+# The LM heads run on windows of HEAD_MATMUL_BYTES of fp32 logits per side: a 262k-token head read once per
+# 16 tokens made the head's weight traffic, not its arithmetic, the cost of the whole check. The softmax,
+# KL and agreement then run on slices of HEAD_BYTES, which stay in cache (~6 such temporaries live).
+HEAD_MATMUL_BYTES = 256 << 20
+HEAD_BYTES = 16 << 20
 
 
 @dataclass
@@ -92,22 +96,34 @@ def _run_layer(side: _Side, index: int, device, step: int) -> None:
         release(layer)
 
 
-def _head(side: _Side, device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """hidden states -> log-probabilities: the model's final norm, LM head (and Gemma's logit soft-cap)."""
+def _head(side: _Side, device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(hidden states [1, t, hidden], a buffer [1, >= t, vocab]) -> logits in the buffer's first t rows: the
+    model's final norm, LM head (a quantized head's input quantizer included) and Gemma's logit soft-cap.
+    Writing into one buffer per side keeps the allocator from mapping fresh pages for every window."""
     model = side.model
     norm_name = side.src.arch.final_norm
     norm = model.get_submodule(norm_name)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     side.load(norm, norm_name + ".", device)
-    side.load(head, head_name + ".", device)  # a quantized head keeps its input quantizer installed
+    state, input_quant = side.loader.state(head, head_name + ".")
+    head.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    side.src.close()
+    quant = input_quant.get("") if side.loader.simulate else None
+    weight, bias = head.weight, head.bias
     cap = getattr(model.config, "final_logit_softcapping", None)
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        logits = head(norm(x)).float()
+    def fn(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        y = norm(x)
+        if quant is not None:
+            y = quant(y)
+        out = buf[:, : x.shape[1]]
+        torch.matmul(y, weight.t(), out=out)
+        if bias is not None:
+            out += bias
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return F.log_softmax(logits, dim=-1)
+            out.div_(cap).tanh_().mul_(cap)
+        return out
 
     return fn
 
@@ -127,7 +143,7 @@ def compare_streaming(
     """quality.compare(load_simulated(reference), load_simulated(candidate), input_ids), layer by layer.
 
     Returns (metrics, the candidate's numerics as load_simulated reports them). progress: optional
-    callback (stage, done, total) per decoder layer."""
+    callback (stage, done, total) per decoder layer, then ("evaluate head", sample, samples)."""
     sides = [
         _open(reference, input_ids, device, simulate_reference, None),
         _open(candidate, input_ids, device, simulate, engine),
@@ -149,17 +165,24 @@ def compare_streaming(
         heads = [_head(s, device) for s in sides]
         vocab = max(s.model.config.get_text_config().vocab_size for s in sides)
         window = max(1, HEAD_BYTES // (4 * vocab))
+        big = min(seq - 1, window * max(1, HEAD_MATMUL_BYTES // (4 * vocab) // window))  # whole slices
+        bufs = [torch.empty(1, big, vocab, device=device) for _ in sides]
         nll_ref = nll_cand = kl = agree = 0.0
         for s in range(n):
             xs = [side.store.read(s, s + 1, copy=False).to(device) for side in sides]  # read only
-            for a in range(0, seq - 1, window):
-                b = min(a + window, seq - 1)
-                lr, lc = (h(x[:, a:b]) for h, x in zip(heads, xs))
-                target = input_ids[s : s + 1, a + 1 : b + 1].to(device).unsqueeze(-1)
-                nll_ref -= float(lr.gather(-1, target).sum())
-                nll_cand -= float(lc.gather(-1, target).sum())
-                kl += float((lr.exp() * (lr - lc)).sum())
-                agree += float((lr.argmax(-1) == lc.argmax(-1)).sum())
+            for a0 in range(0, seq - 1, big):
+                logits = [h(x[:, a0 : min(a0 + big, seq - 1)], buf) for h, x, buf in zip(heads, xs, bufs)]
+                for a in range(a0, min(a0 + big, seq - 1), window):
+                    b = min(a + window, seq - 1)
+                    lr, lc = (F.log_softmax(lg[:, a - a0 : b - a0], dim=-1) for lg in logits)
+                    target = input_ids[s : s + 1, a + 1 : b + 1].to(device).unsqueeze(-1)
+                    nll_ref -= float(lr.gather(-1, target).sum())
+                    nll_cand -= float(lc.gather(-1, target).sum())
+                    kl += float(F.kl_div(lc, lr, reduction="sum", log_target=True))  # sum of p_ref (lr - lc)
+                    agree += float((lr.argmax(-1) == lc.argmax(-1)).sum())
+                del logits
+            if progress:
+                progress("evaluate head", s + 1, n)
     finally:
         for side in sides:
             side.store.close()
