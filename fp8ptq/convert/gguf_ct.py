@@ -16,7 +16,8 @@ Per Linear of a decoder layer, in vLLM's fused groups (q/k/v, gate/up share one 
   dequantized   another quant type and no recipe (or a non-Linear tensor such as a Q8_0 embedding): gguf's
                 dequantization in `dtype` (the cast's max abs error reported, 0 for float32);
   kept          F32 / F16 / BF16 tensors, in their own dtype.
-One decoder layer is in memory at a time; each becomes its own safetensors shard.
+One decoder layer is in memory at a time; each becomes its own safetensors file, joined into one
+`model.safetensors` at the end when the checkpoint is under 5 GB (export/merge.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from safetensors.torch import save_file
 
 from fp8ptq.errors import RecipeError
 from fp8ptq.export.compressed_tensors import MIXED, compress_linear, ct_scheme, decompress_linear
+from fp8ptq.export.merge import merge
+from fp8ptq.export.writer import SINGLE_SHARD, SINGLE_SHARD_BYTES
 from fp8ptq.io import write_json_atomic
 from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, K_TYPES, GgufModel, GgufTensor
 from fp8ptq.models.loader import check_finite
@@ -208,7 +211,8 @@ def quantization_config(schemes: dict[str, tuple[LinearScheme, list[str]]]) -> d
 def gguf_to_compressed_tensors(g: GgufModel, tmp: Path, dtype: torch.dtype, recipe: Recipe | None) -> dict:
     """Write the checkpoint into `tmp` (an atomic output dir); returns the conversion report."""
     check_recipe(recipe)
-    types = {t.name: t.ggml_type for t in g.tensors}
+    # a tensor whose values transformers' processor changes cannot carry its codes: decided as a non-exact type
+    types = {t.name: t.ggml_type if g.carries_codes(t) else f"{t.ggml_type} (processed)" for t in g.tensors}
     n_layers = g.config.num_hidden_layers
     by_layer: dict[int, list[GgufTensor]] = {i: [] for i in range(n_layers)}
     rest = []
@@ -231,6 +235,13 @@ def gguf_to_compressed_tensors(g: GgufModel, tmp: Path, dtype: torch.dtype, reci
         weight_map.update({k: shard for k in out})
         total += (tmp / shard).stat().st_size
         del out
+    if total < SINGLE_SHARD_BYTES:  # one file, as save_pretrained writes a model of this size
+        shards = sorted(set(weight_map.values()))
+        merge([tmp / f for f in shards], tmp / SINGLE_SHARD, metadata={"format": "pt"})
+        for f in shards:
+            (tmp / f).unlink()
+        weight_map = dict.fromkeys(weight_map, SINGLE_SHARD)
+        total = (tmp / SINGLE_SHARD).stat().st_size
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json_atomic(tmp / "model.safetensors.index.json", index, trailing_newline=True)
     config = g.config

@@ -2,8 +2,11 @@
 
 Each finished layer becomes its own safetensors file (and a small JSON report) in the run directory,
 written to a temp name, fsynced and renamed, so a layer on disk is complete and a resumed run can
-trust it. `finish()` writes the remaining (non-layer) tensors, renames everything into HF shard names
-(`model-0000k-of-0000n.safetensors`) and writes `model.safetensors.index.json`. Memory: one layer, two
+trust it. `finish()` writes the remaining (non-layer) tensors and then, for an export under
+SINGLE_SHARD_BYTES, joins every file into one `model.safetensors` (export/merge.py, a tensor at a time) as
+transformers' save_pretrained writes a model of that size; a larger one keeps a shard per layer, renamed
+into HF shard names (`model-0000k-of-0000n.safetensors`). Either way `model.safetensors.index.json` lists
+every tensor's shard. Memory: one layer, two
 while a writer thread (runs/calibrated.py, runs/data_free.py) writes layer i as layer i+1 is quantized.
 Tensors the recipe does not quantize are copied from the source in its dtype; tensors changed by exact
 transforms (smoothed norms, flattened MLP weights left unquantized) are written in the source's dtype.
@@ -20,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8ptq.export.compressed_tensors import compress_linear
+from fp8ptq.export.merge import merge
 from fp8ptq.io import write_atomic, write_json_atomic
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.prefetch import PREFETCH_MAX_BYTES
@@ -32,6 +36,8 @@ from fp8ptq.quantize.weights import quantize_group
 LAYERS = "layers"
 HEAD = "lm_head.weight"  # the skeleton's name of the LM head (every causal-LM class transformers builds)
 REST_FILE_BYTES = 1 << 30
+SINGLE_SHARD_BYTES = 5 << 30  # transformers' former default max_shard_size: exports below it are one file
+SINGLE_SHARD = "model.safetensors"
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> int:
@@ -129,7 +135,11 @@ class CheckpointWriter:
 
     def finish(self, num_layers: int, head: LinearScheme | None = None, cal=None) -> list[str]:
         """Write the non-layer tensors (head: the LM head's scheme, quantized here by round to nearest on
-        its grid; cal: the recipe's calibration section), rename all files into HF shards, write the index."""
+        its grid; cal: the recipe's calibration section), join or rename all files into HF shards, write the
+        index. A run stopped after the join (its merged file is complete: written atomically) only
+        finishes the index."""
+        if (self.dir / SINGLE_SHARD).is_file():
+            return self._index([SINGLE_SHARD])
         layer_files = [self.dir / LAYERS / f"layer-{i:05d}.safetensors" for i in range(num_layers)]
         missing = [p.name for p in layer_files if not p.is_file()]
         assert not missing, f"layers not written: {missing[:3]}"
@@ -141,20 +151,29 @@ class CheckpointWriter:
             files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
             _save({self.src.stored_name(n): check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
             self.src.close()
-        names, weight_map, total = [], {}, 0
+        if sum(f.stat().st_size for f in files) < SINGLE_SHARD_BYTES:
+            merge(files, self.dir / SINGLE_SHARD, metadata={"format": "pt"})
+            for f in files:
+                f.unlink()
+            return self._index([SINGLE_SHARD])
+        names = []
+        for i, f in enumerate(files):
+            names.append(f"model-{i + 1:05d}-of-{len(files):05d}.safetensors")
+            os.replace(f, self.dir / names[-1])
+        return self._index(names)
+
+    def _index(self, shards: list[str]) -> list[str]:
+        """Write model.safetensors.index.json for the finished shards (read from their headers)."""
         from safetensors import safe_open
 
-        for i, f in enumerate(files):
-            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    weight_map[k] = final
-            total += f.stat().st_size
-            os.replace(f, self.dir / final)
-            names.append(final)
+        weight_map, total = {}, 0
+        for shard in shards:
+            with safe_open(str(self.dir / shard), framework="pt") as h:
+                weight_map.update({k: shard for k in h.keys()})
+            total += (self.dir / shard).stat().st_size
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
+        return shards
 
     def _head_tensors(self, head: LinearScheme, cal) -> dict[str, torch.Tensor]:
         """The quantized LM head's tensors under the head's stored name. A tied head is read from the

@@ -69,11 +69,10 @@ def test_fp8_kv8_layout(kv8):
     names = sorted(p.name for p in out.iterdir())
     for f in ("config.json", "fp8ptq_manifest.json", "recipe.yaml", "tokenizer.json", "model.safetensors.index.json"):
         assert f in names
-    # one shard per decoder layer (streamed as each finishes) + one for embeddings / norm
+    # a small export is one shard, as save_pretrained writes it (the per-layer files joined at the end)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert shards == sorted(n for n in names if n.endswith(".safetensors"))
-    assert len(shards) == read_config(out)["num_hidden_layers"] + 1
+    assert shards == sorted(n for n in names if n.endswith(".safetensors")) == ["model.safetensors"]
     qc = read_config(out)["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
@@ -202,6 +201,7 @@ def test_non_layer_tensors_split_across_files(tmp_path, tiny_dir, monkeypatch):
     import fp8ptq.export.writer as writer
 
     monkeypatch.setattr(writer, "REST_FILE_BYTES", 1)  # every non-layer tensor in its own file
+    monkeypatch.setattr(writer, "SINGLE_SHARD_BYTES", 0)  # and the files kept as shards (a large export)
     _run(tiny_dir, tmp_path / "q", "fp8-dynamic", eval_samples=0)
     index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
     rest = {n: f for n, f in index.items() if not n.startswith("model.layers.")}
@@ -233,3 +233,30 @@ def test_the_writer_thread_checks_what_it_writes(tiny_dir, tmp_path):
     assert not list(path.parent.iterdir())
     writer.write_layer(*writer.layer_payload(LayerResult(0, "model.layers.0.", float_tensors={norm: torch.ones(64)})))
     assert path.is_file() and path.with_suffix(".json").is_file()
+
+
+def test_joined_shard_holds_the_per_layer_tensors(tmp_path, tiny_dir, monkeypatch):
+    """The one shard of a small export holds exactly the tensors (names, dtypes, bytes) a large export
+    keeps one file per layer for; a large one keeps a shard per layer and one for the rest."""
+    from safetensors import safe_open
+
+    import fp8ptq.export.writer as writer
+
+    _run(tiny_dir, tmp_path / "one", "fp8-dynamic", eval_samples=0)
+    monkeypatch.setattr(writer, "SINGLE_SHARD_BYTES", 0)
+    _run(tiny_dir, tmp_path / "many", "fp8-dynamic", eval_samples=0)
+
+    def tensors(d):
+        index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+        out = {}
+        for n, f in index.items():
+            with safe_open(str(d / f), framework="pt") as h:
+                out[n] = h.get_tensor(n)
+        return out, sorted(set(index.values()))
+
+    one, one_files = tensors(tmp_path / "one")
+    many, many_files = tensors(tmp_path / "many")
+    assert one_files == ["model.safetensors"] and len(many_files) == read_config(tiny_dir)["num_hidden_layers"] + 1
+    assert one.keys() == many.keys()
+    for n in one:
+        assert one[n].dtype == many[n].dtype and torch.equal(one[n].view(torch.uint8), many[n].view(torch.uint8)), n
