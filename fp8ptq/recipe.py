@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,6 +19,8 @@ from pydantic import (
 )
 
 from fp8ptq.errors import RecipeError
+from fp8ptq.io import load_yaml
+from fp8ptq.quantize.plan import check_pattern
 from fp8ptq.quantize.schemes import calibrated_inputs, handler
 from fp8ptq.quantize.schemes.pairing import check_linear_scheme
 
@@ -133,10 +134,8 @@ class Scheme(_Frozen):
             handler(kv).check_kv(kv, "kv_cache")
         for field in ("targets", "ignore"):  # compressed-tensors and vLLM compile these with `re`
             for pattern in getattr(self, field):
-                try:
-                    re.compile(pattern[3:]) if pattern.startswith("re:") else None
-                except re.error as err:
-                    raise ValueError(f"{field}: '{pattern}' is not a valid regular expression ({err})") from None
+                if pattern.startswith("re:"):
+                    check_pattern(pattern, field)
         return self
 
 
@@ -212,7 +211,7 @@ class Calibration(_Frozen):
     weight_code_bits: Literal[7] | None = None
     num_samples: int = Field(64, ge=1, le=1 << 20)
     seq_len: int = Field(512, ge=8, le=1 << 20)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # torch's generators take 64-bit seeds
     gptq_damp: float = Field(0.01, gt=0.0, le=1.0)  # a fraction of the Hessian's mean diagonal
     gptq_block_size: int = Field(128, ge=1, le=65536)
     gptq_act_order: bool = False
@@ -340,6 +339,9 @@ def parse_recipe(data: object, source: str) -> Recipe:
         raise RecipeError(_format_validation(source, err), fix=_valid_keys_hint(err)) from None
 
 
+MAX_RECIPE_BYTES = 1 << 20
+
+
 def load_recipe(name_or_path: str) -> Recipe:
     """A built-in recipe by name (e.g. 'fp8-kv8') or a YAML file path."""
     path = Path(name_or_path)
@@ -352,9 +354,11 @@ def load_recipe(name_or_path: str) -> Recipe:
             )
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' does not exist", fix="check the path")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe file '{path}' is {path.stat().st_size:,} bytes", fix="a recipe is a few lines")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
+        data = load_yaml(path.read_text())
+    except (yaml.YAMLError, ValueError) as err:
         raise RecipeError(f"recipe file '{path}' is not valid YAML: {err}") from None
     return parse_recipe(data, str(path))
 

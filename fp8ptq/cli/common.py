@@ -4,10 +4,12 @@ library errors become one-line CLI errors, gate output, and the shared eval opti
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -85,8 +87,17 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text from untrusted input (a recipe's or a tensor's name inside a message) with terminal control
+    characters shown as escapes: an ESC sequence in a name must not reach the user's terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(printable(str(err)))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -172,8 +183,9 @@ GATE_FAILED_EXIT = 3
 ENGINE_FAILED_EXIT = 4
 
 
-def finish_gates(results: list[dict]) -> None:
-    """Print gate results; exit GATE_FAILED_EXIT when any failed (after everything else was printed)."""
+def finish_gates(results: list[dict], quiet: bool = False) -> None:
+    """Print gate results (quiet: --json, where they are in the JSON); exit GATE_FAILED_EXIT when any
+    failed (after everything else was printed)."""
     from fp8ptq.gates import GateResult
 
     if not results:
@@ -181,10 +193,14 @@ def finish_gates(results: list[dict]) -> None:
     failed = 0
     for r in results:
         res = GateResult.from_dict(r)
-        console.print(("[green]gate[/] " if r["passed"] else "[bold red]gate[/] ") + res.describe(), highlight=False)
+        if not quiet:
+            console.print(
+                ("[green]gate[/] " if r["passed"] else "[bold red]gate[/] ") + res.describe(), highlight=False
+            )
         failed += not r["passed"]
     if failed:
-        console.print(f"[bold red]{failed} of {len(results)} quality gates failed[/]")
+        if not quiet:
+            console.print(f"[bold red]{failed} of {len(results)} quality gates failed[/]")
         raise typer.Exit(code=GATE_FAILED_EXIT)
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from fp8ptq.convert.gguf_ct import quantization_config
 from fp8ptq.errors import ModelError
 from fp8ptq.io import write_json_atomic
+from fp8ptq.models.folder import side_files
 from fp8ptq.models.loader import check_finite, read_weight_map
 from fp8ptq.quantize.schemes import LinearScheme
 
@@ -36,9 +37,11 @@ class Converted:
 class Source:
     path: Path
     weight_map: dict[str, str] = field(default_factory=dict)
+    side_files: list[Path] = field(default_factory=list)
 
     def __post_init__(self):
         self.weight_map = read_weight_map(self.path)
+        self.side_files = side_files(self.path)  # checked before any output exists (models/folder.py)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -103,8 +106,8 @@ def finish(src: Source, tmp: Path, config: dict, schemes: dict, report: dict, kv
         if kv is not None:
             qc["kv_cache_scheme"] = kv
     write_json_atomic(tmp / "config.json", config, trailing_newline=True)
-    for f in src.path.iterdir():  # tokenizer, generation config, chat template ...
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in SIDE_FILES:
+    for f in src.side_files:  # tokenizer, generation config, chat template ...
+        if f.name not in SIDE_FILES:
             shutil.copy2(f, tmp / f.name)
     write_json_atomic(tmp / "conversion.json", report, trailing_newline=True)
     return report

@@ -39,19 +39,31 @@ def acquire_lock(out: Path):
     """The open, exclusively locked `.NAME.lock` beside `out` (a one-line OutputError when another fp8ptq
     run holds it: no waiting). Give it back with release_lock."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(out.parent / f".{out.name}.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    path = out.parent / f".{out.name}.lock"
+    for _ in range(3):
+        lock = open(path, "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise OutputError(
+                f"another fp8ptq run is writing '{out}'", fix="wait for it, or choose another -o path"
+            ) from None
+        # the holder unlinks the file before it unlocks: a lock taken on a file no longer at `path` (its
+        # holder finished between our open and our flock) guards nothing, so open the new one instead
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock
+        except FileNotFoundError:
+            pass
         lock.close()
-        raise OutputError(
-            f"another fp8ptq run is writing '{out}'", fix="wait for it, or choose another -o path"
-        ) from None
-    return lock
+    raise OutputError(f"the lock beside '{out}' keeps changing hands", fix="retry when the other runs are done")
 
 
 def release_lock(lock) -> None:
-    Path(lock.name).unlink(missing_ok=True)  # safe: a second run never waits on the lock
+    """Unlink the lock file, then unlock it: a run that opened the file meanwhile finds it gone once it has
+    the lock (acquire_lock checks) and takes the new one, so two runs never both hold a lock on `out`."""
+    Path(lock.name).unlink(missing_ok=True)
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
 

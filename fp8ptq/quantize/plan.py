@@ -12,6 +12,7 @@ import torch
 from compressed_tensors.utils.match import is_match
 
 from fp8ptq.errors import RecipeError
+from fp8ptq.io import time_limit
 from fp8ptq.models.arch import Arch
 
 # why a Linear is left float by the generic path (runs/finish.py writes these into `ignore` by name)
@@ -20,6 +21,36 @@ UNCALLED = "never called as a module (the layer reads its weight directly): kept
 
 def matches(name: str, module: torch.nn.Module, targets, ignore) -> bool:
     return is_match(name, module, list(targets), list(ignore))
+
+
+# module-name-like strings a pattern is tried on before any model is read: real names, long repeats of
+# their parts, and the runs that make nested quantifiers backtrack (each try bounded by a timeout)
+_PROBES = ("model.layers.0.self_attn.q_proj", "model.layers.17.mlp.experts.127.down_proj", "a" * 40 + "!")
+_PROBES += ("model.layers." * 6 + "!", "." * 40 + "!", "0" * 40 + "!", "_" * 40 + "!")
+
+
+def check_pattern(pattern: str, where: str) -> None:
+    """ValueError unless a `re:` target/ignore pattern compiles and matches in bounded time: compressed-
+    tensors and vLLM run it on every module name with Python's backtracking `re`, so a pattern with nested
+    quantifiers in a shared recipe could hold a run for minutes. Tried on _PROBES within 0.2 s."""
+    import re
+
+    body = pattern[3:]
+    if len(body) > 2000:
+        raise ValueError(f"{where}: '{pattern[:60]}...' is {len(body)} characters long (a target pattern is short)")
+    try:
+        compiled = re.compile(body)
+    except re.error as err:
+        raise ValueError(f"{where}: '{pattern}' is not a valid regular expression ({err})") from None
+    try:
+        with time_limit(0.2):
+            for probe in _PROBES:
+                compiled.fullmatch(probe)
+    except TimeoutError:
+        raise ValueError(
+            f"{where}: '{pattern}' backtracks without bound (over 0.2 s on names of 40 characters); rewrite it "
+            "without nested repetition such as (a+)+"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -294,8 +294,6 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     args = [a for s in schemes for a in (s.weights, s.input_activations) if a is not None]  # input groups too
     sizes = {a.group_size for a in args if a.group_size}
     blocks = {tuple(a.block_structure) for a in args if a.block_structure}
-    if not sizes and not blocks:
-        return
     arch = src.arch
     widths, outs, first = {}, {}, {}  # every kind of layer (DeepSeek: dense first layers, MoE after)
     for i, layer in enumerate(arch.decoder_layers(build_skeleton(src.config))):
@@ -304,6 +302,14 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
         widths.update({n: modules[n].in_features for n in plan.modules})
         outs.update({n: modules[n].out_features for n in plan.modules})
         first.update({n: arch.layer_prefix(i) for n in plan.modules if n not in first})
+    if not widths:  # the export would declare a quantized format over nothing
+        raise RecipeError(
+            f"recipe '{recipe.name}': its targets {list(recipe.scheme.targets)} (less its ignore) match no Linear "
+            f"of the model's decoder layers",
+            fix="check the target names (`fp8ptq inspect` lists the model's Linears), e.g. targets: [Linear]",
+        )
+    if not sizes and not blocks:
+        return
     for b in blocks:  # named by the first layer that has the Linear, every expert once
         shapes = {first[n] + _EXPERT_INDEX.sub(".N.", n): (outs[n], w) for n, w in widths.items()}
         try:

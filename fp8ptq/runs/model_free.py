@@ -24,7 +24,8 @@ from safetensors import safe_open
 from fp8ptq.errors import ModelError, RecipeError
 from fp8ptq.export.compressed_tensors import compress_linear, quantization_config
 from fp8ptq.io import ST_DTYPES, atomic_output_dir, write_json_atomic
-from fp8ptq.models.loader import PICKLE_SUFFIXES, check_finite, read_weight_map
+from fp8ptq.models.folder import side_files
+from fp8ptq.models.loader import check_finite, read_weight_map
 from fp8ptq.quantize.schemes import LinearScheme, handler
 from fp8ptq.quantize.weights import quantize_group
 from fp8ptq.recipe import Recipe, load_recipe
@@ -175,6 +176,7 @@ def model_free(cfg: ModelFreeConfig, progress=None) -> dict:
     path = Path(cfg.model)
     if not (path / "config.json").is_file():
         raise ModelError(f"'{path}' has no config.json", fix="pass a Hugging Face model directory (safetensors)")
+    copied = side_files(path)  # checked before any work: inside the folder, regular, bounded
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:
@@ -215,13 +217,8 @@ def model_free(cfg: ModelFreeConfig, progress=None) -> dict:
         scheme = recipe.scheme.model_copy(update={"ignore": ignore})
         config["quantization_config"] = quantization_config(recipe.model_copy(update={"scheme": scheme}))
         write_json_atomic(tmp / "config.json", config, trailing_newline=True)
-        for f in path.iterdir():  # tokenizer, chat template, processor, generation config: as they were
-            if (
-                f.is_file()
-                and not f.name.startswith(".")
-                and f.name not in ("config.json", "model.safetensors.index.json")
-            ):
-                if f.suffix != ".safetensors" and f.suffix not in PICKLE_SUFFIXES:
-                    shutil.copy2(f, tmp / f.name)
+        for f in copied:  # tokenizer, chat template, processor, generation config: as they were
+            if f.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy2(f, tmp / f.name)
         write_json_atomic(tmp / "model_free.json", summary, trailing_newline=True)
     return summary

@@ -7,6 +7,7 @@ from __future__ import annotations
 import yaml
 
 from fp8ptq.errors import RecipeError
+from fp8ptq.io import load_yaml
 from fp8ptq.recipe import Recipe, Scheme, builtin_names, load_recipe, parse_recipe
 from fp8ptq.runs.config import QuantizeConfig
 
@@ -143,7 +144,9 @@ def set_key(data: dict, item: str) -> None:
             fix="e.g. --set calibration.gptq_damp=0.05 or --set smooth.alpha=0.8 (keys: fp8ptq recipes show NAME)",
         )
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
+    except ValueError as err:
+        raise RecipeError(f"--set {key}: '{raw[:80]}' {err}", fix="write a plain value") from None
     except yaml.YAMLError as err:
         why = getattr(err, "problem", None) or err
         raise RecipeError(f"--set {key}: '{raw}' is not a YAML value ({why})", fix="quote it or close it") from None
