@@ -7,7 +7,9 @@ flags change float results), and compare:
 
 Only the run's wall-clock timings are taken out before hashing (the manifest's `timings` and the one
 line of the reports that prints them); everything else — tensors, config, manifest numbers, report
-text, plots — is hashed as written. Calibration is reduced (16 x 256 tokens, 2 evaluation samples) so
+text, plots — is hashed as written. Tensors are hashed one by one (`tensor:NAME`: dtype, shape and bytes),
+whatever shard holds them, so a change of sharding alone compares equal; the index, which only says
+where each tensor lies, is left out. `--model` runs the recipes on another model (a .gguf, a directory). Calibration is reduced (16 x 256 tokens, 2 evaluation samples) so
 the whole set runs in minutes; every code path of every recipe still runs, the quality check included.
 """
 
@@ -43,13 +45,38 @@ def file_hash(path: Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def run_recipe(recipe: str, out: Path, extra: list[str]) -> dict[str, str]:
+def tensor_hashes(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="pt") as h:
+        for name in h.keys():
+            t = h.get_tensor(name)
+            data = t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+            head = f"{t.dtype}:{list(t.shape)}:".encode()
+            out[f"tensor:{name}"] = hashlib.sha256(head + data).hexdigest()
+    return out
+
+
+def output_hashes(out: Path) -> dict[str, str]:
+    hashes: dict[str, str] = {}
+    for p in sorted(out.rglob("*")):
+        if not p.is_file() or p.name == "model.safetensors.index.json":
+            continue
+        if p.suffix == ".safetensors":
+            hashes.update(tensor_hashes(p))
+        else:
+            hashes[str(p.relative_to(out))] = file_hash(p)
+    return hashes
+
+
+def run_recipe(recipe: str, out: Path, extra: list[str], model: str = "smollm2-135m") -> dict[str, str]:
     cmd = [
         sys.executable,
         "-m",
         "fp8ptq",
         "quantize",
-        "smollm2-135m",
+        model,
         "-r",
         recipe,
         "-o",
@@ -66,7 +93,7 @@ def run_recipe(recipe: str, out: Path, extra: list[str]) -> dict[str, str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:  # recorded, and the run goes on: one refusal must not cost the others' hashes
         return {"FAILED": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
-    return {str(p.relative_to(out)): file_hash(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    return output_hashes(out)
 
 
 def main() -> None:
@@ -74,13 +101,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="JSON file: recipe -> file -> sha256")
     ap.add_argument("--compare", type=Path, help="an earlier --out file: report identical / different files")
     ap.add_argument("--recipes", default=",".join(builtin_recipes()), help="comma-separated (default: all built-in)")
+    ap.add_argument("--model", default="smollm2-135m", help="the model every recipe runs on (default: the demo)")
     args = ap.parse_args()
     hashes = {}
     # A fixed output path: the reports print the folder name and the serve commands print its path.
     root = Path(tempfile.gettempdir()) / "fp8ptq-output-hashes"
     for recipe in args.recipes.split(","):
         out = root / recipe
-        hashes[recipe] = run_recipe(recipe, out, ["--overwrite", *EXTRA.get(recipe, [])])
+        hashes[recipe] = run_recipe(recipe, out, ["--overwrite", *EXTRA.get(recipe, [])], args.model)
         failed = hashes[recipe].get("FAILED")
         print(f"{recipe}: " + (f"FAILED {failed}" if failed else f"{len(hashes[recipe])} files"), flush=True)
     args.out.write_text(json.dumps(hashes, indent=2, sort_keys=True) + "\n")
