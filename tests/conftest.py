@@ -220,6 +220,7 @@ SPREAD = {"tests/e2e/test_recipes_ci.py"}
 LONGEST = (  # pytest's seconds per module in one process, stop 46 (AMX Xeon): 266, 171, 185, 161, ...
     "tests/e2e/test_vllm_real.py",  # builds smol_int8_target and smol_kv8 first ...
     "tests/contracts/test_contracts.py",  # ... while the other worker needs neither
+    "tests/e2e/test_gemma3_real.py",  # the second real model's default command (~5 min), its plants
     "tests/e2e/test_spec_real.py",
     "tests/e2e/test_eagle3_real.py",
     "tests/e2e/test_convert_real.py",

