@@ -146,8 +146,9 @@ test-run: lint $(CT017)/.ok browser vllm sglang arctic
 test-fast: lint $(CT017)/.ok browser $(VENV)/.arctic-ok
 	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
-# Quality and speed measurements that are not tests: every recipe against its gates (JSON in
-# benchmarks/results/, cited by BENCHMARKS.md). RECIPES=a,b limits it; BENCH_ARGS=--full: recipe calibration.
+# Quality and speed measurements that are not tests: every recipe on both real models (SmolLM2-135M, Gemma 3
+# 270M) against its gates (JSON in benchmarks/results/, cited by BENCHMARKS.md). RECIPES=a,b limits it;
+# BENCH_ARGS=--full: recipe calibration; BENCH_ARGS='--models gemma3-270m': one model.
 bench: $(STAMP)
 	$(PY) benchmarks/quality/recipes_bench.py $(if $(RECIPES),--recipes $(RECIPES)) $(BENCH_ARGS)
 

@@ -22,26 +22,35 @@ def _machine(m: dict) -> str:
     return f"{m.get('cpus')}-core {m.get('processor')}" + (f", {flags}" if flags else ", AVX2 only")
 
 
+MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+
+
 def recipes(data: dict) -> str:
-    """`make bench` (benchmarks/quality/recipes_bench.py): one row per recipe, the row's own commit where it was
-    re-run, else the file's."""
+    """`make bench` (benchmarks/quality/recipes_bench.py): one row per recipe, both real models side by side
+    (KL, top-1, stored bits per quantized weight, wall time), the gates and whether they passed on each."""
     flag = re.compile(r" (--(?:block|group)-size \d+)")
-    head = "| recipe | KL | top-1 | size ratio | wall s | peak RSS MiB | gates | passed | commit |\n"
-    head += "|---|---:|---:|---:|---:|---:|---|---|---|\n"
-    rows = []
+    models = list(dict.fromkeys(r.get("model", "smollm2-135m") for r in data["recipes"]))
+    head = "| recipe | " + " | ".join(f"{MODEL_NAMES.get(m, m)} KL / top-1 / bits / s" for m in models)
+    head += " | gates | passed | commit |\n|---|" + "---|" * len(models) + "---|---|---|\n"
+    by_recipe: dict[str, dict[str, dict]] = {}
     for r in data["recipes"]:
-        extra = flag.search(r["command"])
-        name = r["recipe"] + (f" (`{extra.group(1)}`)" if extra else "")
-        size = next(g["value"] for g in r["gates"] if g["metric"] == "size_ratio")
-        gates = ", ".join(g["gate"] for g in r["gates"])
-        q = r["quality"]
-        cells = [name, f"{q['kl']:.4f}", f"{q['top1']:.3f}", f"{size:.3f}", f"{r['wall_s']:.0f}"]
-        cells += [
-            f"{r['peak_rss_mib']:.0f}",
-            gates,
-            "yes" if r["passed"] else "**no**",
-            r.get("commit", data["commit"]),
-        ]
+        by_recipe.setdefault(r["recipe"], {})[r.get("model", "smollm2-135m")] = r
+    rows = []
+    for name, runs in by_recipe.items():
+        flags = sorted({f.group(1) for r in runs.values() if (f := flag.search(r["command"]))})
+        cells = [name + "".join(f" (`{f}` on SmolLM2)" for f in flags)]
+        for m in models:
+            r = runs.get(m)
+            if r is None or r.get("quality") is None:
+                cells.append("—" if r is None else f"failed (exit {r['exit']})")
+                continue
+            q, bits = r["quality"], r.get("weight_bits")
+            bits = "—" if bits is None else f"{bits:.2f}"
+            cells.append(f"{q['kl']:.4f} / {q['top1']:.3f} / {bits} / {r['wall_s']:.0f}")
+        first = next(iter(runs.values()))
+        cells.append(", ".join(g["gate"] for g in first.get("gates") or []))
+        cells.append(" / ".join("yes" if runs[m]["passed"] else "**no**" for m in models if m in runs))
+        cells.append(", ".join(dict.fromkeys(r.get("commit", data["commit"]) for r in runs.values())))
         rows.append("| " + " | ".join(cells) + " |\n")
     foot = f"\nFile: {data['commit']}, {data['date']}, {_machine(data['machine'])}, {data['calibration']}.\n"
     return head + "".join(rows) + foot

@@ -1,6 +1,8 @@
-"""`make bench`: every built-in recipe on the demo model, held to its own quality gates, results as JSON.
+"""`make bench`: every built-in recipe on both real models (SmolLM2-135M and Gemma 3 270M, from the GGUF
+files their PyPI packages ship), held to its own quality gates, results as JSON.
 
-    .venv/bin/python benchmarks/quality/recipes_bench.py [--recipes fp8-kv8,nvfp4] [--full] [--out FILE]
+    .venv/bin/python benchmarks/quality/recipes_bench.py [--recipes fp8-kv8,nvfp4] [--models gemma3-270m]
+        [--full] [--out FILE]
 
 The recipe gates used to be asserted in the test suite (tests/e2e/test_recipes_ci.py, 8 x 256 calibration
 tokens, 4 held-out samples). The suite now checks the recipes' mechanics on less calibration (gates
@@ -30,8 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the shared probe.py
 from probe import child  # noqa: E402
 
-# SmolLM2's widths (576, 1536) take 64, not the recipes' 128 defaults: what its users pass
-OPTIONS = {"fp8-block": ["--block-size", "64"], "w4a8-fp8": ["--group-size", "64"]}
+MODELS = ("smollm2-135m", "gemma3-270m")
+# SmolLM2's widths (576, 1536) take 64, not the recipes' 128 defaults: what its users pass (Gemma 3 270M's
+# 640, 1024 and 2048 take 128)
+OPTIONS = {"smollm2-135m": {"fp8-block": ["--block-size", "64"], "w4a8-fp8": ["--group-size", "64"]}}
 CI_CALIBRATION = ["--num-samples", "8", "--seq-len", "256", "--eval-samples", "4"]
 FULL_CALIBRATION = ["--eval-samples", "8"]
 
@@ -64,11 +68,12 @@ def commit() -> str:
     return r.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def run_recipe(name: str, out: Path, calibration: list[str]) -> dict:
-    cmd = [str(Path(sys.executable).parent / "fp8ptq"), "quantize", "smollm2-135m", "-r", name, "-o", str(out)]
-    cmd += [*calibration, *OPTIONS.get(name, []), "--overwrite", "--json"]
+def run_recipe(name: str, out: Path, calibration: list[str], model: str = MODELS[0]) -> dict:
+    cmd = [str(Path(sys.executable).parent / "fp8ptq"), "quantize", model, "-r", name, "-o", str(out)]
+    cmd += [*calibration, *OPTIONS.get(model, {}).get(name, []), "--overwrite", "--json"]
     meta, lines, err = child(cmd)
-    row = {"recipe": name, "command": " ".join(["fp8ptq", *cmd[1:]]), "exit": meta["rc"], "wall_s": meta["wall"]}
+    row = {"recipe": name, "model": model, "command": " ".join(["fp8ptq", *cmd[1:]]), "exit": meta["rc"]}
+    row["wall_s"] = meta["wall"]
     row["peak_rss_mib"] = meta["rss"]
     manifest = out / "fp8ptq_manifest.json"
     if not manifest.is_file():
@@ -76,6 +81,7 @@ def run_recipe(name: str, out: Path, calibration: list[str]) -> dict:
         return row
     m = json.loads(manifest.read_text())
     row["quality"] = m.get("quality")
+    row["weight_bits"] = (m.get("size_bytes") or {}).get("weight_bits")
     row["gates"] = m.get("gates")
     row["calibration_tokens"] = (m.get("calibration") or {}).get("tokens")
     row["passed"] = meta["rc"] == 0 and bool(m.get("gates")) and all(g["passed"] for g in m["gates"])
@@ -85,6 +91,7 @@ def run_recipe(name: str, out: Path, calibration: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default=",".join(builtin_recipes()), help="comma-separated (default: all built-in)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: both real models)")
     ap.add_argument("--full", action="store_true", help="each recipe's own calibration instead of 8 x 256")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "recipes.json")
     args = ap.parse_args()
@@ -93,16 +100,19 @@ def main() -> None:
     result["calibration"] = "recipe default" if args.full else "8 x 256, 4 eval samples"
     rows = []
     with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-") as tmp:
-        for name in args.recipes.split(","):
-            row = run_recipe(name, Path(tmp) / name, calibration)
-            rows.append(row)
-            gates = ", ".join(f"{g['gate']}: {'pass' if g['passed'] else 'FAIL'}" for g in row.get("gates") or [])
-            q = row.get("quality") or {}
-            print(f"{name}: exit {row['exit']}, {row['wall_s']:.0f} s, KL {q.get('kl')}, {gates}", flush=True)
+        for model in args.models.split(","):
+            for name in args.recipes.split(","):
+                row = run_recipe(name, Path(tmp) / name, calibration, model)
+                rows.append(row)
+                gates = ", ".join(f"{g['gate']}: {'pass' if g['passed'] else 'FAIL'}" for g in row.get("gates") or [])
+                q = row.get("quality") or {}
+                print(
+                    f"{model} {name}: exit {row['exit']}, {row['wall_s']:.0f} s, KL {q.get('kl')}, {gates}", flush=True
+                )
     result["recipes"] = rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    failed = [r["recipe"] for r in rows if not r.get("passed")]
+    failed = [f"{r['model']} {r['recipe']}" for r in rows if not r.get("passed")]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     sys.exit(1 if failed else 0)
 
