@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from fp8ptq.errors import DataError
-from fp8ptq.io import time_limit
 
 if TYPE_CHECKING:
     import torch
@@ -256,6 +255,8 @@ def check_chat_template(template: str) -> None:
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+    from fp8ptq.io import time_limit  # here: fp8ptq.io imports torch, which `fp8ptq --help` must not
+
     class Bounded(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**", "+"])
 
@@ -306,6 +307,8 @@ def render_chat(tokenizer, messages: list[dict], **kw):
     first (check_chat_template, once per template) and the render itself bounded in time; a template that
     raises is one DataError."""
     import jinja2
+
+    from fp8ptq.io import time_limit
 
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and template not in _CHECKED:

@@ -63,7 +63,7 @@ def eval_quality(
       fp8ptq eval quality out/q --reference ./my-model --data prose.txt --num-samples 32
       fp8ptq eval quality out/q --reference smollm2-135m --eval-data novel.txt   # in- and off-domain
       fp8ptq eval quality out/q --reference smollm2-135m --engine vllm-gpu   # as a GPU serves it
-      fp8ptq eval quality out/q --reference smollm2-135m --recipe-gates     # its recipe's gates (exit 3)
+      fp8ptq eval quality out/q --reference smollm2-135m --recipe-gates   # its recipe's gates
     """
     offline()
     from fp8ptq.api import EvalConfig, evaluate_quality

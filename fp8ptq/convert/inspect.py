@@ -299,24 +299,16 @@ def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]
 
 
 def _inspect_gguf(path: Path) -> InspectReport:
-    from fp8ptq.models.gguf import (
-        EXACT_TYPES,
-        FLOAT_TYPES,
-        K_TYPES,
-        check_gguf,
-        check_supported,
-        gguf_architecture,
-        open_reader,
-    )
+    from fp8ptq.models import gguf
 
-    reader = open_reader(path)
+    reader, k_types = gguf.open_reader(path), gguf.K_TYPES
     types: dict[str, int] = {}
     params = 0
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         params += int(t.n_elements)
-    carried = sorted(k for k in types if k in K_TYPES)
-    other = sorted(k for k in types if k not in EXACT_TYPES and k not in FLOAT_TYPES and k not in K_TYPES)
+    carried = sorted(k for k in types if k in k_types)
+    other = sorted(k for k in types if k not in gguf.EXACT_TYPES and k not in gguf.FLOAT_TYPES and k not in k_types)
     findings = []
     if carried:
         findings.append(
@@ -333,8 +325,8 @@ def _inspect_gguf(path: Path) -> InspectReport:
             Finding("info", "gguf-requantize", str(path), f"types {other} have no exact compressed-tensors form")
         )
     try:  # the file against its own metadata, as quantize checks it
-        check_supported(gguf_architecture(reader))
-        check_gguf(path)
+        gguf.check_supported(gguf.gguf_architecture(reader))
+        gguf.check_gguf(path)
     except ModelError as err:
         code = "gguf-incomplete" if "transformers' GGUF loader" not in err.message else "gguf-architecture"
         findings.append(Finding("error", code, str(path), err.message))
@@ -342,7 +334,7 @@ def _inspect_gguf(path: Path) -> InspectReport:
     return InspectReport(
         path=str(path),
         format="gguf",
-        architecture=gguf_architecture(reader),
+        architecture=gguf.gguf_architecture(reader),
         tensor_types=types,
         size_bytes=size,
         bits_per_param=8 * size / max(params, 1),

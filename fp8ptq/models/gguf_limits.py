@@ -34,7 +34,7 @@ class _Walk:
     def take(self, n: int) -> bytes:
         if self.pos + n > len(self.buf):
             raise ModelError(
-                f"'{self.path}' ends inside its GGUF metadata (truncated or not GGUF)", fix="re-download it"
+                f"'{self.path}' is truncated or corrupt (it ends inside its GGUF metadata)", fix="re-download it"
             )
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
