@@ -99,6 +99,7 @@ def main() -> None:
     result = {"commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     result["calibration"] = "recipe default" if args.full else "8 x 256, 4 eval samples"
     rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-") as tmp:
         for model in args.models.split(","):
             for name in args.recipes.split(","):
@@ -109,9 +110,8 @@ def main() -> None:
                 print(
                     f"{model} {name}: exit {row['exit']}, {row['wall_s']:.0f} s, KL {q.get('kl')}, {gates}", flush=True
                 )
-    result["recipes"] = rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+                result["recipes"] = rows  # written after every row: a long run stopped keeps what it measured
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
     failed = [f"{r['model']} {r['recipe']}" for r in rows if not r.get("passed")]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     sys.exit(1 if failed else 0)
