@@ -96,6 +96,12 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
+def expand_home(path):
+    """Option callback for paths fp8ptq writes: `~` means the home folder as it does for inputs (a quoted
+    `-o '~/out'` reaches fp8ptq unexpanded by the shell)."""
+    return None if path is None else type(path)(os.path.expanduser(str(path)))
+
+
 def fail(err: Exception) -> None:
     console.print(f"[bold red]error:[/] {escape(printable(str(err)))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
@@ -235,6 +241,6 @@ EVAL_OPTS = dict(
         [], "--gate", help="gate on '<task>' (percent) or '<task>_delta' (points), e.g. mmlu_pro_delta>=-1.0"
     ),
     json_out=typer.Option(False, "--json"),
-    save=typer.Option(None, "--save", help="also write the result JSON to this file"),
+    save=typer.Option(None, "--save", callback=expand_home, help="also write the result JSON to this file"),
     no_record=typer.Option(False, "--no-record", help="do not record the result in an fp8ptq checkpoint's report"),
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from fp8ptq.cli.app import app
-from fp8ptq.cli.common import console, fail, offline, out, user_errors
+from fp8ptq.cli.common import console, expand_home, fail, offline, out, user_errors
 from fp8ptq.convert.registry import CONVERTERS, SOURCES, TARGETS
 from fp8ptq.errors import Fp8ptqError
 
@@ -24,7 +24,9 @@ def convert(
         help=".gguf file; a GPTQ / AWQ / ModelOpt / block-FP8 dir (to compressed-tensors); a compressed-tensors "
         "dir (--to gguf)",
     ),
-    output: Path = typer.Option(..., "--output", "-o", help="a directory, or NAME.gguf for --to gguf"),
+    output: Path = typer.Option(
+        ..., "--output", "-o", callback=expand_home, help="a directory, or NAME.gguf for --to gguf"
+    ),
     to: str = typer.Option("hf", help=TO_HELP),
     dtype: str = typer.Option("bfloat16", help="dtype of dequantized / float matrices: bfloat16, float16 or float32"),
     recipe: str = typer.Option(

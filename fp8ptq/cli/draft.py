@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import app
-from fp8ptq.cli.common import console, fail, offline, out, progress_bar, user_errors
+from fp8ptq.cli.common import console, expand_home, fail, offline, out, progress_bar, user_errors
 from fp8ptq.errors import Fp8ptqError, check_option
 
 
@@ -215,7 +215,9 @@ def _draft_trim(draft, target, keep, output, overwrite, json_out):
 @app.command("draft-train")
 def draft_train_cmd(
     target: str = typer.Argument(..., help="target model: quantized checkpoint dir, HF dir, .gguf or alias"),
-    output: Path = typer.Option(..., "--output", "-o", help="draft output directory (written atomically)"),
+    output: Path = typer.Option(
+        ..., "--output", "-o", callback=expand_home, help="draft output directory (written atomically)"
+    ),
     kind: str = typer.Option("model", help="model: a small draft LLM; eagle3: an EAGLE-3 head (vLLM method eagle3)"),
     layer_ids: Optional[str] = typer.Option(
         None, help="eagle3: target layers whose input residual stream the head reads (default 2,L//2,L-3)"

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import app, recipes_app
-from fp8ptq.cli.common import console, fail, offline, out, progress_bar, user_errors
+from fp8ptq.cli.common import console, expand_home, fail, offline, out, progress_bar, user_errors
 from fp8ptq.errors import Fp8ptqError
 
 
@@ -35,7 +35,9 @@ def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output di
 @app.command()
 def analyze(
     model: str = typer.Argument(..., help="HF model dir, .gguf file, or alias (smollm2-135m)"),
-    output: Path = typer.Option(..., "--output", "-o", help="report directory (written atomically)"),
+    output: Path = typer.Option(
+        ..., "--output", "-o", callback=expand_home, help="report directory (written atomically)"
+    ),
     data: str = typer.Option("builtin", help="text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
     text_field: str = typer.Option("text"),
     num_samples: int = typer.Option(32, help="samples of --seq-len tokens"),

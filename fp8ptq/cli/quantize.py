@@ -12,6 +12,7 @@ from rich.table import Table
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import (
     console,
+    expand_home,
     finish_gates,
     human,
     is_rank0,
@@ -33,7 +34,7 @@ def quantize(
     model: str = typer.Argument(..., help=h(Q, "model")),
     recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help=h(Q, "recipe")),
     revision: Optional[str] = typer.Option(d(Q, "revision"), help=h(Q, "revision")),
-    output: Path = typer.Option(..., "--output", "-o", help=h(Q, "output")),
+    output: Path = typer.Option(..., "--output", "-o", callback=expand_home, help=h(Q, "output")),
     data: List[str] = typer.Option([d(Q, "data")], help=h(Q, "data")),
     text_field: str = typer.Option(d(Q, "text_field"), help=h(Q, "text_field")),
     images: Optional[str] = typer.Option(d(Q, "images"), help=h(Q, "images")),
@@ -190,7 +191,9 @@ def model_free_cmd(
     model: Path = typer.Argument(
         ..., help="a safetensors model directory (any architecture, even one transformers lacks)"
     ),
-    output: Path = typer.Option(..., "--output", "-o", help="output directory (written atomically)"),
+    output: Path = typer.Option(
+        ..., "--output", "-o", callback=expand_home, help="output directory (written atomically)"
+    ),
     recipe: str = typer.Option("fp8-dynamic", "--recipe", "-r", help="a data-free recipe: fp8-dynamic, fp8-block"),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="list what would be quantized and kept, and why; write nothing"

@@ -17,6 +17,7 @@ from fp8ptq.cli.app import spec_app
 from fp8ptq.cli.common import (
     check_save,
     console,
+    expand_home,
     fail,
     human,
     offline,
@@ -94,7 +95,7 @@ def measure_cmd(
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu"),
     save: Optional[Path] = typer.Option(
-        None, "--save", help="write the measurements (JSON) for `spec recommend --measured`"
+        None, "--save", callback=expand_home, help="write the measurements (JSON) for `spec recommend --measured`"
     ),
     json_out: bool = typer.Option(False, "--json"),
 ):
@@ -142,7 +143,7 @@ def recommend_cmd(
         None, help="draft dir, ngram[:MIN-MAX], suffix[:N] or mtp (omit with --measured)"
     ),
     output: Path = typer.Option(
-        ..., "--output", "-o", help="folder for speculative_config.json, sglang_flags.txt, plot"
+        ..., "--output", "-o", callback=expand_home, help="folder for speculative_config.json, sglang_flags.txt, plot"
     ),
     measured: Optional[Path] = typer.Option(
         None, "--measured", help="a `spec measure --save` file instead of measuring"

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import spec_app
-from fp8ptq.cli.common import console, offline, out, progress_bar, user_errors
+from fp8ptq.cli.common import console, expand_home, offline, out, progress_bar, user_errors
 from fp8ptq.cli.spec_options import measure_config
 
 
@@ -20,7 +20,11 @@ def compare_cmd(
         ..., help="two or more: draft dirs, EAGLE-3 heads, ngram[:MIN-MAX], suffix[:N], mtp"
     ),
     output: Path = typer.Option(
-        ..., "--output", "-o", help="folder: comparison.json, the winner's configs, one folder per proposer"
+        ...,
+        "--output",
+        "-o",
+        callback=expand_home,
+        help="folder: comparison.json, the winner's configs, one folder per proposer",
     ),
     gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
     temperature: float = typer.Option(0.0, help="measure and recommend at this sampling temperature"),

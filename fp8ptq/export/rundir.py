@@ -97,6 +97,7 @@ class RunDir:
         self.approved = None  # what was at `out` when the run started (replace_dir)
         self.state: dict = {}
         self.resumed = False
+        self.kept = False  # the finished result stays in `path`: the final rename was refused
         self._lock = None
 
     def __enter__(self) -> RunDir:
@@ -165,7 +166,11 @@ class RunDir:
         """Rename the finished directory into place (replacing `out` when overwriting what was there at the
         start and fp8ptq wrote; anything else there now is left alone: io.replace_dir)."""
         (self.path / STATE).unlink(missing_ok=True)
-        replace_dir(self.path, self.out, self.approved)
+        try:
+            replace_dir(self.path, self.out, self.approved)
+        except OutputError:
+            self.kept = True  # its message sends the user to `path`: it must still be there
+            raise
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -177,6 +182,6 @@ class RunDir:
         # otherwise there is nothing worth keeping. A typed input error (bad weights, bad data) is not
         # something --resume can fix: nothing is kept then.
         bad_input = exc_type is not None and issubclass(exc_type, Fp8ptqError)
-        if exc_type is not None and (bad_input or not self.state.get("layers_done")):
+        if exc_type is not None and not self.kept and (bad_input or not self.state.get("layers_done")):
             shutil.rmtree(self.path, ignore_errors=True)
         self._release()

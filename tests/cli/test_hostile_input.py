@@ -156,6 +156,27 @@ def test_a_folder_that_appears_during_the_run_is_never_deleted(tmp_path):
     assert (kept / "result.txt").read_text() == "finished"
 
 
+def test_a_quoted_home_in_the_output_means_the_home_folder(workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    rc, output = run_cli("model-free", workspace / "model-a", "-o", "~/out", "-r", "fp8-dynamic")
+    assert rc == 0, output
+    assert (tmp_path / "home" / "out" / OUTPUT_MARKER).is_file() and not Path("~").exists()
+
+
+def test_a_resumable_run_refused_at_the_final_rename_keeps_its_result(tmp_path):
+    """The refusal sends the user to the partial folder: the run must not delete it afterwards."""
+    from fp8ptq.export.rundir import RunDir
+
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="appeared or changed") as err:
+        with RunDir(out) as run:
+            (run.path / "result.txt").write_text("finished")
+            out.mkdir()
+            run.commit()
+    kept = Path(str(err.value).split("the finished result is in '")[1].split("'")[0])
+    assert (kept / "result.txt").read_text() == "finished" and not (tmp_path / ".out.lock").exists()
+
+
 @pytest.mark.parametrize(
     "edit, phrase",
     [
