@@ -136,6 +136,11 @@ def decide(name: str, shape: tuple[int, ...], dtype: str, recipe: Recipe) -> Dec
             "that the model-free path cannot place by name",
             fix="quantize this family with `fp8ptq quantize` (its adapter knows the layout)",
         )
+    if 0 in shape:
+        raise ModelError(
+            f"tensor '{name}' has shape {list(shape)}: an empty weight (no module has a dimension of 0)",
+            fix="use a checkpoint whose weights were saved whole",
+        )
     for reason, pattern, action in RULES:
         if pattern.search(module):
             return Decision(name, shape, dtype, action, reason)

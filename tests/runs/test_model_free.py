@@ -93,6 +93,20 @@ def test_what_no_rule_places_is_refused_by_name(tiny_model, tiny_dir, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8-block"])
+def test_an_empty_weight_is_refused_by_name(recipe, tiny_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(0, 128)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    rc, output = run_cli("model-free", model, "-r", recipe, "-o", tmp_path / "o")
+    assert rc == 2 and "down_proj.weight' has shape [0, 128]" in output, output
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_multimodal_checkpoint_keeps_its_towers(tmp_path, tokenizer_dir):
     """Gemma 3 >= 4B is Gemma3ForConditionalGeneration: the language model is quantized, the vision tower
     and projector (one of them a bare 2-D parameter) keep their bytes and are ignored by pattern, and
