@@ -1,6 +1,7 @@
 """A GGUF's metadata is bounded before gguf-py or transformers parse it (models/gguf_limits.py)."""
 
 import os
+import re
 import struct
 import time
 
@@ -48,3 +49,42 @@ def test_truncated_metadata_and_fifos_are_one_line_errors(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ModelError, match="not a regular file"):
         open_reader(fifo)  # would block forever in open()
+
+
+def _key(key: str) -> bytes:
+    return struct.pack("<Q", len(key)) + key.encode()
+
+
+def _strings_kv(key: str, items: list[bytes]) -> bytes:
+    return _key(key) + struct.pack("<IIQ", 9, 8, len(items)) + b"".join(struct.pack("<Q", len(s)) + s for s in items)
+
+
+def _floats_kv(key: str, n: int) -> bytes:
+    return _key(key) + struct.pack("<IIQ", 9, 6, n) + b"\0" * (4 * n)
+
+
+@pytest.mark.parametrize(
+    "keys, phrase",
+    [
+        (
+            [_strings_kv("tokenizer.ggml.tokens", [b"a", b"b", b"c"]), _floats_kv("tokenizer.ggml.scores", 2)],
+            "tokenizer arrays disagree in length (tokens 3, scores 2)",
+        ),
+        (
+            [_strings_kv("tokenizer.ggml.tokens", [b"a", b"b"]), _strings_kv("tokenizer.ggml.merges", [b"a \xff"])],
+            "item 0 of metadata array 'tokenizer.ggml.merges' is not UTF-8",
+        ),
+        (
+            [
+                _strings_kv("tokenizer.ggml.tokens", [b"a", b"b"]),
+                _key("tokenizer.ggml.bos_token_id") + struct.pack("<II", 4, 7),
+            ],
+            "bos_token_id is 7, outside its 2-token vocabulary",
+        ),
+    ],
+)
+def test_a_tokenizer_that_transformers_would_trip_on_is_refused_by_name(keys, phrase, tmp_path):
+    f = tmp_path / "tok.gguf"
+    f.write_bytes(_header([_string_kv("general.architecture", 5), *keys]))
+    with pytest.raises(ModelError, match=re.escape(phrase)):
+        open_reader(f)
