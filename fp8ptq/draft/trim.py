@@ -91,6 +91,7 @@ def _split(data: dict, fraction: float, seed: int) -> tuple[torch.Tensor, torch.
 def draft_trim(cfg: DraftTrimConfig, progress=None) -> TrimSummary:
     """Count, choose, write OUT (atomically). Returns a summary (kept, coverage, LM-head saving)."""
     from fp8ptq.io import atomic_output_dir, check_output
+    from fp8ptq.models.config_checks import check_same_vocabulary
     from fp8ptq.models.loader import resolve_model
 
     check_output(Path(cfg.output), cfg.overwrite, (cfg.draft, cfg.target))
@@ -105,6 +106,8 @@ def draft_trim(cfg: DraftTrimConfig, progress=None) -> TrimSummary:
             fix="trim a draft trained for this target (fp8ptq draft-train)",
         )
     tokenizer = dsrc.tokenizer()
+    # The same size is not the same vocabulary: a permuted tokenizer would keep the wrong rows.
+    check_same_vocabulary(dsrc, tsrc, tsrc.tokenizer(), fix="trim a draft trained for this target (fp8ptq draft-train)")
     data_path = Path(cfg.draft) / DATA_FILE
     if data_path.is_file():
         data, source = load_file(str(data_path)), f"{DATA_FILE} (draft-train's target generations)"

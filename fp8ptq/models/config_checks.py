@@ -67,7 +67,9 @@ def check_sizes(config, weight_map: dict[str, str], path: Path) -> None:
         )
 
 
-def check_same_vocabulary(model, reference, reference_tokenizer) -> None:
+def check_same_vocabulary(
+    model, reference, reference_tokenizer, fix: str = "compare a quantized checkpoint with the model it was made from"
+) -> None:
     """ModelError unless `model` reads the token ids of `reference`'s tokenizer as the same tokens: the
     same vocabulary size and, where it ships one, the same tokenizer (a comparison of logits over
     different vocabularies means nothing, and an id past the embedding is an IndexError)."""
@@ -79,11 +81,11 @@ def check_same_vocabulary(model, reference, reference_tokenizer) -> None:
         raise ModelError(
             f"'{model.label}' has a vocabulary of {size(model)} tokens but the reference '{reference.label}' "
             f"{size(reference)}: they are not the same model family",
-            fix="compare a quantized checkpoint with the model it was made from",
+            fix=fix,
         )
     if any((Path(model.path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         if model.tokenizer().get_vocab() != reference_tokenizer.get_vocab():
             raise ModelError(
                 f"'{model.label}' and the reference '{reference.label}' have different tokenizers",
-                fix="compare a quantized checkpoint with the model it was made from",
+                fix=fix,
             )

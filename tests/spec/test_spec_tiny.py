@@ -136,6 +136,21 @@ def test_draft_trim_outputs(tmp_path, drafted, tiny_dir):
         load_draft(out)
 
 
+def test_draft_trim_refuses_a_permuted_tokenizer_of_the_same_size(tmp_path, drafted, tiny_dir):
+    from fp8ptq.errors import ModelError
+
+    draft = tmp_path / "draft"
+    shutil.copytree(drafted[0], draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[500:502]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, other tokens
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelError, match="have different tokenizers"):
+        draft_trim(DraftTrimConfig(draft=draft, target=str(tiny_dir), keep=300, output=tmp_path / "t"))
+    assert not (tmp_path / "t").exists()
+
+
 def test_draft_commands_render_their_results(tmp_path, tiny_dir, drafted):
     """draft-train and draft-trim print their typed summaries: a table, or --json as the file holds it."""
     out = tmp_path / "d"
