@@ -2,8 +2,8 @@
 (alias gemma3-270m: 262,144-token vocabulary, tied embeddings, BOS added by its tokenizer).
 
 The default command on the `.gguf` passes its own gates; the gates fail on planted broken exports of both
-real models (a layer's weight scales x64, a layer's weights dropped, a layer stored in bf16); the GGUF's
-codes carry into compressed-tensors."""
+real models (a layer's weight scales x64, a layer's weights dropped, a layer stored in bf16; for packed
+4-bit formats its scales x64 or stored in fp64); the GGUF's codes carry into compressed-tensors."""
 
 import json
 import shutil
@@ -75,7 +75,10 @@ def _layer_linears(tensors: dict, layer: int) -> list[str]:
 
 def scale_x64(tensors: dict) -> None:  # a writer that stored one layer's scales in the wrong unit
     for m in _layer_linears(tensors, 3):
-        tensors[f"{m}.weight_scale"] = tensors[f"{m}.weight_scale"] * 64
+        if f"{m}.weight_global_scale" in tensors:  # NVFP4: FP8 group scales over a global divisor
+            tensors[f"{m}.weight_global_scale"] = tensors[f"{m}.weight_global_scale"] / 64
+        else:
+            tensors[f"{m}.weight_scale"] = tensors[f"{m}.weight_scale"] * 64
 
 
 def weights_dropped(tensors: dict) -> None:  # one layer's weights lost (zeros where they were)
@@ -88,9 +91,14 @@ def stored_bf16(tensors: dict) -> None:  # the same values, two bytes each: qual
         tensors[f"{m}.weight"] = tensors[f"{m}.weight"].to(torch.bfloat16)
 
 
-def _gates(out: Path, reference: str) -> tuple[int, dict]:
+def scales_fp64(tensors: dict) -> None:  # packed codes intact, every group scale stored in 8 bytes
+    for k in [k for k in tensors if k.endswith(".weight_scale")]:
+        tensors[k] = tensors[k].to(torch.float64)
+
+
+def _gates(out: Path, reference: str, samples: int = 2) -> tuple[int, dict]:
     args = ["eval", "quality", str(out), "--reference", reference, "--recipe-gates", "--json", "--no-record"]
-    r = CliRunner().invoke(app, args + ["--num-samples", "2", "--seq-len", "256"])
+    r = CliRunner().invoke(app, args + ["--num-samples", str(samples), "--seq-len", "256"])
     assert r.exit_code in (0, GATE_FAILED_EXIT), r.output
     data = json.loads(r.output)
     return r.exit_code, {g["metric"]: g["passed"] for g in data["gates"]}
@@ -122,3 +130,14 @@ def test_gguf_codes_carry_into_compressed_tensors(gemma_gguf, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gemma3_text"
     assert parse_config_under(config["quantization_config"], "0.17.0") == "0.17.0"
+
+
+@pytest.mark.parametrize("name", ["w4a16", "nvfp4a16"])
+def test_gates_of_packed_formats_fail_on_planted_exports(name, recipe_export, tmp_path):
+    """The same for packed 4-bit formats (the suite's small-calibration export of the recipe): a layer's
+    group scales x64 fail `kl`, every group scale stored in fp64 (a writer's dtype slip) fails `weight_bits`."""
+    good = recipe_export(name)[0]
+    assert _gates(good, "smollm2-135m", 1) == (0, {"kl": True, "top1": True, "weight_bits": True})
+    for plant, failing in ((scale_x64, "kl"), (scales_fp64, "weight_bits")):
+        code, passed = _gates(_plant(good, tmp_path / plant.__name__, plant), "smollm2-135m", 1)
+        assert code == GATE_FAILED_EXIT and not passed[failing], (plant.__name__, passed)
