@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from fp8ptq.export.card import write_card
 from fp8ptq.io import own_subdir, write_bytes_atomic, write_json_atomic
 from fp8ptq.manifest import MANIFEST, Manifest
 
@@ -195,7 +196,8 @@ def _env() -> jinja2.Environment:
 
 
 def write_report(out_dir: Path, manifest: Manifest | None = None, serve_path: str | None = None) -> list[Path]:
-    """Write report.md, report.html and report_files/*.png into out_dir. Returns the paths written."""
+    """Write report.md, report.html, report_files/*.png and the model card README.md (export/card.py) into
+    out_dir. Returns the paths written."""
     out_dir = Path(out_dir)
     manifest = manifest if manifest is not None else Manifest.load(out_dir)
     ctx = _context(out_dir, manifest, serve_path or str(out_dir))
@@ -216,6 +218,7 @@ def write_report(out_dir: Path, manifest: Manifest | None = None, serve_path: st
     for fname, text in (("report.md", md), ("report.html", html)):
         write_bytes_atomic(out_dir / fname, text.encode())
         written.append(out_dir / fname)
+    written.append(write_card(out_dir, manifest, md))
     return written
 
 

@@ -197,3 +197,32 @@ def test_lm_eval_records_render_typed_and_old(tiny_q, tmp_path):
     save_eval(out, "tasks", {**old, "numerics": {"backend": "hf (fp32)"}, "config": config})
     assert "| arc | 4 | 50.0 ± 1.0 | – | – |" in (out / "report.md").read_text()
     assert "Evaluation: tasks" in dump_dom(out / "report.html")
+
+
+def test_the_export_is_a_model_card_the_hub_parses(tiny_q):
+    from huggingface_hub import ModelCard
+
+    out, m = tiny_q
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model is None  # a local folder is no Hub id
+    assert {"fp8ptq", "compressed-tensors", "fp8", "kv-cache-quantized"} <= set(card.data.tags)
+    assert f"vllm serve {out} --kv-cache-dtype fp8" in card.text and "sglang.launch_server" in card.text
+    assert f"{m['quality']['kl']:.5f}" in card.text and "| `kl<=1000` |" in card.text
+
+
+def test_the_card_names_the_base_model_and_keeps_the_source_licence(tiny_q, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from fp8ptq.export.card import card_metadata, write_card
+    from fp8ptq.manifest import Manifest
+
+    out, _ = tiny_q
+    manifest = Manifest.load(out)
+    assert card_metadata(manifest.model_copy(update={"model": "gemma3-270m"}))["base_model"] == "google/gemma-3-270m"
+    hub = card_metadata(manifest.model_copy(update={"model": "org/some-model"}))
+    assert hub["base_model"] == "org/some-model" and hub["base_model_relation"] == "quantized"
+    (tmp_path / "README.md").write_text("---\nlicense: apache-2.0\ntags: [theirs]\n---\n# The float model\n")
+    for _ in range(2):  # the source's card, then the re-render of our own: the licence stays
+        write_card(tmp_path, manifest, "# body\n")
+        card = ModelCard.load(tmp_path / "README.md")
+        assert card.data.license == "apache-2.0" and "theirs" not in card.data.tags and "The float" not in card.text

@@ -15,7 +15,7 @@ from fp8ptq.errors import Fp8ptqError
 
 @app.command()
 def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output directory")):
-    """Re-render OUT/report.md and OUT/report.html from the manifest and recorded evaluations.
+    """Re-render OUT/report.md, OUT/report.html and the card OUT/README.md from the manifest and recorded evaluations.
 
     \b
     Examples:
