@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8ptq import data as data_mod
-from fp8ptq.convert.registry import ConversionReport, ConvertConfig
+from fp8ptq.conversion.registry import ConversionReport, ConvertConfig
 from fp8ptq.errors import OptionError, check_option
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
     from fp8ptq.calibrate.analyze import AnalysisReport
     from fp8ptq.calibrate.state import Progress
-    from fp8ptq.convert.inspect import InspectReport
+    from fp8ptq.conversion.inspect import InspectReport
     from fp8ptq.eval.engine_check import EngineCheckResult
     from fp8ptq.eval.quality import QualityReport
     from fp8ptq.manifest import Manifest
@@ -94,8 +94,9 @@ def describe_device(device: str) -> str:
     return describe(device)
 
 
-def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest | None:
+def quantize(cfg: QuantizeConfig, progress: Progress | None = None, source=None) -> Manifest | None:
     """Quantize cfg.model with cfg.recipe into cfg.output. Returns the manifest (also written to disk).
+    `source`: the model already opened (models/memory.py: a model in memory), cfg.model its label.
 
     Under torchrun (WORLD_SIZE > 1) every rank calibrates its share of the samples, statistics are
     combined exactly, and rank 0 writes the output; the manifest is returned on rank 0 (others: None)."""
@@ -110,7 +111,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
 
     ctx = prepare_run(cfg, progress)
     t0 = time.perf_counter()
-    ctx.src = resolve_model(cfg.model, cfg.revision)
+    ctx.src = source if source is not None else resolve_model(cfg.model, cfg.revision)
     ctx.tokenizer = check_model(ctx.src, ctx.recipe)
     cal = ctx.recipe.calibration
     if "rotate" in ctx.recipe.transforms:  # the float model is rotated (once, cached) before anything reads it
@@ -158,7 +159,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None) -> Manifest 
 def _lint_own_output(path: Path) -> None:
     """`fp8ptq inspect`'s lint on a finished export before it is renamed into place: an error there is a
     checkpoint vLLM would refuse, so it never becomes the output (a bug in fp8ptq if it ever fires)."""
-    from fp8ptq.convert.inspect import inspect_checkpoint
+    from fp8ptq.conversion.inspect import inspect_checkpoint
     from fp8ptq.errors import OutputError
 
     errors = [f for f in inspect_checkpoint(path).findings if f.level == "error"]
@@ -237,9 +238,9 @@ def verify(cfg: VerifyConfig) -> EngineCheckResult:
 
 
 def convert(cfg: ConvertConfig) -> ConversionReport:
-    """Convert a checkpoint between formats (convert/registry.py: the converter for the detected source
+    """Convert a checkpoint between formats (conversion/registry.py: the converter for the detected source
     format and `cfg.to`), its checks run before any output exists, written atomically."""
-    from fp8ptq.convert.registry import convert as run
+    from fp8ptq.conversion.registry import convert as run
 
     return run(cfg)
 
@@ -251,9 +252,9 @@ class InspectConfig:
 
 
 def inspect(cfg: InspectConfig) -> InspectReport:
-    """Format, schemes, size and lint findings (convert/inspect.InspectReport); reads headers and scales.
+    """Format, schemes, size and lint findings (conversion/inspect.InspectReport); reads headers and scales.
     engine="sglang" adds SGLang's own answer per GPU generation (`make sglang`)."""
-    from fp8ptq.convert.inspect import Finding, inspect_checkpoint
+    from fp8ptq.conversion.inspect import Finding, inspect_checkpoint
 
     if cfg.engine not in (None, "sglang"):
         raise OptionError(f"--engine '{cfg.engine}' is not an engine inspect asks", fix="use --engine sglang")

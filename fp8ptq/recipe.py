@@ -20,9 +20,9 @@ from pydantic import (
 
 from fp8ptq.errors import RecipeError
 from fp8ptq.io import load_yaml
-from fp8ptq.quantize.plan import check_pattern
-from fp8ptq.quantize.schemes import calibrated_inputs, handler
-from fp8ptq.quantize.schemes.pairing import check_linear_scheme
+from fp8ptq.quantization.plan import check_pattern
+from fp8ptq.quantization.schemes import calibrated_inputs, handler
+from fp8ptq.quantization.schemes.pairing import check_linear_scheme
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 
@@ -41,7 +41,7 @@ class QuantArgs(QuantizationArgs):
     """One tensor's quantization: compressed-tensors' own QuantizationArgs (so scheme handlers, export
     and the evaluator see one type), restricted to the keys fp8ptq reads, with fp8ptq's defaults (FP8,
     per tensor), and frozen once validated. What a combination means is the scheme handlers' to check
-    (quantize/schemes/), called by `Scheme`."""
+    (quantization/schemes/), called by `Scheme`."""
 
     model_config = ConfigDict(extra="forbid")
     type: QuantizationType = QuantizationType.FLOAT
@@ -284,6 +284,20 @@ class Recipe(_Frozen):
         handler(w).check_calibration(w, a, self.calibration, searched=self.mixed is None)
         return self
 
+    @classmethod
+    def builtin(cls, name: str) -> Recipe:
+        """A built-in recipe by name (`fp8ptq recipes list`)."""
+        if name not in builtin_names():
+            raise RecipeError(f"unknown recipe '{name}'", fix=f"use one of {', '.join(builtin_names())}")
+        return load_recipe(name)
+
+    def set(self, key: str, value) -> Recipe:
+        """A copy with one dotted key changed (`recipe.set("calibration.gptq_damp", 0.02)`): what `--set
+        KEY=VALUE` does with the value as a Python object, validated with the messages a YAML file gets."""
+        data = self.model_dump(mode="json")
+        set_dotted(data, str(key), value, f"'{key}'", ".set('{}', VALUE)")
+        return parse_recipe(data, f"'{self.name}' with {key}")
+
     @property
     def needs_data(self) -> bool:
         a = self.scheme.input_activations
@@ -297,6 +311,23 @@ class Recipe(_Frozen):
             or self.flatten is not None
             or self.mixed is not None
         )
+
+
+def set_dotted(data: dict, key: str, value, where: str, whole: str) -> None:
+    """Set the dotted `key` of a recipe's data in place, starting a section left out (null); `where` and `whole`
+    ('{}': a key) word the refusals."""
+    parts = key.split(".")
+    if not all(parts):
+        raise RecipeError(f"{where} is not a dotted recipe key", fix="e.g. calibration.gptq_damp or smooth.alpha")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            sec = ".".join(parts[: i + 1])
+            raise RecipeError(f"{where}: '{sec}' is a value, not a section", fix="set it whole: " + whole.format(sec))
+    node[parts[-1]] = value
 
 
 def builtin_names() -> list[str]:
@@ -342,8 +373,13 @@ def parse_recipe(data: object, source: str) -> Recipe:
 MAX_RECIPE_BYTES = 1 << 20
 
 
-def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe by name (e.g. 'fp8-kv8') or a YAML file path."""
+def load_recipe(name_or_path: str | Path | dict | Recipe) -> Recipe:
+    """A built-in recipe by name (e.g. 'fp8-kv8'), a YAML file path, a mapping shaped like the YAML, or a
+    Recipe (returned as it is: validated when it was made)."""
+    if isinstance(name_or_path, Recipe):
+        return name_or_path
+    if isinstance(name_or_path, dict):
+        return parse_recipe(name_or_path, "(a mapping)")
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") or path.exists()):
         path = BUILTIN_DIR / f"{name_or_path}.yaml"
@@ -361,37 +397,3 @@ def load_recipe(name_or_path: str) -> Recipe:
     except (yaml.YAMLError, ValueError) as err:
         raise RecipeError(f"recipe file '{path}' is not valid YAML: {err}") from None
     return parse_recipe(data, str(path))
-
-
-# Keys added after recipes were first written, left out of recipe.yaml at their default so that recipes not
-# using them are written (and outputs hash) as before the keys existed.
-_WRITTEN_ONLY_IF_SET = {
-    ("transforms",): [],
-    ("calibration", "kv_observer"): "minmax",
-    ("scheme", "lm_head"): None,
-    ("smooth", "method"): "smoothquant",
-    **{("calibration", k): v for k, v in (("rounding", "nearest"), ("rounding_iters", 200), ("rounding_lr", 0.005))},
-    ("calibration", "gptq_float_target"): 0.0,
-}
-# the manifest's record kept kv_observer and transforms from the start
-_RECORDED_ONLY_IF_SET = {k: v for k, v in _WRITTEN_ONLY_IF_SET.items() if k[-1] not in ("kv_observer", "transforms")}
-
-
-def _drop_defaults(data: dict, table: dict) -> dict:
-    for (*path, key), default in table.items():
-        section = data
-        for p in path:
-            section = section[p] if section is not None else None
-        if section is not None and section[key] == default:
-            del section[key]
-    return data
-
-
-def recipe_record(recipe: Recipe) -> dict:
-    """The recipe as the manifest records it: its dump, without keys newer than the record that are unset
-    (a quantized LM head), so the manifests of runs that do not use them stay what they were."""
-    return _drop_defaults(recipe.model_dump(mode="json"), _RECORDED_ONLY_IF_SET)
-
-
-def recipe_yaml(recipe: Recipe) -> str:
-    return yaml.safe_dump(_drop_defaults(recipe.model_dump(mode="json"), _WRITTEN_ONLY_IF_SET), sort_keys=False)

@@ -130,7 +130,7 @@ def smol_q4_0(tmp_path_factory, smol_dir):
     converted once for tests/e2e/test_convert_real.py and test_convert_vllm.py (the conversion alone took
     ~30 s a file). Do not modify them."""
     from fp8ptq.api import ConvertConfig, convert
-    from fp8ptq.convert.registry import ConversionReport
+    from fp8ptq.conversion.registry import ConversionReport
     from fp8ptq.results import read_json, to_json
 
     from helpers import built_once, write_gguf

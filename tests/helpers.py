@@ -160,11 +160,11 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str], default: str = "F
     """A GGUF of the float HF model in `hf_dir`, written in-process with gguf-py's GGUFWriter and its own
     quantizers (gguf.quants.quantize): `types` maps a substring of an HF tensor name to a GGML type
     (first match wins; 1-D tensors are F32). Names, q/k row order, metadata and tokenizer come from
-    fp8ptq.convert.gguf_meta; transformers reading the file back checks them independently."""
+    fp8ptq.conversion.gguf_meta; transformers reading the file back checks them independently."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    from fp8ptq.convert.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
+    from fp8ptq.conversion.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
     from fp8ptq.models.loader import open_hf_dir
 
     src = open_hf_dir(hf_dir)
@@ -246,7 +246,7 @@ def decompression_mismatches(out: Path, fakes: dict) -> list[str]:
     from fp8ptq.eval.quality import group_scheme_for, load_simulated
     from fp8ptq.export.compressed_tensors import decompress_linear
     from fp8ptq.models.loader import open_hf_dir
-    from fp8ptq.quantize.schemes import stored_tensors
+    from fp8ptq.quantization.schemes import stored_tensors
 
     src = open_hf_dir(out)
     qcfg = QuantizationConfig.model_validate(read_config(out)["quantization_config"])
@@ -304,7 +304,7 @@ def transform_each_layer(model_ref: str, recipe, samples: tuple[int, int], trans
     from fp8ptq.models.loader import resolve_model
     from fp8ptq.models.skeleton import materialize, release
     from fp8ptq.outliers.stats import StatsSpec
-    from fp8ptq.quantize.results import LayerResult
+    from fp8ptq.quantization.results import LayerResult
 
     src = resolve_model(model_ref)
     ids = load_samples("builtin", src.tokenizer(), *samples, "calibration", 0)

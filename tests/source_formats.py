@@ -1,6 +1,6 @@
 """Writers of other tools' quantized checkpoint layouts, from a float HF directory, for the converter's tests.
 
-Written from the published layouts, independently of fp8ptq/convert/ and fp8ptq/ops/int_pack.py:
+Written from the published layouts, independently of fp8ptq/conversion/ and fp8ptq/ops/int_pack.py:
 - GPTQ: AutoGPTQ 0.7.1 `auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py` `QuantLinear.pack` (and GPTQModel
   2.x `gptqmodel/nn_modules/qlinear/__init__.py` `pack`): qweight int32 [in/k, out], k = 32/bits codes of
   consecutive input rows per word (row i*k+j at bit bits*j); qzeros int32 [groups, out/k] packed the same

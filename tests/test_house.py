@@ -6,7 +6,7 @@
 - no function outside the typer commands takes more than 6 positional parameters (use keywords);
 - every repository path the docs, BENCHMARKS.md and the sources name exists;
 - no module imports another module's private (`_name`) functions: what is shared is public;
-- no compressed-tensors format name outside ops/ and quantize/schemes/: its scheme handler says what it means;
+- no compressed-tensors format name outside ops/ and quantization/schemes/: its scheme handler says what it means;
 - one speculative loop verifies drafts (spec/measure.py), whatever the proposer.
 """
 
@@ -24,14 +24,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fp8ptq"
 LAYERS: list[tuple[str, ...]] = [
     ("fp8ptq", "errors", "fields", "io", "ops", "results"),  # the floor: math, typed errors/results/fields, I/O
     ("dist", "data", "gates", "models"),  # processes, text, gate syntax, model intake + architecture adapters
-    ("quantize", "outliers", "manifest"),  # scheme handlers and numerics, statistics, the run record
-    ("recipe", "calibrate"),  # user configuration; the sequential pipeline
+    ("quantization", "outliers", "manifest"),  # scheme handlers and numerics, statistics, the run record
+    ("recipe", "recipe_files", "calibrate"),  # user configuration; the sequential pipeline
     ("export", "engine"),  # checkpoint writing; real engines out of process
-    ("eval", "convert"),  # simulated and engine-checked quality; checkpoint conversion and inspection
+    ("eval", "conversion"),  # simulated and engine-checked quality; checkpoint conversion and inspection
     ("spec",),  # speculative decoding with a draft
     ("draft",),  # making a draft (training, trimming, the quantize --draft bundle); spec never imports it
     ("report", "runs"),  # rendering; the steps of a quantize run
-    ("api",),  # the library's entry points
+    ("api", "library"),  # the library's entry points
     ("cli", "__main__"),  # the command line
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -297,7 +297,7 @@ def test_no_private_imports_across_modules(tmp_path):
 
 def format_literals(root: Path) -> list[str]:
     """String constants naming a compressed-tensors format (`CompressionFormat`) in modules outside ops/
-    and quantize/schemes/ under root (a copy of the fp8ptq package): what a format means is its handler's
+    and quantization/schemes/ under root (a copy of the fp8ptq package): what a format means is its handler's
     to say (`format`, `stored_tensors`, `vllm_cpu_refusal`, ...), so a new format touches no other file."""
     from compressed_tensors.config import CompressionFormat
 
@@ -305,7 +305,7 @@ def format_literals(root: Path) -> list[str]:
     bad = []
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root).as_posix()
-        if rel.startswith(("ops/", "quantize/schemes/")):
+        if rel.startswith(("ops/", "quantization/schemes/")):
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:

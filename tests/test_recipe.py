@@ -5,7 +5,8 @@ import yaml
 from pydantic import ValidationError
 
 from fp8ptq.errors import RecipeError
-from fp8ptq.recipe import builtin_names, load_recipe, parse_recipe, recipe_record, recipe_yaml
+from fp8ptq.recipe import builtin_names, load_recipe, parse_recipe
+from fp8ptq.recipe_files import recipe_record, recipe_yaml
 
 
 @pytest.mark.parametrize("name", builtin_names())
@@ -82,7 +83,7 @@ def test_w4a8_fp8_needs_fp8_group_scales_and_only_it_takes_them():
 
 
 def test_fp8_channel_weights_refuse_a_weight_search_unless_a_mixed_part_takes_it():
-    """The FP8 handler's calibration rule (quantize/schemes/fp8.py `check_calibration`): per-channel FP8
+    """The FP8 handler's calibration rule (quantization/schemes/fp8.py `check_calibration`): per-channel FP8
     scales are min-max; a mixed recipe's search is its 4-bit part's, so its FP8 main scheme passes."""
     data = yaml.safe_load(recipe_yaml(load_recipe("fp8-dynamic")))
     data["calibration"]["weight_observer"] = "mse"
@@ -126,7 +127,7 @@ def test_a_flag_the_recipe_lacks_names_built_in_recipes_that_take_it(flags):
 def test_awq_is_the_smooth_method_weight_only_recipes_take():
     """smooth.method awq works without input activations; SmoothQuant still needs them (the error says
     awq). Recipes that leave method at smoothquant are written and recorded without the key, as before."""
-    from fp8ptq.recipe import recipe_record
+    from fp8ptq.recipe_files import recipe_record
 
     data = load_recipe("w4a16").model_dump(mode="json")
     with pytest.raises(RecipeError, match="it needs input_activations .weight-only recipes: smooth.method awq"):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fp8ptq.convert.inspect import Finding, InspectReport
+from fp8ptq.conversion.inspect import Finding, InspectReport
 from fp8ptq.errors import ModelError, OptionError
 from fp8ptq.results import from_json, read_json, to_json
 

@@ -32,7 +32,7 @@ from fp8ptq.models.loader import resolve_model
 from fp8ptq.ops.fp8 import fake_quant_fp8
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
-from fp8ptq.quantize.numerics import register_attention
+from fp8ptq.quantization.numerics import register_attention
 
 # (weights, inputs, KV): 0 float, else FP8 with the min-max scale times this headroom factor
 VARIANTS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1))

@@ -20,7 +20,7 @@ import time
 import torch
 
 from fp8ptq.ops.gptq import gptq
-from fp8ptq.quantize.weights import quantize_group, weight_grid
+from fp8ptq.quantization.weights import quantize_group, weight_grid
 from fp8ptq.recipe import load_recipe
 
 

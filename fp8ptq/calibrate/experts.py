@@ -34,10 +34,10 @@ from fp8ptq.dist import TreeSum
 from fp8ptq.models.moe import token_counts
 from fp8ptq.ops.hessian import hessian_partial
 from fp8ptq.outliers.stats import ActStats, StatsSpec
-from fp8ptq.quantize.numerics import input_quantizer
-from fp8ptq.quantize.results import QuantizedLinear
-from fp8ptq.quantize.schemes import dynamic_inputs, handler
-from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.quantization.numerics import input_quantizer
+from fp8ptq.quantization.results import QuantizedLinear
+from fp8ptq.quantization.schemes import dynamic_inputs, handler
+from fp8ptq.quantization.weights import quantize_group
 
 HESSIAN_BUDGET = 512 << 20  # bytes of expert Hessians (with their tree partials) held at once
 

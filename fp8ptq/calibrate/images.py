@@ -176,7 +176,7 @@ def _own_arguments(src, rows: ImageRows) -> bool:
     """Whether the family's layers take other arguments for an image row than for text (Gemma 3's
     bidirectional image mask, Qwen-VL's M-RoPE positions): the first row run through `embed` on the CPU."""
     from fp8ptq.models.skeleton import build_skeleton
-    from fp8ptq.quantize.numerics import register_attention
+    from fp8ptq.quantization.numerics import register_attention
 
     cpu = torch.device("cpu")
     model = build_skeleton(src.config, attn_implementation=register_attention())

@@ -9,8 +9,8 @@ from fp8ptq.calibrate.observers import OBSERVER_STATS, OBSERVERS
 from fp8ptq.calibrate.state import Stop, finite_stats
 from fp8ptq.models.arch import Block
 from fp8ptq.outliers.stats import ActStats
-from fp8ptq.quantize.numerics import install_kv_quant
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantization.numerics import install_kv_quant
+from fp8ptq.quantization.schemes import handler
 
 
 def quantize_kv(cal, block: Block) -> None:

@@ -22,9 +22,9 @@ from fp8ptq.dist import TreeSum
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import load_float, materialize, release
 from fp8ptq.ops.hessian import hessian_partial
-from fp8ptq.quantize.plan import plan_layer
-from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.quantize.weights import fake_quant_weight
+from fp8ptq.quantization.plan import plan_layer
+from fp8ptq.quantization.schemes import LinearScheme
+from fp8ptq.quantization.weights import fake_quant_weight
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,11 @@ from fp8ptq.models.prefetch import LayerPrefetch
 from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.precision import pass_precision
 from fp8ptq.outliers.stats import StatsSpec
-from fp8ptq.quantize.numerics import input_quantizer, straight_through
-from fp8ptq.quantize.plan import LayerPlan, plan_layer
-from fp8ptq.quantize.results import LayerResult, QuantizedLinear
-from fp8ptq.quantize.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
-from fp8ptq.quantize.weights import solve_group, split_group
+from fp8ptq.quantization.numerics import input_quantizer, straight_through
+from fp8ptq.quantization.plan import LayerPlan, plan_layer
+from fp8ptq.quantization.results import LayerResult, QuantizedLinear
+from fp8ptq.quantization.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
+from fp8ptq.quantization.weights import solve_group, split_group
 
 
 class LayerCalibrator:

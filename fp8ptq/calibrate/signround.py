@@ -29,7 +29,7 @@ from fp8ptq.calibrate.state import finite_stats
 from fp8ptq.models.arch import Block
 from fp8ptq.ops.precision import fast_bf16
 from fp8ptq.ops.signround import Offsets, step_of
-from fp8ptq.quantize.weights import SolvedGroup, fake_quant_with
+from fp8ptq.quantization.weights import SolvedGroup, fake_quant_with
 
 
 def float_targets(cal, block: Block, stages: list) -> dict[int, torch.Tensor] | None:

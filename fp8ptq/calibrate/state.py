@@ -24,8 +24,8 @@ from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.ops.precision import layer_dtype
 from fp8ptq.outliers.stats import ActStats, StatsSpec, massive_activations
-from fp8ptq.quantize.numerics import register_attention
-from fp8ptq.quantize.plan import LayerPlan, plan_layer
+from fp8ptq.quantization.numerics import register_attention
+from fp8ptq.quantization.plan import LayerPlan, plan_layer
 
 Progress = Callable[[str, int, int], None]
 

@@ -19,10 +19,10 @@ from fp8ptq.models.loader import ModelSource
 from fp8ptq.outliers.flatten import apply_flatten, flattened_amax, flattened_width, plan_flatten
 from fp8ptq.outliers.smooth import awq_stats, choose_alpha, fold, smooth_scales, weight_amax
 from fp8ptq.outliers.stats import StatsSpec
-from fp8ptq.quantize.numerics import input_quantizer
-from fp8ptq.quantize.results import LayerResult
-from fp8ptq.quantize.schemes import dynamic_inputs, handler
-from fp8ptq.quantize.weights import fake_quant_weight
+from fp8ptq.quantization.numerics import input_quantizer
+from fp8ptq.quantization.results import LayerResult
+from fp8ptq.quantization.schemes import dynamic_inputs, handler
+from fp8ptq.quantization.weights import fake_quant_weight
 
 SMOOTH_ROWS = 2048  # calibration rows for the alpha search
 

@@ -9,12 +9,12 @@ import typer
 
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import console, expand_home, fail, offline, out, user_errors
-from fp8ptq.convert.registry import CONVERTERS, SOURCES, TARGETS
+from fp8ptq.conversion.registry import CONVERTERS, SOURCES, TARGETS
 from fp8ptq.errors import Fp8ptqError
 
 TO_HELP = "; ".join(
     f"{t}: from {', '.join(c.source for c in CONVERTERS if c.target == t)}" for t in TARGETS
-)  # the converters convert/registry.py has, each source's formats
+)  # the converters conversion/registry.py has, each source's formats
 
 
 @app.command()

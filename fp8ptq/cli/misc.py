@@ -138,7 +138,8 @@ def recipes_show(name: str):
     Examples:
       fp8ptq recipes show fp8-kv8 > my-recipe.yaml   # a starting point for your own
     """
-    from fp8ptq.recipe import load_recipe, recipe_yaml
+    from fp8ptq.recipe import load_recipe
+    from fp8ptq.recipe_files import recipe_yaml
 
     with user_errors():
         typer.echo(recipe_yaml(load_recipe(name)), nl=False)  # raw: rich would wrap long lines

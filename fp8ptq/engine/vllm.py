@@ -161,7 +161,7 @@ def _config_groups(model: Path):
     vLLM speaks for them)."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    from fp8ptq.quantize.schemes import handler
+    from fp8ptq.quantization.schemes import handler
 
     try:
         qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}

@@ -16,7 +16,7 @@ import torch
 from fp8ptq.eval.quality import group_scheme_for, read_quantization_config
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
-from fp8ptq.quantize.schemes import stored_tensors
+from fp8ptq.quantization.schemes import stored_tensors
 
 
 def weight_bits(src: ModelSource) -> float | None:

@@ -3,7 +3,7 @@
 `load_simulated` turns ANY compressed-tensors checkpoint (ours or another tool's) into an fp32 model
 that computes what vLLM computes: stored weights dequantized by compressed-tensors' own compressors,
 Linear inputs quantized with the stored static scales (or dynamically per token), keys/values
-quantized with the stored k_scale/v_scale (see quantize/numerics.py). A plain transformers load
+quantized with the stored k_scale/v_scale (see quantization/numerics.py). A plain transformers load
 skips the activation and KV quantization and so overstates quality.
 """
 
@@ -23,14 +23,14 @@ from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.manifest import GateRecord, Quality, QualityMetrics
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, source_name, stored_names
-from fp8ptq.quantize.numerics import (
+from fp8ptq.quantization.numerics import (
     input_quantizer,
     install_input_quant,
     install_kv_quant,
     install_query_quant,
     register_attention,
 )
-from fp8ptq.quantize.schemes import dynamic_inputs, handler, stored_tensors
+from fp8ptq.quantization.schemes import dynamic_inputs, handler, stored_tensors
 
 
 class QualityReport(Quality):

@@ -22,7 +22,7 @@ from fp8ptq.errors import ModelError
 from fp8ptq.eval.quality import SimLoader
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, release
-from fp8ptq.quantize.numerics import register_attention
+from fp8ptq.quantization.numerics import register_attention
 
 CHUNK_TOKENS = 4096  # tokens per pass of a layer (whole samples)
 # The LM heads run on windows of HEAD_MATMUL_BYTES of fp32 logits per side: a 262k-token head read once per

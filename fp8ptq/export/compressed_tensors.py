@@ -16,8 +16,8 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.config import CompressionFormat
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-from fp8ptq.quantize.schemes import LinearScheme, handler
-from fp8ptq.quantize.weights import export_format
+from fp8ptq.quantization.schemes import LinearScheme, handler
+from fp8ptq.quantization.weights import export_format
 from fp8ptq.recipe import QuantArgs, Recipe
 
 MIXED = CompressionFormat.mixed_precision.value  # a config whose groups have formats of their own

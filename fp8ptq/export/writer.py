@@ -29,9 +29,9 @@ from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.prefetch import PREFETCH_MAX_BYTES
 from fp8ptq.models.skeleton import source_name
 from fp8ptq.models.tensors import layers_past
-from fp8ptq.quantize.results import LayerResult
-from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.quantization.results import LayerResult
+from fp8ptq.quantization.schemes import LinearScheme
+from fp8ptq.quantization.weights import quantize_group
 
 LAYERS = "layers"
 HEAD = "lm_head.weight"  # the skeleton's name of the LM head (every causal-LM class transformers builds)

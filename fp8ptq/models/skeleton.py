@@ -28,7 +28,7 @@ def build_skeleton(config, attn_implementation: str = "sdpa") -> torch.nn.Module
 
     config = plain_config(config)
     arch = arch_for(config)
-    if arch.eager_attention:  # "sdpa" -> "eager", "fp8ptq_sdpa" -> "fp8ptq_eager" (quantize/numerics.py)
+    if arch.eager_attention:  # "sdpa" -> "eager", "fp8ptq_sdpa" -> "fp8ptq_eager" (quantization/numerics.py)
         attn_implementation = attn_implementation.replace("sdpa", "eager")
     if isinstance(arch, GenericArch):  # parameters on meta, buffers (rotary, embedding scale) computed
         model = build_model(config, attn_implementation=attn_implementation)

@@ -16,8 +16,8 @@ from fp8ptq.calibrate.state import CalibrationSetup, RunState
 from fp8ptq.calibrate.transforms import make_transforms
 from fp8ptq.dist import ChunkPlan
 from fp8ptq.errors import Fp8ptqError
-from fp8ptq.quantize.results import LayerResult
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantization.results import LayerResult
+from fp8ptq.quantization.schemes import LinearScheme
 from fp8ptq.runs.context import RunContext
 
 RESUME_DIR = "resume"

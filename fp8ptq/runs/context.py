@@ -24,7 +24,7 @@ from fp8ptq.export.writer import CheckpointWriter
 from fp8ptq.io import check_output
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.ops.precision import COMPUTE_DTYPES
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantization.schemes import handler
 from fp8ptq.recipe import Recipe, load_recipe
 from fp8ptq.runs.config import QuantizeConfig
 from fp8ptq.runs.overrides import recipe_overrides
@@ -287,8 +287,8 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
     from fp8ptq.models.skeleton import build_skeleton
     from fp8ptq.ops.intq import valid_group_sizes
     from fp8ptq.outliers.flatten import flattened_width
-    from fp8ptq.quantize.plan import plan_layer
-    from fp8ptq.quantize.weights import check_block_size, valid_block_sizes
+    from fp8ptq.quantization.plan import plan_layer
+    from fp8ptq.quantization.weights import check_block_size, valid_block_sizes
 
     schemes = [recipe.scheme] + ([recipe.mixed] if recipe.mixed else [])
     args = [a for s in schemes for a in (s.weights, s.input_activations) if a is not None]  # input groups too

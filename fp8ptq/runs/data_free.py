@@ -12,10 +12,10 @@ import torch
 
 from fp8ptq.models.loader import check_finite
 from fp8ptq.models.skeleton import build_skeleton
-from fp8ptq.quantize.plan import plan_layer
-from fp8ptq.quantize.results import LayerResult, QuantizedLinear
-from fp8ptq.quantize.schemes import LinearScheme, handler
-from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.quantization.plan import plan_layer
+from fp8ptq.quantization.results import LayerResult, QuantizedLinear
+from fp8ptq.quantization.schemes import LinearScheme, handler
+from fp8ptq.quantization.weights import quantize_group
 from fp8ptq.runs.context import RunContext
 
 

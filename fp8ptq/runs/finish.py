@@ -20,9 +20,9 @@ from fp8ptq.io import write_bytes_atomic
 from fp8ptq.manifest import CalibrationData, CalibrationImages, Manifest, Quality, RunInfo, Sizes, Speculative, Summary
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.models.tensors import mtp_prefixes
-from fp8ptq.quantize.plan import UNCALLED
-from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.recipe import recipe_record, recipe_yaml
+from fp8ptq.quantization.plan import UNCALLED
+from fp8ptq.quantization.schemes import LinearScheme
+from fp8ptq.recipe_files import recipe_record, recipe_yaml
 from fp8ptq.runs.calibrated import chunks_per_rank
 from fp8ptq.runs.context import RunContext
 
@@ -142,7 +142,7 @@ def _quality(ctx: RunContext) -> Quality:
 
 def _kept_float(ctx: RunContext, layers: list[dict]) -> tuple[str, ...]:
     """`ignore` entries for what the export keeps float beyond the recipe's and the family's: Linears the
-    generic path kept because the layer never calls them (quantize/plan.UNCALLED), by module and stored
+    generic path kept because the layer never calls them (quantization/plan.UNCALLED), by module and stored
     name, and the MTP modules carried as stored: neither the engine nor fp8ptq's reader may expect
     quantized tensors there."""
     names = {n for layer in layers for n, why in layer.get("skipped", {}).items() if why == UNCALLED}

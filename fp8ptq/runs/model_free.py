@@ -26,8 +26,8 @@ from fp8ptq.export.compressed_tensors import compress_linear, quantization_confi
 from fp8ptq.io import ST_DTYPES, atomic_output_dir, write_json_atomic
 from fp8ptq.models.folder import side_files
 from fp8ptq.models.loader import check_finite, read_weight_map
-from fp8ptq.quantize.schemes import LinearScheme, handler
-from fp8ptq.quantize.weights import quantize_group
+from fp8ptq.quantization.schemes import LinearScheme, handler
+from fp8ptq.quantization.weights import quantize_group
 from fp8ptq.recipe import Recipe, load_recipe
 
 QUANTIZE, KEEP = "quantize", "keep"

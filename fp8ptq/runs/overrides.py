@@ -8,7 +8,7 @@ import yaml
 
 from fp8ptq.errors import RecipeError
 from fp8ptq.io import load_yaml
-from fp8ptq.recipe import Recipe, Scheme, builtin_names, load_recipe, parse_recipe
+from fp8ptq.recipe import Recipe, Scheme, builtin_names, load_recipe, parse_recipe, set_dotted
 from fp8ptq.runs.config import QuantizeConfig
 
 WEIGHT_METHODS = ("rtn", "gptq")
@@ -150,14 +150,4 @@ def set_key(data: dict, item: str) -> None:
     except yaml.YAMLError as err:
         why = getattr(err, "problem", None) or err
         raise RecipeError(f"--set {key}: '{raw}' is not a YAML value ({why})", fix="quote it or close it") from None
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        if node.get(part) is None:
-            node[part] = {}
-        node = node[part]
-        if not isinstance(node, dict):
-            raise RecipeError(
-                f"--set {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section",
-                fix=f"set it whole: --set {'.'.join(parts[: i + 1])}=VALUE",
-            )
-    node[parts[-1]] = value
+    set_dotted(data, key.strip(), value, f"--set {key}", "--set {}=VALUE")

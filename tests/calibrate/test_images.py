@@ -31,7 +31,7 @@ def test_first_layer_input_is_the_models_own_forward(vlm):
     from fp8ptq.data import BUILTIN, load_samples
     from fp8ptq.models.loader import resolve_model
     from fp8ptq.models.skeleton import build_skeleton
-    from fp8ptq.quantize.numerics import register_attention
+    from fp8ptq.quantization.numerics import register_attention
 
     model_dir, jsonl = vlm
     src = resolve_model(str(model_dir))

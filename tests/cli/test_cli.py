@@ -77,7 +77,8 @@ def test_unknown_recipe(tiny_dir, tmp_path):
 
 
 def test_recipe_with_unknown_key(tiny_dir, tmp_path):
-    from fp8ptq.recipe import load_recipe, recipe_yaml
+    from fp8ptq.recipe import load_recipe
+    from fp8ptq.recipe_files import recipe_yaml
 
     data = yaml.safe_load(recipe_yaml(load_recipe("fp8-kv8")))
     data["scheme"]["wieghts"] = data["scheme"].pop("weights")

@@ -44,7 +44,7 @@ def test_convert_both_ways(gguf_file, tmp_path):
         14,
     )
     assert len(report["tensors"]) == sum(report["summary"][k] for k in ("exact", "dequantized", "kept"))
-    from fp8ptq.convert.registry import ConversionReport
+    from fp8ptq.conversion.registry import ConversionReport
     from fp8ptq.results import from_json
 
     assert (report["schema"], report["schema_version"]) == ("conversion", 1)

@@ -96,7 +96,7 @@ def test_ctrl_c_during_the_final_rename_loses_neither_result(tmp_path, monkeypat
 
 
 def test_gguf_that_declares_more_blocks_than_it_holds_is_refused(tiny_dir, tmp_path, monkeypatch):
-    import fp8ptq.convert.gguf_meta as meta
+    import fp8ptq.conversion.gguf_meta as meta
 
     from helpers import write_gguf
 

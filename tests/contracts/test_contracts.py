@@ -1,5 +1,5 @@
 """Contracts every registered architecture x built-in recipe must keep, on tiny random models: a new
-family (models/arch/) or scheme (quantize/schemes/ + a recipe) is tested here by merely existing.
+family (models/arch/) or scheme (quantization/schemes/ + a recipe) is tested here by merely existing.
 
 1. the export decompresses, by compressed-tensors' own compressors, to exactly the fake-quant weights
    calibration simulated (bit for bit, fp32);

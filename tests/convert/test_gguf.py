@@ -246,7 +246,7 @@ def test_importance_weighs_the_search(k_model, k_gguf, tmp_path):
     """--importance: the search minimises the error the calibration inputs see (sum_j E[x_j^2] dW_j^2)."""
     from transformers import AutoModelForCausalLM
 
-    from fp8ptq.convert.importance import collect
+    from fp8ptq.conversion.importance import collect
     from fp8ptq.models.loader import open_hf_dir
 
     out = tmp_path / "imat.gguf"
@@ -276,7 +276,7 @@ def test_tokenizer_pre_is_the_tokenizers_own(k_gguf):
     pre-tokenizer ("default" split text differently from transformers on every held-out text of SmolLM2)."""
     from gguf import GGUFReader
 
-    from fp8ptq.convert.gguf_meta import tokenizer_pre
+    from fp8ptq.conversion.gguf_meta import tokenizer_pre
 
     field = GGUFReader(str(k_gguf[0])).fields["tokenizer.ggml.pre"]
     assert bytes(field.parts[-1]).decode() == "gpt-2" and k_gguf[1].summary["tokenizer_pre"] == "gpt-2"

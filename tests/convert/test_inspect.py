@@ -177,7 +177,7 @@ def test_cli_lines_json_and_exit_codes(ct, tmp_path):
     data = json.loads(r.output)
     assert r.exit_code == 1 and data["errors"] == 1 and data["schema"] == "inspect" and data["schema_version"] == 1
     # the JSON is the typed report: read back through validation, it equals the library's own result
-    from fp8ptq.convert.inspect import InspectReport
+    from fp8ptq.conversion.inspect import InspectReport
     from fp8ptq.results import from_json
 
     assert from_json(data, InspectReport, where="stdout") == inspect(InspectConfig(path=bad))
@@ -240,7 +240,7 @@ def test_fused_scale_check_uses_the_discovered_groups(tiny_model, tmp_path):
 def test_fused_groups_come_from_the_adapter_or_the_trace(tiny_model):
     """The lint's groups for a registered family are its adapter's fused shards (DeepSeek's MLA q_a/kv_a,
     not only Llama's names), for the generic path the traced ones, named as the checkpoint stores them."""
-    from fp8ptq.convert.inspect import _modules
+    from fp8ptq.conversion.inspect import _modules
 
     for model_type, group in (
         ("deepseek_v3", "model.layers.0.self_attn.q_a_proj+kv_a_proj_with_mqa"),

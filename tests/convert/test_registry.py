@@ -1,4 +1,4 @@
-"""convert/registry.py: one entry per (source, target) is what `convert` accepts, what its help offers
+"""conversion/registry.py: one entry per (source, target) is what `convert` accepts, what its help offers
 and what detection may name; a pair without a converter is refused before any output, naming the ones
 that exist."""
 
@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from fp8ptq.api import ConvertConfig, convert
 from fp8ptq.cli import app
-from fp8ptq.convert.registry import CONVERTERS, SOURCES, TARGETS, find
+from fp8ptq.conversion.registry import CONVERTERS, SOURCES, TARGETS, find
 from fp8ptq.errors import ModelError, OptionError
 
 pytestmark = pytest.mark.tiny
@@ -35,7 +35,7 @@ def test_each_converter_module_has_the_three_functions(conv):
     module = conv.functions()
     for name, params in (("check", 2), ("write", 4), ("describe", 1)):
         fn = getattr(module, name, None)
-        assert callable(fn), f"fp8ptq.convert.{conv.module} has no {name}()"
+        assert callable(fn), f"fp8ptq.conversion.{conv.module} has no {name}()"
         assert len(inspect.signature(fn).parameters) == params, (conv.module, name)
 
 
@@ -43,7 +43,7 @@ def test_pairs_are_unique_and_detection_names_only_what_is_read(tmp_path):
     pairs = [(c.source, c.target) for c in CONVERTERS]
     assert len(pairs) == len(set(pairs))
     assert set(TARGETS) == {"hf", "compressed-tensors", "gguf"}
-    from fp8ptq.convert.detect import format_of_config
+    from fp8ptq.conversion.detect import format_of_config
 
     detected = set()
     for m in ("gptq", "awq", "modelopt", "compressed-tensors", "fp8", None):
@@ -71,5 +71,5 @@ def test_help_offers_every_source_and_target_and_the_registry_imports_no_torch()
     out = CliRunner().invoke(app, ["convert", "--help"], env={"COLUMNS": "200"}).output
     for fmt in (*SOURCES, *TARGETS):
         assert fmt in out, fmt
-    code = "import sys, fp8ptq.convert.registry; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, fp8ptq.conversion.registry; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

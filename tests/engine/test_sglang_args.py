@@ -111,7 +111,7 @@ def test_sglang_resolves_every_builtin_recipe():
     per group."""
     from fp8ptq.engine.sglang_engine import GPUS
     from fp8ptq.export.compressed_tensors import quantization_config
-    from fp8ptq.quantize.schemes import LinearScheme
+    from fp8ptq.quantization.schemes import LinearScheme
     from fp8ptq.recipe import builtin_names, load_recipe
 
     assert set(SGLANG_SCHEMES) == set(builtin_names())  # a new recipe must say what SGLang does with it

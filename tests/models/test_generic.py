@@ -14,7 +14,7 @@ from fp8ptq.models.arch import ARCHS, arch_for, registered
 from fp8ptq.models.arch.generic import GenericArch, discover
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.models.skeleton import build_skeleton, load_float, materialize, stored_names
-from fp8ptq.quantize.plan import plan_layer
+from fp8ptq.quantization.plan import plan_layer
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.tiny

@@ -9,7 +9,7 @@ import torch
 from fp8ptq.models.arch import ARCHS
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.models.skeleton import build_skeleton, load_float, materialize
-from fp8ptq.quantize.numerics import EAGER_ATTN_IMPL, register_attention
+from fp8ptq.quantization.numerics import EAGER_ATTN_IMPL, register_attention
 
 pytestmark = pytest.mark.tiny
 

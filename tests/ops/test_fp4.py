@@ -15,7 +15,7 @@ ARGS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group
 
 
 def _rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fake, FP8 group scales as fp32 [out, in/16], global scale [1]), as quantize/weights.py runs it."""
+    """(fake, FP8 group scales as fp32 [out, in/16], global scale [1]), as quantization/weights.py runs it."""
     gs = nvfp4_global_scale(w)
     grid = nvfp4_grid(gs)
     groups = w.reshape(-1, 16)

@@ -21,7 +21,7 @@ def _ct_round_trip(w: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Tensor
 
 
 def _rtn(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fake, block scales) through the group grid, as quantize/weights.py runs it."""
+    """(fake, block scales) through the group grid, as quantization/weights.py runs it."""
     grid = fp8_block_grid(b, b)
     cols = [w[:, k : k + b] for k in range(0, w.shape[1], b)]
     params = [grid.choose(c) for c in cols]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from fp8ptq.convert.gguf_mix import decode, encode, tensor_type
+from fp8ptq.conversion.gguf_mix import decode, encode, tensor_type
 from fp8ptq.ops.kquant import BYTES, QMAX, SUB, dequantize_k, pack_k, quantize_k, unpack_k
 
 KINDS = ("Q4_K", "Q5_K", "Q6_K")

@@ -1,5 +1,5 @@
 """The issue-17 formats' weight scales for all-zero and broken groups, per scheme, on the grids the scheme
-handlers build (quantize/schemes/): an all-zero group gets a finite, positive scale and decodes to 0;
+handlers build (quantization/schemes/): an all-zero group gets a finite, positive scale and decodes to 0;
 a group holding inf or NaN gets the finite scale of its finite values (the broken value is ignored,
 every other scale is untouched), so one bad value cannot turn a block, a row or a whole tensor's
 scales into NaN/inf. Defence in depth only: the loader refuses such weights (last test)."""
@@ -36,7 +36,7 @@ SCHEMES = {  # name -> weight [OUT, IN] -> the grid its scheme handler builds
 
 
 def _rtn(name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales [OUT, IN / n] fp32, fake [OUT, IN]) as quantize/weights.py runs a group grid (RTN)."""
+    """(scales [OUT, IN / n] fp32, fake [OUT, IN]) as quantization/weights.py runs a group grid (RTN)."""
     grid = SCHEMES[name](w)
     n = grid.group_size
     cols = [w[:, k : k + n] for k in range(0, IN, n)]

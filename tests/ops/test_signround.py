@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8ptq.ops.signround import REACH, Offsets, step_of
-from fp8ptq.quantize.weights import fake_quant_with, solve_group, split_group
+from fp8ptq.quantization.weights import fake_quant_with, solve_group, split_group
 from fp8ptq.recipe import load_recipe
 
 GRIDS = ["w4a16", "w8a8-int8", "nvfp4a16", "mxfp4a16", "fp8-dynamic", "fp8-block", "mxfp8"]

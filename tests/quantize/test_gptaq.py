@@ -12,7 +12,8 @@ from fp8ptq.api import QuantizeConfig
 from fp8ptq.calibrate.gptaq import CrossTerm, toward_float
 from fp8ptq.dist import LocalComm
 from fp8ptq.errors import RecipeError
-from fp8ptq.recipe import Calibration, load_recipe, parse_recipe, recipe_yaml
+from fp8ptq.recipe import Calibration, load_recipe, parse_recipe
+from fp8ptq.recipe_files import recipe_yaml
 
 from helpers import decompression_mismatches, quantize_recording, read_tensors
 

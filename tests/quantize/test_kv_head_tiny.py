@@ -14,7 +14,7 @@ from fp8ptq.eval.quality import load_simulated
 from fp8ptq.models.loader import open_hf_dir
 from fp8ptq.ops.fp8 import fake_quant_fp8
 from fp8ptq.ops.granularity import TENSOR
-from fp8ptq.quantize.numerics import install_query_quant
+from fp8ptq.quantization.numerics import install_query_quant
 
 from helpers import parse_config_under, read_config, read_tensors
 

@@ -14,7 +14,7 @@ from fp8ptq.eval.quality import compare, load_simulated
 from fp8ptq.export.compressed_tensors import ct_scheme, decompress_linear
 from fp8ptq.manifest import Manifest
 from fp8ptq.models.loader import open_hf_dir
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantization.schemes import LinearScheme
 from fp8ptq.recipe import Head, load_recipe, parse_recipe
 from fp8ptq.runs.overrides import head_from
 

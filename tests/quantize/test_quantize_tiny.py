@@ -172,7 +172,7 @@ def test_direct_fp8_packing_equals_general_path(tmp_path, tiny_sharded_dir, monk
     shards sharing one scale), and the same reports up to summation order."""
     import yaml
 
-    from fp8ptq.quantize.schemes import SCHEMES
+    from fp8ptq.quantization.schemes import SCHEMES
     from fp8ptq.recipe import load_recipe
 
     r = load_recipe("fp8-dynamic").model_dump(mode="json")
@@ -220,7 +220,7 @@ def test_the_writer_thread_checks_what_it_writes(tiny_dir, tmp_path):
     from fp8ptq.errors import NonFiniteError
     from fp8ptq.export.writer import CheckpointWriter
     from fp8ptq.models.loader import open_hf_dir
-    from fp8ptq.quantize.results import LayerResult
+    from fp8ptq.quantization.results import LayerResult
 
     writer = CheckpointWriter(open_hf_dir(tiny_dir), tmp_path)
     norm = "model.layers.0.input_layernorm.weight"

@@ -73,7 +73,7 @@ def test_signround_trains_through_static_fp8_inputs_and_an_fp8_kv_cache(tmp_path
 
 def test_straight_through_keeps_the_quantizers_values_and_passes_the_gradient():
     from fp8ptq.ops.fp8 import TENSOR, fake_quant_fp8
-    from fp8ptq.quantize.numerics import straight_through
+    from fp8ptq.quantization.numerics import straight_through
 
     scale, x = torch.tensor([0.01]), torch.randn(64, 128) * 0.3
     quant = straight_through(lambda t: fake_quant_fp8(t, scale, TENSOR))

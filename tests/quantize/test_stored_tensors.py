@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.quantize.schemes import LinearScheme, stored_tensors
+from fp8ptq.quantization.schemes import LinearScheme, stored_tensors
 from fp8ptq.recipe import builtin_names, load_recipe
 
 pytestmark = pytest.mark.tiny
@@ -56,7 +56,7 @@ def test_engine_numerics_are_the_input_handlers(recipe):
     inputs' scheme handler: block-FP8 runs W8A16, static INT8 inputs are quantized per token at run time,
     everything else as declared (and without engine numerics, always as declared)."""
     from fp8ptq.engine.vllm import ENGINE_NUMERICS
-    from fp8ptq.quantize.schemes import handler
+    from fp8ptq.quantization.schemes import handler
 
     s = _scheme(recipe)
     if s.input_activations is None:

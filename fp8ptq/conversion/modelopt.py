@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.convert.shards import Converted, Source, finish, rewrite
+from fp8ptq.conversion.shards import Converted, Source, finish, rewrite
 from fp8ptq.errors import ModelError
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantization.schemes import LinearScheme
 from fp8ptq.recipe import QuantArgs
 
 ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4")
@@ -32,7 +32,7 @@ OWNED = (".weight", ".weight_scale", ".input_scale", ".weight_scale_2")
 
 
 def read_config(path, config: dict, method: str = "modelopt") -> dict:
-    from fp8ptq.convert.detect import read_json
+    from fp8ptq.conversion.detect import read_json
 
     where = path / "hf_quant_config.json"
     if where.is_file():
@@ -107,7 +107,7 @@ def _module(src: Source, name: str, algo: str) -> Converted:
 
 def modelopt_to_ct(path, tmp) -> dict:
     """Write the compressed-tensors checkpoint of a ModelOpt directory into `tmp`; returns the report."""
-    from fp8ptq.convert.detect import read_json
+    from fp8ptq.conversion.detect import read_json
 
     config = read_json(path / "config.json")
     q = read_config(path, config)
@@ -146,7 +146,7 @@ def _rename_kv(tmp) -> int:
 
 
 def check(cfg, fmt: str) -> None:
-    from fp8ptq.convert.detect import read_json
+    from fp8ptq.conversion.detect import read_json
 
     read_config(cfg.source, read_json(cfg.source / "config.json"))  # a typed error before any output
 

@@ -21,7 +21,7 @@ from fp8ptq.ops.fp8 import choose_fp8_scale, fake_quant_fp8_dynamic, fp8_block_g
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.grid import FP8_GRID
 from fp8ptq.ops.mx import MX_GROUP, fake_quant_mxfp8_act, mxfp8_grid
-from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, register
+from fp8ptq.quantization.schemes.base import SchemeHandler, granularity, register
 
 
 def _fp8(args, where: str) -> None:

@@ -11,7 +11,7 @@ from fp8ptq.ops.gptq import gptq
 from fp8ptq.ops.granularity import TENSOR
 from fp8ptq.ops.intq import check_group_size
 from fp8ptq.ops.weight_grid import WeightGrid
-from fp8ptq.quantize.schemes import granularity, handler
+from fp8ptq.quantization.schemes import granularity, handler
 
 
 @dataclass

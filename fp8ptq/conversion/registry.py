@@ -42,13 +42,13 @@ class ConvertConfig:
 class Converter:
     source: str  # the format detect names
     target: str  # the --to value
-    module: str  # fp8ptq.convert.<module>: check / write / describe (module docstring)
+    module: str  # fp8ptq.conversion.<module>: check / write / describe (module docstring)
     what: str  # what is carried, for help and errors
     recipe: bool = False  # takes --recipe
     suffix: str | None = None  # the target is one file ending in this (None: a directory)
 
     def functions(self):
-        return importlib.import_module(f"fp8ptq.convert.{self.module}")
+        return importlib.import_module(f"fp8ptq.conversion.{self.module}")
 
 
 CONVERTERS = (
@@ -99,7 +99,7 @@ def check_options(cfg: ConvertConfig) -> None:
     if cfg.gguf_type is not None:
         if cfg.to != "gguf":
             raise OptionError("--gguf-type needs --to gguf", fix="add --to gguf or drop --gguf-type")
-        from fp8ptq.convert.gguf_mix import check_ftype
+        from fp8ptq.conversion.gguf_mix import check_ftype
 
         check_ftype(cfg.gguf_type)
     if cfg.importance is not None and cfg.gguf_type is None:
@@ -119,7 +119,7 @@ def check_options(cfg: ConvertConfig) -> None:
 
 def detect_source(path: Path) -> str:
     """The format of `path`; a ModelError when it is none fp8ptq converts."""
-    from fp8ptq.convert.detect import format_of_config, read_json
+    from fp8ptq.conversion.detect import format_of_config, read_json
 
     if not path.exists():
         raise ModelError(f"'{path}' not found", fix="pass a .gguf file or a checkpoint directory")

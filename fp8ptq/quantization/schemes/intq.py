@@ -9,8 +9,8 @@ import torch
 
 from fp8ptq.ops.grid import INT8_GRID
 from fp8ptq.ops.intq import fake_quant_int_dynamic, fp8_row_group_scales, int_grid
-from fp8ptq.quantize.schemes.base import SchemeHandler, granularity, handler_key, register
-from fp8ptq.quantize.schemes.pairing import is_w4a8_fp8
+from fp8ptq.quantization.schemes.base import SchemeHandler, granularity, handler_key, register
+from fp8ptq.quantization.schemes.pairing import is_w4a8_fp8
 
 
 @register

@@ -8,7 +8,7 @@ Per Linear, by the config group vLLM would pick:
   dequantized    any other scheme (FP8, asymmetric INT, odd group sizes): compressed-tensors' decompression
                  written as a float matrix (`dtype`).
   quantized      with `--gguf-type` (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0): every matrix (Linears, the embedding,
-                 an untied head) gets the GGML type llama.cpp's mix gives it (convert/gguf_mix.py) and is
+                 an untied head) gets the GGML type llama.cpp's mix gives it (conversion/gguf_mix.py) and is
                  quantized to it from its float (or decompressed) values -- unless its codes are already
                  that type's (a W4A16 g32 symmetric Linear under Q4_0 stays `exact`). The weight's
                  relative error after gguf-py's own dequantization is recorded.
@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8ptq.convert import gguf_mix
-from fp8ptq.convert.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
+from fp8ptq.conversion import gguf_mix
+from fp8ptq.conversion.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
 from fp8ptq.eval.quality import group_scheme_for, read_quantization_config
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.ops.ggml import BLOCK, pack_q4_0, pack_q8_0
-from fp8ptq.quantize.schemes import handler
+from fp8ptq.quantization.schemes import handler
 
 LINEAR_KEYS = (
     "weight",
@@ -71,7 +71,7 @@ def _exact_bits(scheme, shape) -> int | None:
 
 def plan(src: ModelSource, dtype: torch.dtype, ftype: str | None = None) -> tuple[list[Planned], list[str]]:
     """What each tensor becomes, from the config and headers only; plus the tensors dropped. `ftype`: a
-    `--gguf-type` mix (convert/gguf_mix.py), or None to carry exact codes and write the rest as floats."""
+    `--gguf-type` mix (conversion/gguf_mix.py), or None to carry exact codes and write the rest as floats."""
     raw = getattr(src.config, "quantization_config", None)
     qcfg = None if raw is None else read_quantization_config(src, raw)
     model = build_skeleton(src.config)
@@ -190,7 +190,7 @@ def ct_to_gguf(
 ) -> dict:
     """Write `src` (a compressed-tensors or float checkpoint) as one GGUF file at `out` (the caller makes it
     atomic); `ftype`: a `--gguf-type` mix, or None (exact codes, other matrices as floats); `importance`:
-    HF weight name -> per-column weights of the block search (convert/importance.py)."""
+    HF weight name -> per-column weights of the block search (conversion/importance.py)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     gguf_arch(src.config)  # a typed error for a family or RoPE GGUF cannot take, before any work
@@ -247,7 +247,7 @@ def check(cfg, fmt: str) -> ModelSource:
 def write(cfg, fmt: str, src: ModelSource, tmp: Path) -> dict:
     importance = None
     if cfg.importance is not None:
-        from fp8ptq.convert.importance import collect
+        from fp8ptq.conversion.importance import collect
 
         importance = collect(src, cfg.importance, cfg.num_samples, cfg.seq_len)
     report = ct_to_gguf(src, tmp, getattr(torch, cfg.dtype), cfg.gguf_type, importance)

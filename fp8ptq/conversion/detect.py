@@ -1,5 +1,5 @@
 """Which checkpoint format a directory holds, from its files (docs/formats.md, "Formats fp8ptq inspect tells
-apart"); shared by `convert` (convert/registry.py: which of these it reads) and `inspect`.
+apart"); shared by `convert` (conversion/registry.py: which of these it reads) and `inspect`.
 
 gguf                a .gguf file
 modelopt            hf_quant_config.json (NVIDIA ModelOpt's export), or quant_method modelopt in config.json

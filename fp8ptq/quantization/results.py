@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantization.schemes import LinearScheme
 
 
 @dataclass

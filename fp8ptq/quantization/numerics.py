@@ -19,7 +19,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from fp8ptq.ops.fp8 import fake_quant_fp8_toward_zero
-from fp8ptq.quantize.schemes import dynamic_inputs, handler
+from fp8ptq.quantization.schemes import dynamic_inputs, handler
 
 ATTN_IMPL = "fp8ptq_sdpa"
 # The same, for families whose attention transformers' SDPA cannot compute (Arch.eager_attention: gpt-oss's

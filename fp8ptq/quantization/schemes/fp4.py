@@ -20,7 +20,7 @@ import torch
 
 from fp8ptq.ops.fp4 import MX_GROUP, NVFP4_GROUP, fake_quant_mxfp4_act, mxfp4_grid, nvfp4_global_scale, nvfp4_grid
 from fp8ptq.ops.grid import NVFP4_ACT_GRID
-from fp8ptq.quantize.schemes.base import SchemeHandler, register
+from fp8ptq.quantization.schemes.base import SchemeHandler, register
 
 
 @register

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from compressed_tensors.quantization import QuantizationArgs
 
-from fp8ptq.quantize.schemes.base import handler
+from fp8ptq.quantization.schemes.base import handler
 
 
 def is_w4a8_fp8(w: QuantizationArgs, a: QuantizationArgs | None) -> bool:

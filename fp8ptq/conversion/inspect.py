@@ -1,7 +1,7 @@
 """`fp8ptq inspect`: what a checkpoint is (format, schemes, size) and a lint of what makes vLLM refuse or
 mis-load it, read from headers and small tensors only (never the weights' data beyond scales).
 
-Formats told apart by their files (convert/detect.py): GGUF (a .gguf file), compressed-tensors,
+Formats told apart by their files (conversion/detect.py): GGUF (a .gguf file), compressed-tensors,
 transformers' FP8 block format (`quant_method: fp8`), GPTQ / AWQ, NVIDIA ModelOpt (hf_quant_config.json),
 plain float. The lint (compressed-tensors, as vLLM 0.32's CompressedTensorsConfig and weight loaders read it;
 see docs/formats.md):
@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.quantize.schemes import handler, stored_tensors
+from fp8ptq.quantization.schemes import handler, stored_tensors
 
 SCALE_KEYS = (
     "weight_scale",
@@ -83,7 +83,7 @@ class InspectReport:
 
 
 def _format(path: Path, config: dict) -> str:
-    from fp8ptq.convert.detect import format_of_config
+    from fp8ptq.conversion.detect import format_of_config
 
     fmt = format_of_config(path, config)
     return {"hf-fp8": "hf-fp8-block", "unknown (fp8)": "hf-fp8"}.get(fmt, fmt)
@@ -230,7 +230,7 @@ def _fused_groups(arch, model: torch.nn.Module, stored) -> dict[str, list[str]]:
     """Label -> the Linears (checkpoint names) that share one quantized input: the groups quantize makes
     (`plan_layer`: the adapter's fused shards -- DeepSeek's q_a/kv_a as much as Llama's q/k/v -- or the
     generic adapter's traced groups: a linear-attention layer's in_proj_qkvz/in_proj_ba, ...)."""
-    from fp8ptq.quantize.plan import plan_layer
+    from fp8ptq.quantization.plan import plan_layer
 
     groups: dict[str, list[str]] = {}
     for i, layer in enumerate(arch.decoder_layers(model)):

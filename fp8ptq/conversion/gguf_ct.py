@@ -39,9 +39,9 @@ from fp8ptq.io import write_json_atomic
 from fp8ptq.models.gguf import EXACT_TYPES, FLOAT_TYPES, K_TYPES, GgufModel, GgufTensor
 from fp8ptq.models.loader import check_finite
 from fp8ptq.ops.ggml import BLOCK, dequantize_groups
-from fp8ptq.quantize.plan import plan_layer
-from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.quantize.weights import export_format, quantize_group
+from fp8ptq.quantization.plan import plan_layer
+from fp8ptq.quantization.schemes import LinearScheme
+from fp8ptq.quantization.weights import export_format, quantize_group
 from fp8ptq.recipe import QuantArgs, Recipe
 
 REPORT = "conversion.json"

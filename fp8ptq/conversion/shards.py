@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fp8ptq.convert.gguf_ct import quantization_config
+from fp8ptq.conversion.gguf_ct import quantization_config
 from fp8ptq.errors import ModelError
 from fp8ptq.io import write_json_atomic
 from fp8ptq.models.folder import side_files
 from fp8ptq.models.loader import check_finite, read_weight_map
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantization.schemes import LinearScheme
 
 SIDE_FILES = ("config.json", "model.safetensors.index.json", "quantize_config.json", "hf_quant_config.json")
 

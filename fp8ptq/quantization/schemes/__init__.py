@@ -14,8 +14,8 @@ below (docs/DESIGN.md, "How to add a scheme").
 
 from __future__ import annotations
 
-from fp8ptq.quantize.schemes import fp4, fp8, intq  # noqa: E402,F401  (register the handlers)
-from fp8ptq.quantize.schemes.base import (  # noqa: F401
+from fp8ptq.quantization.schemes import fp4, fp8, intq  # noqa: E402,F401  (register the handlers)
+from fp8ptq.quantization.schemes.base import (  # noqa: F401
     SCHEMES,
     LinearScheme,
     SchemeHandler,

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.convert.shards import Converted, Source, finish, rewrite
+from fp8ptq.conversion.shards import Converted, Source, finish, rewrite
 from fp8ptq.errors import ModelError
 from fp8ptq.export.compressed_tensors import compress_linear, ct_scheme, decompress_linear
 from fp8ptq.ops.int_pack import AWQ_REVERSE, trivial_g_idx, unpack_cols, unpack_rows
-from fp8ptq.quantize.schemes import LinearScheme
-from fp8ptq.quantize.weights import export_format
+from fp8ptq.quantization.schemes import LinearScheme
+from fp8ptq.quantization.weights import export_format
 from fp8ptq.recipe import QuantArgs
 
 OWNED = (".qweight", ".qzeros", ".scales", ".g_idx")
@@ -40,7 +40,7 @@ FUSED.update({"k_proj": FUSED["q_proj"], "v_proj": FUSED["q_proj"], "up_proj": F
 
 def read_config(path, config: dict, method: str) -> dict:
     """The source's quantization settings (bits, group_size, sym, v1, version), checked."""
-    from fp8ptq.convert.detect import read_json
+    from fp8ptq.conversion.detect import read_json
 
     qc = dict(config.get("quantization_config") or {})
     if not qc and (path / "quantize_config.json").is_file():
@@ -144,7 +144,7 @@ def _module(src: Source, name: str, q: dict, method: str, dtype: torch.dtype) ->
 
 def packed_int_to_ct(path, tmp, method: str, dtype: torch.dtype) -> dict:
     """Write the compressed-tensors checkpoint of a GPTQ / AWQ directory into `tmp`; returns the report."""
-    from fp8ptq.convert.detect import read_json
+    from fp8ptq.conversion.detect import read_json
 
     config = read_json(path / "config.json")
     q = read_config(path, config, method)
@@ -159,7 +159,7 @@ def packed_int_to_ct(path, tmp, method: str, dtype: torch.dtype) -> dict:
 
 
 def check(cfg, fmt: str) -> None:
-    from fp8ptq.convert.detect import read_json
+    from fp8ptq.conversion.detect import read_json
 
     read_config(cfg.source, read_json(cfg.source / "config.json"), fmt)  # a typed error before any output
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from fp8ptq.convert.shards import Converted, Source, finish, rewrite
+from fp8ptq.conversion.shards import Converted, Source, finish, rewrite
 from fp8ptq.errors import ModelError
 from fp8ptq.models.loader import check_finite
-from fp8ptq.quantize.schemes import LinearScheme
+from fp8ptq.quantization.schemes import LinearScheme
 from fp8ptq.recipe import QuantArgs
 
 SCALE = "weight_scale_inv"
