@@ -226,3 +226,24 @@ def test_the_card_names_the_base_model_and_keeps_the_source_licence(tiny_q, tmp_
         write_card(tmp_path, manifest, "# body\n")
         card = ModelCard.load(tmp_path / "README.md")
         assert card.data.license == "apache-2.0" and "theirs" not in card.data.tags and "The float" not in card.text
+
+
+def test_push_dry_run_lists_the_export_and_leaves_out_what_is_not_its_own(tiny_q, tmp_path):
+    import os
+    import shutil
+
+    out = tmp_path / "export"
+    shutil.copytree(tiny_q[0], out)
+    (tmp_path / "secret.txt").write_text("canary")
+    os.symlink(tmp_path / "secret.txt", out / "notes.txt")  # a link out of the folder: never uploaded
+    (out / ".out.lock").write_text("")
+    r = runner.invoke(app, ["push", str(out), "me/tiny-fp8-kv8", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    listed = [line.split("│")[1].strip() for line in r.output.splitlines() if line.count("│") == 3]
+    assert listed[0] == "README.md" and "model.safetensors" in listed and "fp8ptq_manifest.json" in listed
+    assert "notes.txt" not in listed and ".out.lock" not in listed and "left out: notes.txt" in r.output
+    assert "would create 'me/tiny-fp8-kv8' (public" in r.output
+    r = runner.invoke(app, ["push", str(out), "me/bad name", "--dry-run"])
+    assert r.exit_code == 2 and "is not a Hub repository id" in r.output, r.output
+    r = runner.invoke(app, ["push", str(tmp_path), "me/x", "--dry-run"])
+    assert r.exit_code == 2 and "is not a finished fp8ptq export" in r.output, r.output

@@ -1,4 +1,4 @@
-"""`fp8ptq report`, `fp8ptq analyze`, `fp8ptq recipes list | show`."""
+"""`fp8ptq report`, `fp8ptq push`, `fp8ptq analyze`, `fp8ptq recipes list | show`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import app, recipes_app
-from fp8ptq.cli.common import console, expand_home, fail, offline, out, progress_bar, user_errors
+from fp8ptq.cli.common import console, expand_home, fail, human, offline, out, printable, progress_bar, user_errors
 from fp8ptq.errors import Fp8ptqError
 
 
@@ -30,6 +30,48 @@ def report(output: Path = typer.Argument(..., help="an fp8ptq quantize output di
         written = write_report(output)
     for p in written:
         out.print(f"wrote {p}")
+
+
+@app.command()
+def push(
+    output: Path = typer.Argument(..., help="an fp8ptq export (the folder `quantize -o` wrote)"),
+    repo_id: str = typer.Argument(..., help="the Hub model repository: NAME or ORG/NAME (created if missing)"),
+    private: bool = typer.Option(False, help="create the repository private"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the files and the repository; upload nothing"),
+):
+    """Upload an export as a Hub model repository (its README.md is the model card).
+
+    Regular files only: hidden files (a run's lock), symlinks and anything outside the folder stay behind.
+    The token is huggingface_hub's (`hf auth login` or HF_TOKEN).
+
+    \b
+    Examples:
+      fp8ptq push out/smollm2-fp8-kv8 me/SmolLM2-135M-FP8-KV8 --dry-run
+      fp8ptq push out/smollm2-fp8-kv8 me/SmolLM2-135M-FP8-KV8 --private
+    """
+    from fp8ptq.export.push import plan_push
+    from fp8ptq.export.push import push as upload
+
+    with user_errors():
+        plan = plan_push(output, repo_id, private)
+    table = Table(
+        title=f"fp8ptq push {printable(str(output))} → {printable(repo_id)}" + (" (dry run)" if dry_run else "")
+    )
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for name, size in plan.files:
+        table.add_row(printable(name), human(size))
+    out.print(table)
+    out.print(
+        f"{len(plan.files)} files, {human(plan.total_bytes)}"
+        + (f"; left out: {', '.join(plan.skipped)}" if plan.skipped else "")
+    )
+    if dry_run:
+        out.print(f"would create '{repo_id}' ({'private' if private else 'public'}, kept if it exists) and upload them")
+        return
+    with user_errors():
+        url = upload(plan)
+    out.print(f"pushed: {url}")
 
 
 @app.command()
