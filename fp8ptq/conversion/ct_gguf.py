@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fp8ptq.conversion import gguf_mix
-from fp8ptq.conversion.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows
+from fp8ptq.conversion.gguf_meta import add_metadata, gguf_arch, name_map, to_gguf_rows, to_gguf_values
 from fp8ptq.eval.quality import group_scheme_for, read_quantization_config
 from fp8ptq.export.compressed_tensors import decompress_linear
 from fp8ptq.models.loader import ModelSource, check_finite
@@ -57,6 +57,7 @@ class Planned:
     fmt: str | None = None  # compressed-tensors format of a quantized Linear
     why: str = ""
     record: dict = field(default_factory=dict)
+    gguf: str = ""  # its GGUF tensor name
 
 
 def _exact_bits(scheme, shape) -> int | None:
@@ -122,6 +123,8 @@ def plan(src: ModelSource, dtype: torch.dtype, ftype: str | None = None) -> tupl
         planned.append(Planned(name, shape, kind, "kept"))
     order = {n: i for i, n in enumerate(model.state_dict())}  # the model's own order: layer by layer
     planned.sort(key=lambda p: order.get(p.name, len(order)))
+    for p in planned:
+        p.gguf = to_gguf(p.name)
     return planned, dropped
 
 
@@ -140,6 +143,7 @@ def _data(src: ModelSource, p: Planned, dtype: torch.dtype, importance: dict | N
         p.record = {"weight_rel_err": float((back - w).norm() / w.norm().clamp_min(1e-30))}
         return data
     if p.action == "kept":
+        weight = to_gguf_values(p.gguf, weight, src.config)
         if p.ggml_type == "F32":
             t = weight.float()
         else:  # F16: a --gguf-type fallback for rows llama.cpp cannot block; else the --dtype
@@ -195,7 +199,6 @@ def ct_to_gguf(
 
     gguf_arch(src.config)  # a typed error for a family or RoPE GGUF cannot take, before any work
     planned, dropped = plan(src, dtype, ftype)
-    to_gguf = name_map(src.config)
     writer = GGUFWriter(str(out), gguf_arch(src.config))
     pre, pre_why = add_metadata(writer, src.config, src.path, src.label)
     writer.add_quantization_version(2)
@@ -203,12 +206,10 @@ def ct_to_gguf(
         qtype = GGMLQuantizationType[p.ggml_type]
         if p.ggml_type not in FLOAT_GGML.values():
             row = (p.shape[0], _nbytes(p) // p.shape[0])
-            writer.add_tensor_info(to_gguf(p.name), row, np.uint8, _nbytes(p), qtype)
+            writer.add_tensor_info(p.gguf, row, np.uint8, _nbytes(p), qtype)
         else:
             np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[p.ggml_type]
-            writer.add_tensor_info(
-                to_gguf(p.name), p.shape, np_dtype, _nbytes(p), None if p.ggml_type != "BF16" else qtype
-            )
+            writer.add_tensor_info(p.gguf, p.shape, np_dtype, _nbytes(p), None if p.ggml_type != "BF16" else qtype)
     writer.write_header_to_file(path=Path(out))
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -2,7 +2,7 @@
 
 The mixes are llama.cpp's own (`llama_tensor_get_type_impl` and `tensor_type_fallback` in
 src/llama-quant.cpp of the llama.cpp vendored by llama-cpp-python 0.3.36), for the dense families fp8ptq
-writes to GGUF (llama, mistral, qwen2, qwen3):
+writes to GGUF (llama, mistral, qwen2, qwen3, gemma3):
   default        Q4_K_M -> Q4_K, Q5_K_M -> Q5_K, Q6_K / Q8_0 / Q4_0 -> themselves
   output         (and token_embd when the embedding is tied): Q8_0 when its rows are not a multiple of the
                  default type's block, else Q6_K (Q8_0 stays Q8_0)

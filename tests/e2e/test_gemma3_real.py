@@ -141,3 +141,54 @@ def test_gates_of_packed_formats_fail_on_planted_exports(name, recipe_export, tm
     for plant, failing in ((scale_x64, "kl"), (scales_fp64, "weight_bits")):
         code, passed = _gates(_plant(good, tmp_path / plant.__name__, plant), "smollm2-135m", 1)
         assert code == GATE_FAILED_EXIT and not passed[failing], (plant.__name__, passed)
+
+
+def test_a_gemma3_checkpoint_goes_to_gguf_and_back_unchanged(gemma_gguf, tmp_path):
+    """`convert --to gguf` of a Gemma 3 (a tiny random one with Gemma 3 270M's own tokenizer, layers in
+    llama.cpp's pattern): the tokenizer spelled as llama.cpp wrote the real GGUF's (tokens and types equal,
+    scores in the same order: the tokenizer transformers builds from the real one), RMSNorm weights stored as
+    1 + w; transformers' GGUF config and tensor processors read every tensor back unchanged. A layer pattern
+    llama.cpp does not run is refused."""
+    from gguf import GGUFReader
+
+    from fp8ptq.models import resolve_model
+    from fp8ptq.models.gguf import open_gguf
+    from fp8ptq.models.synthetic import write_random
+
+    real_dir = resolve_model("gemma3-270m").path
+    tiny = write_random(tmp_path / "tiny", "gemma3_text", real_dir, layers=6, sliding_window_pattern=6)
+    r = CliRunner().invoke(app, ["convert", str(tiny), "--to", "gguf", "-o", str(tmp_path / "tiny.gguf")])
+    assert r.exit_code == 0, r.output
+
+    def tokenizer_arrays(f):  # (tokens as bytes, types, scores), from the parts gguf-py maps
+        tokens = [bytes(f["tokenizer.ggml.tokens"].parts[i]) for i in f["tokenizer.ggml.tokens"].data]
+        types = [int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data]
+        scores = [float(f["tokenizer.ggml.scores"].parts[i][0]) for i in f["tokenizer.ggml.scores"].data]
+        return (tokens, types), scores
+
+    g = open_gguf(tmp_path / "tiny.gguf")  # transformers' config and tensor processors, read per tensor
+    (ours, our_scores), (real, real_scores) = (
+        tokenizer_arrays(g.reader.fields),
+        tokenizer_arrays(GGUFReader(str(gemma_gguf)).fields),
+    )
+    assert ours == real
+    order = sorted(range(len(real_scores)), key=lambda i: (-real_scores[i], i))
+    assert sorted(range(len(our_scores)), key=lambda i: (-our_scores[i], i)) == order
+    norm = next(t for t in g.reader.tensors if t.name == "blk.0.attn_norm.weight")
+    src = load_file(str(tiny / "model.safetensors"))
+    assert torch.equal(torch.from_numpy(norm.data.copy()), src["model.layers.0.input_layernorm.weight"].float() + 1)
+    assert {t.name for t in g.tensors} == set(src)
+    assert all(torch.equal(g.dequantized(t).to(src[t.name].dtype), src[t.name]) for t in g.tensors)
+    cfg = json.loads((tiny / "config.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "head_dim", "num_key_value_heads", "sliding_window", "layer_types"):
+        assert getattr(g.config, key) == cfg[key], key
+    theta = g.config.rope_parameters["full_attention"]["rope_theta"]
+    assert theta == cfg["rope_parameters"]["full_attention"]["rope_theta"]
+
+    from transformers import Gemma3TextConfig
+
+    from fp8ptq.conversion.gguf_meta import gguf_arch
+    from fp8ptq.errors import ModelError
+
+    with pytest.raises(ModelError, match="every sixth layer global"):  # e.g. Gemma 3n's or a tiny test's pattern
+        gguf_arch(Gemma3TextConfig(num_hidden_layers=4, sliding_window_pattern=2))
