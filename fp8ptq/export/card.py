@@ -12,8 +12,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import yaml
-
 from fp8ptq.manifest import Manifest
 
 CARD = "README.md"
@@ -21,19 +19,16 @@ CARD = "README.md"
 ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
 _LICENCE_KEYS = ("license", "license_name", "license_link")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
-_FRONT = re.compile(r"\A---\s*\n(.*?)\n---\s*(\n|\Z)", re.S)
 
 
 def front_matter(text: str) -> dict:
-    """The YAML front matter of a model card ({} when there is none or it does not parse)."""
-    m = _FRONT.match(text)
-    if m is None:
-        return {}
+    """The metadata of a model card as huggingface_hub reads it ({} when it has none or it does not parse)."""
+    from huggingface_hub import ModelCard
+
     try:
-        data = yaml.safe_load(m.group(1))
-    except yaml.YAMLError:
+        return ModelCard(text, ignore_metadata_errors=True).data.to_dict()
+    except Exception:  # noqa: BLE001 - a source card's YAML may be anything; its licence is then unknown
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def base_model(label: str) -> str | None:
@@ -84,7 +79,9 @@ def write_card(out_dir: Path, manifest: Manifest, report_md: str) -> Path:
     existing = ""
     if path.is_file() and not path.is_symlink():
         existing = path.read_text(encoding="utf-8", errors="replace")
+    from huggingface_hub import ModelCard, ModelCardData
+
     meta = card_metadata(manifest, existing)  # an earlier render of ours carries the licence forward
-    head = "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n\n"
-    write_bytes_atomic(path, (head + report_md).encode())
+    card = ModelCard(f"---\n{ModelCardData(**meta).to_yaml()}\n---\n\n{report_md}")
+    write_bytes_atomic(path, str(card).encode())
     return path
