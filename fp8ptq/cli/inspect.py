@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import typer
 
+from fp8ptq.api import InspectConfig
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import offline, out, user_errors
+from fp8ptq.cli.fielded import config_command
 
 
 @app.command()
-def inspect(
-    path: Path = typer.Argument(..., help="a checkpoint directory or a .gguf file"),
-    json_out: bool = typer.Option(False, "--json", help="print the whole report as JSON"),
-    engine: str = typer.Option(
-        None,
-        "--engine",
-        help="also ask this engine's own code: sglang (SGLang 0.5.23's compressed-tensors classes, `make "
-        "sglang`): the scheme it picks on A100/L40S/H100/B200, or its refusal",
-    ),
-):
+@config_command(InspectConfig)
+def inspect(cfg: InspectConfig, json_out: bool = typer.Option(False, "--json", help="print the whole report as JSON")):
     """Say what a checkpoint is (format, schemes, size) and lint what would make vLLM refuse or
     mis-load it; one line per finding, exit 1 when any finding is an error.
 
@@ -32,11 +25,10 @@ def inspect(
       fp8ptq inspect out/smol-fp8-kv8 --engine sglang
     """
     offline()
-    from fp8ptq.api import InspectConfig
     from fp8ptq.api import inspect as run
 
     with user_errors():
-        report = run(InspectConfig(path=path, engine=engine))
+        report = run(cfg)
     if json_out:
         from fp8ptq.results import to_json
 

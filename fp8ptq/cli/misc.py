@@ -8,8 +8,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from fp8ptq.api import AnalyzeConfig
 from fp8ptq.cli.app import app, recipes_app
-from fp8ptq.cli.common import console, expand_home, fail, human, offline, out, printable, progress_bar, user_errors
+from fp8ptq.cli.common import console, fail, human, offline, out, printable, progress_bar, user_errors
+from fp8ptq.cli.fielded import config_command
 from fp8ptq.errors import Fp8ptqError
 
 
@@ -75,21 +77,8 @@ def push(
 
 
 @app.command()
-def analyze(
-    model: str = typer.Argument(..., help="HF model dir, .gguf file, or alias (smollm2-135m)"),
-    output: Path = typer.Option(
-        ..., "--output", "-o", callback=expand_home, help="report directory (written atomically)"
-    ),
-    data: str = typer.Option("builtin", help="text: builtin, .txt, .jsonl, .parquet or a datasets folder"),
-    text_field: str = typer.Option("text"),
-    num_samples: int = typer.Option(32, help="samples of --seq-len tokens"),
-    seq_len: int = typer.Option(512),
-    seed: int = typer.Option(0),
-    chat_template: bool = typer.Option(False),
-    device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda or cuda:N"),
-    overwrite: bool = typer.Option(False),
-    json_out: bool = typer.Option(False, "--json", help="print report.json on stdout"),
-):
+@config_command(AnalyzeConfig)
+def analyze(cfg: AnalyzeConfig, json_out: bool = typer.Option(False, "--json", help="print report.json on stdout")):
     """Outlier analysis of the float model: where per-tensor scales waste their range.
 
     Per layer and Linear input: abs-max, percentiles, kurtosis, outlier channels and their stability,
@@ -101,21 +90,9 @@ def analyze(
       fp8ptq analyze ./my-model -o out/analysis --data chat.jsonl --device cuda
     """
     offline()
-    from fp8ptq.api import AnalyzeConfig
     from fp8ptq.api import analyze as run
 
-    cfg = AnalyzeConfig(
-        model=model,
-        output=output,
-        data=data,
-        text_field=text_field,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        seed=seed,
-        chat_template=chat_template,
-        overwrite=overwrite,
-        device=device,
-    )
+    model, output = cfg.model, cfg.output
     with user_errors(output), progress_bar(not json_out) as progress:
         rep = run(cfg, progress)
     if json_out:

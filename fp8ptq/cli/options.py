@@ -1,6 +1,6 @@
-"""README's `fp8ptq quantize` option table, rendered from the command (issue 34 item 5): each row's
-option names and default come from the typer command, its meaning from the option's help — which the
-command takes from the config field's documentation (fp8ptq.fields) — plus the field's `more`. So the
+"""README's `fp8ptq quantize` option table, rendered from the command: each row's option names and
+default come from the typer command, its meaning from the option's help — which the command takes from
+the config field's documentation (fp8ptq.fields, cli/fielded.py) — plus the field's `more`. So the
 table, `--help` and the defaults the run uses cannot disagree; tests/cli/test_defaults.py holds README
 to what this prints.
 
@@ -17,28 +17,18 @@ from pathlib import Path
 import typer.main
 
 from fp8ptq.cli import app
-from fp8ptq.draft.auto import DraftBundleConfig
+from fp8ptq.cli.fielded import fields_of
 from fp8ptq.fields import doc_of
-from fp8ptq.runs.config import QuantizeConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BEGIN = "<!-- quantize options: rendered by `python -m fp8ptq.cli.options --write` -->\n"
 END = "<!-- end quantize options -->"
-# command parameter -> the config field it fills, where the names differ (the rest: QuantizeConfig's own)
-FIELD_OF = {
-    "gate": (QuantizeConfig, "gates"),
-    "set_": (QuantizeConfig, "sets"),
-    "draft_trim": (DraftBundleConfig, "trim_keep"),
-    "draft_steps": (DraftBundleConfig, "max_steps"),
-    "draft_time_budget": (DraftBundleConfig, "time_budget_s"),
-}
 
 
 def field_of(name: str) -> tuple[type, str] | None:
     """The (config class, field) a quantize parameter fills, or None (a flag of the command alone)."""
-    if name in FIELD_OF:
-        return FIELD_OF[name]
-    return (QuantizeConfig, name) if name in QuantizeConfig.__dataclass_fields__ else None
+    cmd = typer.main.get_command(app).commands["quantize"]
+    return fields_of(cmd.callback).get(name)
 
 
 def _default_cell(p, shown: str | None) -> str:
@@ -72,7 +62,7 @@ def quantize_table() -> str:
     for p in cmd.params:
         if p.param_type_name != "option" or p.name == "help":
             continue
-        where = field_of(p.name)
+        where = fields_of(cmd.callback).get(p.name)
         doc = doc_of(*where) if where else {}
         meaning = ((p.help or "") + doc.get("more", "")).replace("|", r"\|")
         rows.append(f"| `{_names(p)}` | {_default_cell(p, doc.get('shown'))} | {meaning} |")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import List, Optional
+from dataclasses import replace
+from typing import Optional
 
 import typer
 from rich.table import Table
@@ -12,7 +12,6 @@ from rich.table import Table
 from fp8ptq.cli.app import app
 from fp8ptq.cli.common import (
     console,
-    expand_home,
     finish_gates,
     human,
     is_rank0,
@@ -23,49 +22,20 @@ from fp8ptq.cli.common import (
     return_freed_memory,
     user_errors,
 )
+from fp8ptq.cli.fielded import config_command, field_option
 from fp8ptq.draft.auto import DraftBundleConfig as D
-from fp8ptq.fields import default_of as d
-from fp8ptq.fields import help_of as h
+from fp8ptq.runs.config import ModelFreeConfig
 from fp8ptq.runs.config import QuantizeConfig as Q
 
 
 @app.command()
+@config_command(Q, exclude=("draft",))
 def quantize(
-    model: str = typer.Argument(..., help=h(Q, "model")),
-    recipe: str = typer.Option("fp8-kv8", "--recipe", "-r", help=h(Q, "recipe")),
-    revision: Optional[str] = typer.Option(d(Q, "revision"), help=h(Q, "revision")),
-    output: Path = typer.Option(..., "--output", "-o", callback=expand_home, help=h(Q, "output")),
-    data: List[str] = typer.Option([d(Q, "data")], help=h(Q, "data")),
-    text_field: str = typer.Option(d(Q, "text_field"), help=h(Q, "text_field")),
-    images: Optional[str] = typer.Option(d(Q, "images"), help=h(Q, "images")),
-    num_samples: Optional[int] = typer.Option(d(Q, "num_samples"), help=h(Q, "num_samples")),
-    seq_len: Optional[int] = typer.Option(d(Q, "seq_len"), help=h(Q, "seq_len")),
-    seed: Optional[int] = typer.Option(d(Q, "seed"), help=h(Q, "seed")),
-    chat_template: bool = typer.Option(d(Q, "chat_template"), help=h(Q, "chat_template")),
-    eval_samples: int = typer.Option(d(Q, "eval_samples"), help=h(Q, "eval_samples")),
-    gate: List[str] = typer.Option(list(d(Q, "gates")), "--gate", help=h(Q, "gates")),
-    no_recipe_gates: bool = typer.Option(False, "--no-recipe-gates", help="ignore the gates the recipe carries"),
-    overwrite: bool = typer.Option(d(Q, "overwrite"), help=h(Q, "overwrite")),
-    resume: bool = typer.Option(d(Q, "resume"), help=h(Q, "resume")),
-    device: str = typer.Option(d(Q, "device"), help=h(Q, "device")),
-    compute_dtype: str = typer.Option(d(Q, "compute_dtype"), help=h(Q, "compute_dtype")),
-    chunk_tokens: int = typer.Option(d(Q, "chunk_tokens"), help=h(Q, "chunk_tokens")),
-    offload_activations: bool = typer.Option(d(Q, "offload_activations"), help=h(Q, "offload_activations")),
-    int4_fraction: Optional[float] = typer.Option(d(Q, "int4_fraction"), help=h(Q, "int4_fraction")),
-    tp: Optional[int] = typer.Option(d(Q, "tp"), help=h(Q, "tp")),
-    group_size: Optional[int] = typer.Option(d(Q, "group_size"), help=h(Q, "group_size")),
-    block_size: Optional[int] = typer.Option(d(Q, "block_size"), help=h(Q, "block_size")),
-    weights: Optional[str] = typer.Option(d(Q, "weights"), help=h(Q, "weights")),
-    smooth_alpha: Optional[str] = typer.Option(d(Q, "smooth_alpha"), help=h(Q, "smooth_alpha")),
-    set_: list[str] = typer.Option(list(d(Q, "sets")), "--set", metavar="KEY=VALUE", help=h(Q, "sets")),
-    rotate: bool = typer.Option(d(Q, "rotate"), "--rotate", help=h(Q, "rotate")),
-    quantize_lm_head: bool = typer.Option(
-        d(Q, "quantize_lm_head"), "--quantize-lm-head", help=h(Q, "quantize_lm_head")
-    ),
-    draft: str = typer.Option("none", help=h(Q, "draft")),
-    draft_trim: Optional[int] = typer.Option(d(D, "trim_keep"), help=h(D, "trim_keep")),
-    draft_steps: Optional[int] = typer.Option(d(D, "max_steps"), help=h(D, "max_steps")),
-    draft_time_budget: Optional[float] = typer.Option(d(D, "time_budget_s"), help=h(D, "time_budget_s")),
+    cfg: Q,
+    draft: str = field_option(Q, "draft", default="none"),
+    draft_trim: Optional[int] = field_option(D, "trim_keep", "--draft-trim"),
+    draft_steps: Optional[int] = field_option(D, "max_steps", "--draft-steps"),
+    draft_time_budget: Optional[float] = field_option(D, "time_budget_s", "--draft-time-budget"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON on stdout"),
 ):
     """Calibrate, quantize and export a compressed-tensors checkpoint.
@@ -91,44 +61,14 @@ def quantize(
       fp8ptq recipes list                                    # what each recipe does
     """
     offline()
-    from fp8ptq.api import QuantizeConfig, describe_device
+    from fp8ptq.api import describe_device
     from fp8ptq.api import quantize as run
     from fp8ptq.runs.config import draft_bundle
 
+    output = cfg.output
     with user_errors(output):
         draft_settings = draft_bundle(draft, trim=draft_trim, steps=draft_steps, time_budget_s=draft_time_budget)
-    cfg = QuantizeConfig(
-        model=model,
-        revision=revision,
-        recipe=recipe,
-        output=output,
-        data=",".join(data),
-        text_field=text_field,
-        images=images,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        seed=seed,
-        chat_template=chat_template,
-        overwrite=overwrite,
-        eval_samples=eval_samples,
-        gates=tuple(gate),
-        recipe_gates=not no_recipe_gates,
-        resume=resume,
-        device=device,
-        compute_dtype=compute_dtype,
-        chunk_tokens=chunk_tokens,
-        offload_activations=offload_activations,
-        int4_fraction=int4_fraction,
-        tp=tp,
-        block_size=block_size,
-        group_size=group_size,
-        weights=weights,
-        smooth_alpha=smooth_alpha,
-        sets=tuple(set_),
-        rotate=rotate,
-        quantize_lm_head=quantize_lm_head,
-        draft=draft_settings,
-    )
+    cfg = replace(cfg, draft=draft_settings)
     return_freed_memory(mmap_threshold_mib(cfg))
     with user_errors(output), progress_bar(not json_out and is_rank0()) as progress:
         manifest = run(cfg, progress)
@@ -145,7 +85,7 @@ def quantize(
     table.add_row("recipe", manifest.recipe["name"])
     if manifest.recipe.get("transforms"):
         table.add_row("transforms", ", ".join(manifest.recipe["transforms"]))
-    where = describe_device(device).removeprefix("device: ")
+    where = describe_device(cfg.device).removeprefix("device: ")
     if manifest.run.compute_dtype is not None:
         where += f", {manifest.run.compute_dtype} passes"
     table.add_row("device", where)
@@ -187,20 +127,8 @@ def quantize(
 
 
 @app.command("model-free")
-def model_free_cmd(
-    model: Path = typer.Argument(
-        ..., help="a safetensors model directory (any architecture, even one transformers lacks)"
-    ),
-    output: Path = typer.Option(
-        ..., "--output", "-o", callback=expand_home, help="output directory (written atomically)"
-    ),
-    recipe: str = typer.Option("fp8-dynamic", "--recipe", "-r", help="a data-free recipe: fp8-dynamic, fp8-block"),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="list what would be quantized and kept, and why; write nothing"
-    ),
-    overwrite: bool = typer.Option(False, help="replace OUTPUT if fp8ptq wrote it"),
-    json_out: bool = typer.Option(False, "--json"),
-):
+@config_command(ModelFreeConfig)
+def model_free_cmd(cfg: ModelFreeConfig, json_out: bool = typer.Option(False, "--json")):
     """Quantize any safetensors checkpoint by tensor names and shapes, without building the model and
     without data: 2-D floating `*.weight` tensors are Linears, except embeddings, the LM head, MoE routers
     and vision/audio towers (kept, and listed in `ignore`); a tensor no rule places is refused by name.
@@ -210,9 +138,9 @@ def model_free_cmd(
       fp8ptq model-free ./my-new-arch --dry-run
       fp8ptq model-free ./my-new-arch -r fp8-dynamic -o out/my-new-arch-fp8
     """
-    from fp8ptq.runs.model_free import ModelFreeConfig, model_free
+    from fp8ptq.runs.model_free import model_free
 
-    cfg = ModelFreeConfig(model=model, output=output, recipe=recipe, overwrite=overwrite, dry_run=dry_run)
+    output, dry_run = cfg.output, cfg.dry_run
     with user_errors(output), progress_bar(not json_out and not dry_run) as progress:
         summary = model_free(cfg, progress)
     if json_out:

@@ -21,21 +21,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from fp8ptq.errors import ModelError, OptionError, OutputError
-
-
-@dataclass(frozen=True)
-class ConvertConfig:
-    source: Path  # a .gguf file or a checkpoint directory (its format is detected; see CONVERTERS)
-    output: Path  # a directory, or a .gguf file for --to gguf
-    to: str = "hf"  # hf: dequantized float; compressed-tensors / gguf: codes carried exactly
-    dtype: str = "bfloat16"  # of dequantized tensors (and the config's dtype)
-    recipe: str | None = None  # GGUF to compressed-tensors: re-quantize other GGML quant types with it (data-free)
-    overwrite: bool = False
-    source_format: str | None = None  # --from: one of SOURCES; None: detect
-    gguf_type: str | None = None  # --to gguf: llama.cpp's mix (Q4_K_M, ...) every matrix is quantized to
-    importance: str | None = None  # with gguf_type: calibration text whose mean x^2 per column weighs the search
-    num_samples: int = 32  # importance samples x tokens
-    seq_len: int = 512
+from fp8ptq.fields import Cli, documented
 
 
 @dataclass(frozen=True)
@@ -63,6 +49,43 @@ CONVERTERS = (
 )
 SOURCES = tuple(dict.fromkeys(c.source for c in CONVERTERS))
 TARGETS = tuple(dict.fromkeys(c.target for c in CONVERTERS))
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """`fp8ptq convert` as one value."""
+
+    source: Path = documented(
+        help=".gguf file; a GPTQ / AWQ / ModelOpt / block-FP8 dir (to compressed-tensors); a compressed-tensors "
+        "dir (--to gguf)",
+        cli=Cli(argument=True),
+    )
+    output: Path = documented(help="a directory, or NAME.gguf for --to gguf", cli=Cli(flags=("--output", "-o")))
+    to: str = documented(
+        "hf",
+        "; ".join(f"{t}: from {', '.join(c.source for c in CONVERTERS if c.target == t)}" for t in TARGETS),
+    )
+    dtype: str = documented("bfloat16", "dtype of dequantized / float matrices: bfloat16, float16 or float32")
+    recipe: str | None = documented(
+        None, "with --to compressed-tensors: re-quantize other GGML quant types with this data-free recipe"
+    )
+    overwrite: bool = documented(False, "replace an existing output that fp8ptq wrote")
+    source_format: str | None = documented(
+        None, f"{', '.join(SOURCES)}: confirm the detected format", cli=Cli(flags=("--from",))
+    )
+    gguf_type: str | None = documented(
+        None,
+        "with --to gguf: quantize every matrix to llama.cpp's mix Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 "
+        "(codes already of the chosen type are carried exactly)",
+        cli=Cli(flags=("--gguf-type",)),
+    )
+    importance: str | None = documented(
+        None,
+        "with --gguf-type: calibration text ('builtin', a .txt/.jsonl/.parquet file) whose mean x^2 per input "
+        "column weighs the block search (llama.cpp's imatrix)",
+    )
+    num_samples: int = documented(32, "--importance: samples of calibration text")
+    seq_len: int = documented(512, "--importance: tokens per sample")
 
 
 @dataclass(frozen=True)

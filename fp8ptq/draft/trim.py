@@ -19,32 +19,18 @@ Outputs (in OUT):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.draft.config import DraftTrimConfig
 from fp8ptq.draft.train import DATA_FILE
 from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.models import TRIM_META, TrimSummary
 
 TOKEN_MAP = "token_map.pt"
-
-
-@dataclass(frozen=True)
-class DraftTrimConfig:
-    draft: Path
-    target: str
-    keep: int
-    output: Path
-    num_prompts: int = 64  # only when the draft carries no generated data
-    gen_tokens: int = 128
-    heldout_fraction: float = 0.2  # generations held out to report the kept set's coverage
-    overwrite: bool = False
-    seed: int = 0
-    device: str = "cpu"
 
 
 def count_tokens(tokens: torch.Tensor, prompt_len: torch.Tensor, gen_len: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import ClassVar
 
@@ -27,30 +27,12 @@ from pydantic import BaseModel, ConfigDict
 
 from fp8ptq import gates as gates_mod
 from fp8ptq.errors import DataError, ModelError
+from fp8ptq.eval.config import MMLU_PRO, HarnessConfig
 from fp8ptq.manifest import GateRecord
 from fp8ptq.models.loader import ensure_offline
 
-MMLU_PRO = "mmlu_pro"
 MMLU_PRO_COLUMNS = ("question", "options", "answer", "cot_content", "category")
 _DATA_EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-@dataclass(frozen=True)
-class HarnessConfig:
-    model: str
-    tasks: tuple[str, ...] = (MMLU_PRO,)
-    baseline: str | None = None
-    data: str | None = None  # mmlu_pro: a directory with test + validation files in the MMLU-Pro schema
-    include_path: str | None = None  # extra lm-eval task YAMLs (for `eval tasks` with local data)
-    limit: int | None = None  # questions per (sub)task
-    num_fewshot: int | None = None  # None: the task's (mmlu_pro: 5)
-    max_gen_toks: int | None = None  # None: the task's (mmlu_pro: 2048)
-    batch_size: int = 4
-    backend: str = "hf"
-    device: str = "cpu"
-    simulate: bool = True
-    seed: int = 0
-    gates: tuple[str, ...] = ()  # on '<task>' (percent) or '<task>_delta' (points); checked before the run
 
 
 class _Frozen(BaseModel):

@@ -8,7 +8,7 @@ from pathlib import Path
 from fp8ptq import data as data_mod
 from fp8ptq.draft.auto import DRAFT_TIME_BUDGET_S, DraftBundleConfig
 from fp8ptq.errors import RecipeError
-from fp8ptq.fields import documented
+from fp8ptq.fields import Cli, documented
 
 # --draft value -> draft.auto.DraftBundleConfig's kind ("none": no draft)
 DRAFT_KINDS = {"auto": "model", "eagle3": "eagle3"}
@@ -32,16 +32,26 @@ class QuantizeConfig:
     """`fp8ptq quantize` as one value. Each option's help is its field's (fp8ptq.fields): the command and
     README's option table read it here."""
 
-    model: str = documented(help="HF model dir, hub id (org/name), .gguf file, or alias (smollm2-135m)")
-    recipe: str = documented(help="built-in recipe name or YAML path", more=" ([Recipes](#recipes))")
+    model: str = documented(
+        help="HF model dir, hub id (org/name), .gguf file, or alias (smollm2-135m)", cli=Cli(argument=True)
+    )
+    recipe: str = documented(
+        help="built-in recipe name or YAML path",
+        more=" ([Recipes](#recipes))",
+        cli=Cli(flags=("--recipe", "-r"), default="fp8-kv8"),
+    )
     output: Path = documented(
-        help="output directory (written atomically)", more=": it appears only when complete", shown="— (required)"
+        help="output directory (written atomically)",
+        more=": it appears only when complete",
+        shown="— (required)",
+        cli=Cli(flags=("--output", "-o")),
     )
     data: str = documented(
         data_mod.BUILTIN,
         "calibration text: builtin, .txt, .jsonl, .parquet or a datasets folder; PATH:WEIGHT, repeated: a mix",
         more=" (`.txt`: blank-line separated documents; a datasets folder: `datasets.save_to_disk`'s; "
         "`--data builtin:0.5 --data chat.jsonl:0.5`)",
+        cli=Cli(joined=","),
     )
     text_field: str = documented("text", "field holding the text in .jsonl/.parquet/datasets")
     images: str | None = documented(  # calibrate/images.py
@@ -73,8 +83,13 @@ class QuantizeConfig:
         "quality gate METRIC OP NUMBER, e.g. kl<=0.05, top1>=0.9 (repeatable, added to the recipe's); a "
         "failed gate exits 3",
         more=" ([docs/ci.md](docs/ci.md))",
+        cli=Cli(flags=("--gate",)),
     )
-    recipe_gates: bool = True  # False: --no-recipe-gates
+    recipe_gates: bool = documented(
+        True,
+        "check the gates the recipe carries, beside `gates`",
+        cli=Cli(negated=True, help="ignore the gates the recipe carries"),
+    )
     device: str = documented(
         "auto",
         "auto (CUDA when present), cpu, cuda or cuda:N (one layer at a time is moved there)",
@@ -147,15 +162,35 @@ class QuantizeConfig:
         more=". Also `--set scheme.weights.group_size=32`, `--set 'gates=[kl<=0.04]'`; a section the recipe "
         "leaves out is started (`--set smooth.alpha=0.8` adds SmoothQuant), and the result is validated like "
         "a recipe file (an unknown key is named with the valid ones)",
+        cli=Cli(flags=("--set",), metavar="KEY=VALUE"),
     )
     rotate: bool = documented(
         False,
         "add the recipe transform 'rotate': Hadamard rotations folded into the float model",
         more=" before calibration (see Recipes)",
+        cli=Cli(flags=("--rotate",)),
     )
     quantize_lm_head: bool = documented(
         False,
         "quantize the LM head too, weight-only: INT8 per channel under 8-bit recipes, else the recipe's "
         "weights (a tied head is untied)",
         more='; other heads: the recipe key `scheme.lm_head` (see "Quantized LM head")',
+        cli=Cli(flags=("--quantize-lm-head",)),
     )
+
+
+@dataclass(frozen=True)
+class ModelFreeConfig:
+    """`fp8ptq model-free` as one value (runs/model_free.py)."""
+
+    model: Path = documented(
+        help="a safetensors model directory (any architecture, even one transformers lacks)", cli=Cli(argument=True)
+    )
+    output: Path = documented(help="output directory (written atomically)", cli=Cli(flags=("--output", "-o")))
+    recipe: str = documented(
+        "fp8-dynamic", "a data-free recipe: fp8-dynamic, fp8-block", cli=Cli(flags=("--recipe", "-r"))
+    )
+    dry_run: bool = documented(
+        False, "list what would be quantized and kept, and why; write nothing", cli=Cli(flags=("--dry-run",))
+    )
+    overwrite: bool = documented(False, "replace OUTPUT if fp8ptq wrote it")

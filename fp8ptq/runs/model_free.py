@@ -29,6 +29,7 @@ from fp8ptq.models.loader import check_finite, read_weight_map
 from fp8ptq.quantization.schemes import LinearScheme, handler
 from fp8ptq.quantization.weights import quantize_group
 from fp8ptq.recipe import Recipe, load_recipe
+from fp8ptq.runs.config import ModelFreeConfig
 
 QUANTIZE, KEEP = "quantize", "keep"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,15 +50,6 @@ RULES: tuple[tuple[str, re.Pattern, str], ...] = (
 # shape, and the engine is told to leave them alone by one `ignore` pattern per tower.
 TOWER = re.compile(r"(^|\.)(vision\w*|visual|image\w*|audio\w*|multi_modal_projector|mm_projector|vit)(\.|$)")
 TOWER_REASON = "vision / audio tower or projector (kept in float)"
-
-
-@dataclass(frozen=True)
-class ModelFreeConfig:
-    model: Path
-    output: Path
-    recipe: str = "fp8-dynamic"
-    overwrite: bool = False
-    dry_run: bool = False
 
 
 @dataclass

@@ -10,10 +10,11 @@ import re
 import typer.main
 
 from fp8ptq.cli import app, options
+from fp8ptq.cli.fielded import fields_of
 from fp8ptq.draft.auto import DraftBundleConfig
 from fp8ptq.draft.eagle3_train import Eagle3TrainConfig
 from fp8ptq.draft.train import DraftTrainConfig
-from fp8ptq.fields import default_of, help_of
+from fp8ptq.fields import UNSET, default_of, help_of
 from fp8ptq.recipe import Calibration
 from fp8ptq.runs.config import QuantizeConfig, draft_bundle
 
@@ -58,20 +59,37 @@ def test_readme_option_table_is_rendered_from_the_command():
     assert options.rendered(text) == text, "README's quantize table is stale: python -m fp8ptq.cli.options --write"
 
 
-def test_quantize_help_and_defaults_are_the_config_fields():
-    """Every quantize option that fills a config field shows that field's help and starts at its default:
-    help, behaviour and README cannot disagree. A field left undocumented fails here by name."""
-    cmd = typer.main.get_command(app).commands["quantize"]
+def commands(group=None, prefix=""):
+    """(name, click command) of every command the CLI has, sub-apps included."""
+    group = group or typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from commands(cmd, f"{prefix}{name} ")
+        else:
+            yield prefix + name, cmd
+
+
+def test_generated_options_show_their_fields_help_and_default():
+    """Every option generated from a config field (cli/fielded.py) shows that field's help and starts at
+    its default, on every command: help, behaviour and README cannot disagree."""
     checked = 0
-    for p in cmd.params:
-        where = options.field_of(p.name)
-        if where is None or p.required or p.name in ("draft", "recipe"):  # --draft: a kind name; a value
-            continue
-        assert p.help == help_of(*where), p.name
-        default = default_of(*where)
-        assert p.default == (list(default) if isinstance(default, tuple) else [default] if p.multiple else default)
-        checked += 1
-    assert checked >= 28
+    for name, cmd in commands():
+        for p in cmd.params:
+            where = fields_of(cmd.callback).get(p.name)
+            if where is None or p.required:
+                continue
+            f = next(f for f in dataclasses.fields(where[0]) if f.name == where[1])
+            cli = f.metadata["cli"]
+            assert p.help == (cli.help or help_of(*where)), (name, p.name)
+            default = cli.default if cli.default != UNSET else default_of(*where)
+            if cli.negated:
+                default = False
+            elif p.multiple:
+                default = list(default) if isinstance(default, tuple) else [default]
+            assert p.default == default or p.name == "draft", (name, p.name)
+            checked += 1
+    assert checked >= 30
+    cmd = typer.main.get_command(app).commands["quantize"]
     assert help_of(QuantizeConfig, "draft") == next(p.help for p in cmd.params if p.name == "draft")
 
 
