@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from fp8ptq.export.card import write_card
+from fp8ptq.export.card import engine_commands, write_card
 from fp8ptq.io import own_subdir, write_bytes_atomic, write_json_atomic
 from fp8ptq.manifest import MANIFEST, Manifest
 
@@ -30,9 +30,8 @@ _INPUT_ROWS = {
 
 
 def serve_commands(path: str, manifest: Manifest) -> dict[str, str]:
-    kv = bool(manifest.recipe["scheme"].get("kv_cache"))
-    vllm = f"vllm serve {path}" + (" --kv-cache-dtype fp8" if kv else "")
-    sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
+    commands = engine_commands(path, bool(manifest.recipe["scheme"].get("kv_cache")))
+    vllm, sglang = commands["vllm"], commands["sglang"]
     spec = manifest.speculative
     if spec is not None:  # written by `quantize --draft`; paths relative to the folder
         cfg = dict(spec.speculative_config)
@@ -41,8 +40,7 @@ def serve_commands(path: str, manifest: Manifest) -> dict[str, str]:
     if spec is not None and spec.sglang_flags:
         flags = [f if not f.startswith("draft") else os.path.join(path, f) for f in spec.sglang_flags]
         sglang += " " + " ".join(flags)
-    python = f'from vllm import LLM\nllm = LLM(model="{path}"' + (', kv_cache_dtype="fp8"' if kv else "") + ")"
-    return {"vllm": vllm, "sglang": sglang, "vllm_python": python}
+    return {"vllm": vllm, "sglang": sglang, "vllm_python": commands["vllm_python"]}
 
 
 def _per_layer(manifest: Manifest) -> tuple[dict[str, list], dict[str, list]]:

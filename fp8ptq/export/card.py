@@ -1,7 +1,8 @@
 """README.md, the export's model card: what a Hub user reads first. YAML front matter in the fields
 `huggingface_hub.ModelCard` parses (base_model with `base_model_relation: quantized`, tags, the licence
-copied from the source's card), then the body of report.md (scheme, size, gates, quality, the vLLM and
-SGLang commands that serve it and its draft).
+copied from the source's card), then the body: for `quantize`, report.md (scheme, size, gates, quality,
+the vLLM and SGLang commands that serve it and its draft); for `model-free`, what was quantized and kept
+by which rule, and the serve commands.
 
 The source's own README.md, which describes the float model, is copied into the export with its other
 side files; it is read here for its licence and then replaced.
@@ -54,34 +55,83 @@ def _format_tags(scheme: dict) -> list[str]:
     return tags
 
 
-def card_metadata(manifest: Manifest, source_card: str = "") -> dict:
-    """The card's front matter: base model, licence (from the source card, when it names one), tags."""
+def engine_commands(path: str, kv: bool) -> dict[str, str]:
+    """The vLLM and SGLang commands that serve the export at `path` (an FP8 KV cache when `kv`)."""
+    vllm = f"vllm serve {path}" + (" --kv-cache-dtype fp8" if kv else "")
+    sglang = f"python -m sglang.launch_server --model-path {path}" + (" --kv-cache-dtype fp8_e4m3" if kv else "")
+    python = f'from vllm import LLM\nllm = LLM(model="{path}"' + (', kv_cache_dtype="fp8"' if kv else "") + ")"
+    return {"vllm": vllm, "sglang": sglang, "vllm_python": python}
+
+
+def card_front_matter(label: str, scheme: dict, source_card: str = "") -> dict:
+    """The card's front matter for an export of `label` under `scheme` (the recipe record's): base model,
+    licence (from the source card, when it names one), tags."""
     meta: dict = {}
     source = front_matter(source_card)
-    base = base_model(manifest.model)
+    base = base_model(label)
     if base is not None:
         meta.update(base_model=base, base_model_relation="quantized")
     meta.update({k: source[k] for k in _LICENCE_KEYS if isinstance(source.get(k), str)})
     meta.update(
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["fp8ptq", "compressed-tensors", "quantized", *_format_tags(manifest.recipe["scheme"])],
+        tags=["fp8ptq", "compressed-tensors", "quantized", *_format_tags(scheme)],
     )
     return meta
 
 
-def write_card(out_dir: Path, manifest: Manifest, report_md: str) -> Path:
-    """OUT/README.md: front matter, then the report's body. A README.md already there (the source's, copied
-    as a side file, or an earlier render) lends its licence and is replaced."""
+def card_metadata(manifest: Manifest, source_card: str = "") -> dict:
+    """The front matter of a quantize export's card."""
+    return card_front_matter(manifest.model, manifest.recipe["scheme"], source_card)
+
+
+def _write(out_dir: Path, metadata, body: str) -> Path:
+    """OUT/README.md from `metadata(existing card text)` and `body`. A README.md already there (the source's,
+    copied as a side file, or an earlier render) lends its licence and is replaced."""
+    from huggingface_hub import ModelCard, ModelCardData
+
     from fp8ptq.io import write_bytes_atomic
 
     path = Path(out_dir) / CARD
     existing = ""
     if path.is_file() and not path.is_symlink():
         existing = path.read_text(encoding="utf-8", errors="replace")
-    from huggingface_hub import ModelCard, ModelCardData
-
-    meta = card_metadata(manifest, existing)  # an earlier render of ours carries the licence forward
-    card = ModelCard(f"---\n{ModelCardData(**meta).to_yaml()}\n---\n\n{report_md}")
+    card = ModelCard(f"---\n{ModelCardData(**metadata(existing)).to_yaml()}\n---\n\n{body}")
     write_bytes_atomic(path, str(card).encode())
     return path
+
+
+def write_model_free_card(out_dir: Path, summary: dict, scheme: dict, serve_path: str) -> Path:
+    """OUT/README.md of a `model-free` export: `summary` is its model_free.json (model, recipe, ignore,
+    by_reason), `scheme` the recipe record's scheme."""
+    name = Path(serve_path).name
+    lines = [
+        f"# {name}",
+        "",
+        f"`{summary['model']}` quantized with the data-free recipe `{summary['recipe']}` by `fp8ptq model-free`: "
+        "each tensor placed by its name and shape, without building the model and without calibration data. "
+        "`model_free.json` lists every decision.",
+        "",
+        "| decision | tensors |",
+        "|---|---|",
+        *(f"| {why} | {len(names)} |" for why, names in summary["by_reason"].items()),
+        "",
+        "Kept in float (the checkpoint's `ignore`): " + (", ".join(f"`{n}`" for n in summary["ignore"]) or "none"),
+        "",
+        "## Serve",
+        "",
+        "```bash",
+        *(
+            cmd
+            for key, cmd in engine_commands(serve_path, bool(scheme.get("kv_cache"))).items()
+            if key != "vllm_python"
+        ),
+        "```",
+        "",
+    ]
+    return _write(out_dir, lambda existing: card_front_matter(summary["model"], scheme, existing), "\n".join(lines))
+
+
+def write_card(out_dir: Path, manifest: Manifest, report_md: str) -> Path:
+    """OUT/README.md of a quantize export: front matter, then the report's body."""
+    return _write(out_dir, lambda existing: card_metadata(manifest, existing), report_md)

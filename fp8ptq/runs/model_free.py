@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from fp8ptq.errors import ModelError, RecipeError
+from fp8ptq.export.card import write_model_free_card
 from fp8ptq.export.compressed_tensors import compress_linear, quantization_config
 from fp8ptq.io import ST_DTYPES, atomic_output_dir, write_json_atomic
 from fp8ptq.models.folder import side_files
@@ -29,6 +30,7 @@ from fp8ptq.models.loader import check_finite, read_weight_map
 from fp8ptq.quantization.schemes import LinearScheme, handler
 from fp8ptq.quantization.weights import quantize_group
 from fp8ptq.recipe import Recipe, load_recipe
+from fp8ptq.recipe_files import recipe_record
 from fp8ptq.runs.config import ModelFreeConfig
 
 QUANTIZE, KEEP = "quantize", "keep"
@@ -218,4 +220,5 @@ def model_free(cfg: ModelFreeConfig, progress=None) -> dict:
             if f.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(f, tmp / f.name)
         write_json_atomic(tmp / "model_free.json", summary, trailing_newline=True)
+        write_model_free_card(tmp, summary, recipe_record(recipe)["scheme"], str(cfg.output))
     return summary

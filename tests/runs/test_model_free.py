@@ -217,3 +217,24 @@ def test_a_top_level_mtp_block_is_carried_and_ignored(tiny_model, tmp_path):
     q = _tensors(tmp_path / "q")
     assert all(torch.equal(q[k], v) for k, v in extra.items())
     assert r"re:mtp\..*" in json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+
+
+def test_a_model_free_export_is_a_model_repository(tiny_dir, tmp_path):
+    """Its README.md is a model card huggingface_hub parses: the source's licence carried, the scheme's
+    tags, every decision counted, and the commands that serve it; the source's own card is replaced."""
+    from huggingface_hub import ModelCard
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / "README.md").write_text("---\nlicense: apache-2.0\n---\n# The float model\n")
+    rc, output = run_cli("model-free", model, "-r", "fp8-dynamic", "-o", tmp_path / "mf")
+    assert rc == 0, output
+    card = ModelCard.load(tmp_path / "mf" / "README.md")
+    summary = json.loads((tmp_path / "mf" / "model_free.json").read_text())
+    assert card.data.license == "apache-2.0" and "The float model" not in card.text
+    assert {"fp8ptq", "compressed-tensors", "fp8"} <= set(card.data.tags)
+    assert card.data.base_model is None  # a local folder is not a Hub id
+    for why, names in summary["by_reason"].items():
+        assert f"| {why} | {len(names)} |" in card.text
+    assert f"vllm serve {tmp_path / 'mf'}" in card.text
+    assert f"python -m sglang.launch_server --model-path {tmp_path / 'mf'}" in card.text
