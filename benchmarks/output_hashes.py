@@ -6,7 +6,7 @@ flags change float results), and compare:
     python benchmarks/output_hashes.py --out after.json --compare before.json
 
 Only the run's wall-clock timings are taken out before hashing (the manifest's `timings` and the one
-line of the reports that prints them); everything else — tensors, config, manifest numbers, report
+line of the reports and the model card that prints them); everything else — tensors, config, manifest numbers, report
 text, plots — is hashed as written. Tensors are hashed one by one (`tensor:NAME`: dtype, shape and bytes),
 whatever shard holds them, so a change of sharding alone compares equal; the index, which only says
 where each tensor lies, is left out. `--model` runs the recipes on another model (a .gguf, a directory). Calibration is reduced (16 x 256 tokens, 2 evaluation samples) so
@@ -40,7 +40,7 @@ def file_hash(path: Path) -> str:
         manifest = json.loads(data)
         manifest.pop("timings", None)
         data = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    elif path.name in ("report.md", "report.html"):
+    elif path.name in ("report.md", "report.html", "README.md"):  # the model card carries report.md's body
         data = VOLATILE_LINE.sub(b"", data)
     return hashlib.sha256(data).hexdigest()
 

@@ -9,8 +9,11 @@ name, type, default and help live in one place and cannot disagree.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from fp8ptq.errors import OptionError
 
 MISSING = dataclasses.MISSING
 UNSET = "<unset>"  # Cli.default when the command takes the field's own default
@@ -29,6 +32,9 @@ class Cli:
     default: Any = UNSET  # the command's own default (`...`: required) where it differs from the library's
     metavar: str | None = None
     help: str | None = None  # a negated flag's own help (what passing it does), where it reads otherwise
+    # the command-line value -> the field's, as parse(value, flag) (e.g. int_list: "1-8" -> (1, ..., 8));
+    # the option then takes the type of `default` (str when it is None) and None keeps the field's default
+    parse: Callable[[Any, str], Any] | None = None
 
 
 def documented(
@@ -70,3 +76,34 @@ def default_of(cls, name: str) -> Any:
     """The field's default (its factory's value for a mutable one)."""
     f = _field(cls, name)
     return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+
+
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    """'1-8' or '1,2,4' -> (1, ..., 8) / (1, 2, 4); OptionError naming `flag` otherwise."""
+    fix = "write e.g. 1-8 or 1,2,4"
+    try:
+        if "-" in text and "," not in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            if hi - lo > 1024:  # checked before the range is built: 1-1000000000 is a typo, not a plan
+                raise OptionError(f"{flag} '{text}' spans {hi - lo + 1} values", fix=fix)
+            values = tuple(range(lo, hi + 1))
+        else:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise OptionError(f"cannot read {flag} '{text}'", fix=fix) from None
+    if not values:
+        raise OptionError(f"{flag} '{text}' is empty", fix=fix)
+    return values
+
+
+def float_list(text: str, flag: str) -> tuple[float, ...]:
+    """'0,1' -> (0.0, 1.0); OptionError naming `flag` for an unreadable or non-finite value."""
+    fix = "write e.g. 0,1 or 0.3,0.5"
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise OptionError(f"cannot read {flag} '{text}'", fix=fix) from None
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise OptionError(f"{flag} '{text}' holds {bad[0]}", fix="write finite numbers, e.g. 0,1 or 0.3,0.5")
+    return values

@@ -18,16 +18,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 import typer
 
 from fp8ptq.cli.common import expand_home, fail
-from fp8ptq.errors import Fp8ptqError
+from fp8ptq.errors import Fp8ptqError, OptionError
 from fp8ptq.fields import MISSING, UNSET, Cli, default_of, help_of
 
 FIELDS_ATTR = "__fp8ptq_fields__"
+SPELLING_ATTR = "__fp8ptq_cli__"
+CHOICES_ATTR = "__fp8ptq_choices__"
 
 
 def _documented(cls) -> list[dataclasses.Field]:
@@ -44,6 +47,8 @@ def _optional(hint) -> tuple[Any, bool]:
 
 def _cli_type(hint, default, cli: Cli):
     """The parameter's annotation and default on the command line for a field of type `hint`."""
+    if cli.parse is not None:
+        return (Optional[str] if default is None else type(default)), default
     if cli.negated:
         return bool, False
     if cli.joined is not None:
@@ -56,15 +61,19 @@ def _cli_type(hint, default, cli: Cli):
     return (Optional[inner] if optional else inner), default
 
 
+def flag_of(name: str, cli: Cli) -> str:
+    """The option's name in messages: its first flag."""
+    return (_flags(name, cli) or ("--" + name.replace("_", "-"),))[0].split("/")[0]
+
+
 def _flags(name: str, cli: Cli) -> tuple[str, ...]:
     if cli.negated:
         return ("--no-" + name.replace("_", "-"),)
     return cli.flags
 
 
-def _parameter(cls, f: dataclasses.Field, hint) -> inspect.Parameter:
-    cli: Cli = f.metadata["cli"]
-    default = cli.default if cli.default != UNSET else default_of(cls, f.name)
+def _parameter(cls, f: dataclasses.Field, hint, cli: Cli) -> inspect.Parameter:
+    default = cli.default if cli.default != UNSET else None if cli.parse else default_of(cls, f.name)
     annotation, value = _cli_type(hint, ... if default is MISSING else default, cli)
     help = cli.help or f.metadata["help"]
     inner, _ = _optional(hint)
@@ -76,9 +85,10 @@ def _parameter(cls, f: dataclasses.Field, hint) -> inspect.Parameter:
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
 
 
-def _field_value(f: dataclasses.Field, hint, value):
+def _field_value(cls, f: dataclasses.Field, value, cli: Cli):
     """The command-line value as the field holds it."""
-    cli: Cli = f.metadata["cli"]
+    if cli.parse is not None:
+        return default_of(cls, f.name) if value is None else cli.parse(value, flag_of(f.name, cli))
     if cli.negated:
         return not value
     if cli.joined is not None:
@@ -88,6 +98,33 @@ def _field_value(f: dataclasses.Field, hint, value):
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+@dataclass(frozen=True)
+class Part:
+    """Fields of a second config a command also takes (e.g. `spec recommend`'s measuring options): the
+    body receives their values as a dict, to build that config where it needs one."""
+
+    cls: type
+    fields: tuple[str, ...]
+    cli: dict[str, Cli] = dataclasses.field(default_factory=dict)  # this command's spelling, where it differs
+
+
+class _Fields:
+    """The documented fields of one config a command takes, with this command's spelling of each."""
+
+    def __init__(self, cls, names, spelling: dict[str, Cli]):
+        hints = typing.get_type_hints(cls)
+        self.cls = cls
+        self.fields = [f for f in _documented(cls) if names is None or f.name in names]
+        if names is not None and len(self.fields) != len(names):
+            missing = set(names) - {f.name for f in self.fields}
+            raise TypeError(f"{cls.__name__} has no documented field {sorted(missing)}")
+        self.cli = {f.name: spelling.get(f.name, f.metadata["cli"]) for f in self.fields}
+        self.params = [_parameter(cls, f, hints[f.name], self.cli[f.name]) for f in self.fields]
+
+    def values(self, kwargs: dict) -> dict:
+        return {f.name: _field_value(self.cls, f, kwargs.pop(f.name), self.cli[f.name]) for f in self.fields}
 
 
 def field_option(cls, name: str, *flags: str, **overrides):
@@ -104,24 +141,106 @@ def fields_of(callback: Callable) -> dict[str, tuple[type, str]]:
     return dict(getattr(callback, FIELDS_ATTR, {}))
 
 
-def config_command(cls, *, exclude: tuple[str, ...] = ()):
-    """Decorator: `body(cfg, **own)` -> a typer callback taking cls's documented fields (minus `exclude`,
-    which the body fills with dataclasses.replace) and then the body's own parameters."""
-    hints = typing.get_type_hints(cls)
-    fields = [f for f in _documented(cls) if f.name not in exclude]
+def spelling_of(callback: Callable) -> dict[str, Cli]:
+    """{parameter: the Cli it was generated with} of a generated command's callback."""
+    return dict(getattr(callback, SPELLING_ATTR, {}))
+
+
+def config_command(
+    cls,
+    *,
+    exclude: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    cli: dict[str, Cli] | None = None,
+    part: Part | None = None,
+):
+    """Decorator: `body(cfg, **own)` -> a typer callback taking cls's documented fields (`only` those, or
+    all minus `exclude`, which the body fills with dataclasses.replace; `cli`: this command's spelling where
+    it differs from the field's), then `part`'s fields (the body is then `body(cfg, part_values, **own)`),
+    then the body's own parameters."""
+    names = only if only is not None else tuple(f.name for f in _documented(cls) if f.name not in exclude)
+    main = _Fields(cls, names, cli or {})
+    extra = _Fields(part.cls, part.fields, part.cli) if part is not None else None
+
+    def decorate(body: Callable) -> Callable:
+        own = list(inspect.signature(body).parameters.values())[1 if part is None else 2 :]
+        generated = main.params + (extra.params if extra else [])
+        clash = {p.name for p in own} & {p.name for p in generated}
+        if clash or len({p.name for p in generated}) != len(generated):
+            raise TypeError(f"{body.__name__}: {sorted(clash)} are generated from the config fields; drop them")
+        own_hints = typing.get_type_hints(body)
+        params = generated + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=own_hints[p.name]) for p in own]
+
+        def callback(**kwargs):
+            try:
+                cfg = cls(**main.values(kwargs))
+                parts = () if extra is None else (extra.values(kwargs),)
+            except Fp8ptqError as err:
+                fail(err)
+            return body(cfg, *parts, **kwargs)
+
+        callback.__name__, callback.__qualname__ = body.__name__, body.__qualname__
+        callback.__doc__, callback.__module__ = body.__doc__, body.__module__
+        callback.__signature__ = inspect.Signature(params)
+        callback.__annotations__ = {p.name: p.annotation for p in params}
+        mapping = {f.name: (cls, f.name) for f in main.fields}
+        mapping |= {f.name: (part.cls, f.name) for f in (extra.fields if extra else [])}
+        mapping |= {p.name: p.default.fp8ptq_field for p in own if hasattr(p.default, "fp8ptq_field")}
+        setattr(callback, FIELDS_ATTR, mapping)
+        setattr(callback, SPELLING_ATTR, main.cli | (extra.cli if extra else {}))
+        return callback
+
+    return decorate
+
+
+def choice_command(choices: dict[str, type], *, flag: str, default: str, help: str):
+    """Decorator for one command over several configs, chosen by `flag` (`draft-train --kind model |
+    eagle3`): `body(cfg, **own)` with cfg the chosen config. An option two configs share takes one
+    spelling; where their defaults differ it defaults to None ("the kind's") and its help states each."""
+    names = list(choices)
+    by_field: dict[str, list[tuple[type, dataclasses.Field]]] = {}
+    for cls in choices.values():
+        for f in _documented(cls):
+            by_field.setdefault(f.name, []).append((cls, f))
+    params, kind_default = [], {}
+    for name, owners in by_field.items():
+        cls, f = owners[0]
+        defaults = [default_of(c, name) for c, _ in owners]
+        if len(set(map(repr, defaults))) == 1:
+            params.append(_parameter(cls, f, typing.get_type_hints(cls)[name], f.metadata["cli"]))
+            continue
+        kind_default[name] = True
+        kinds = [k for k in names for c, _ in owners if choices[k] is c]
+        stated = "; ".join(f"{'default' if i == 0 else k} {d}" for i, (k, d) in enumerate(zip(kinds, defaults)))
+        inner, _ = _optional(typing.get_type_hints(cls)[name])
+        info = typer.Option(None, *_flags(name, f.metadata["cli"]), help=f"{f.metadata['help']} ({stated})")
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=Optional[inner]))
+    selector = inspect.Parameter(
+        flag.lstrip("-").replace("-", "_"),
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(default, flag, help=help),
+        annotation=str,
+    )
+    params.insert(2, selector)
 
     def decorate(body: Callable) -> Callable:
         own = list(inspect.signature(body).parameters.values())[1:]
-        clash = {p.name for p in own} & {f.name for f in fields}
-        if clash:
-            raise TypeError(f"{body.__name__}: {sorted(clash)} are generated from {cls.__name__}; drop them")
         own_hints = typing.get_type_hints(body)
-        params = [_parameter(cls, f, hints[f.name]) for f in fields]
-        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=own_hints[p.name]) for p in own]
+        every = params + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=own_hints[p.name]) for p in own]
 
         def callback(**kwargs):
-            values = {f.name: _field_value(f, hints[f.name], kwargs.pop(f.name)) for f in fields}
+            kind = kwargs.pop(selector.name)
+            given = {name: kwargs.pop(name) for name in by_field}
             try:
+                if kind not in choices:
+                    raise OptionError(f"unknown {flag} '{kind}'", fix=f"use {' or '.join(names)}: {help}")
+                cls = choices[kind]
+                values = {}
+                for f in _documented(cls):
+                    value = given[f.name]
+                    if f.name in kind_default and value is None:
+                        continue  # the kind's own default
+                    values[f.name] = value if f.name in kind_default else _field_value(cls, f, value, f.metadata["cli"])
                 cfg = cls(**values)
             except Fp8ptqError as err:
                 fail(err)
@@ -129,11 +248,11 @@ def config_command(cls, *, exclude: tuple[str, ...] = ()):
 
         callback.__name__, callback.__qualname__ = body.__name__, body.__qualname__
         callback.__doc__, callback.__module__ = body.__doc__, body.__module__
-        callback.__signature__ = inspect.Signature(params)
-        callback.__annotations__ = {p.name: p.annotation for p in params}
-        mapping = {f.name: (cls, f.name) for f in fields}
-        mapping |= {p.name: p.default.fp8ptq_field for p in own if hasattr(p.default, "fp8ptq_field")}
-        setattr(callback, FIELDS_ATTR, mapping)
+        callback.__signature__ = inspect.Signature(every)
+        callback.__annotations__ = {p.name: p.annotation for p in every}
+        setattr(callback, FIELDS_ATTR, {name: (owners[0][0], name) for name, owners in by_field.items()})
+        setattr(callback, SPELLING_ATTR, {name: owners[0][1].metadata["cli"] for name, owners in by_field.items()})
+        setattr(callback, CHOICES_ATTR, dict(choices))
         return callback
 
     return decorate

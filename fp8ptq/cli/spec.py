@@ -7,6 +7,7 @@ Like the rest of the CLI: each command builds one config object, calls one libra
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -26,8 +27,10 @@ from fp8ptq.cli.common import (
     user_errors,
     write_save,
 )
-from fp8ptq.cli.spec_options import measure_config
+from fp8ptq.cli.fielded import Part, config_command
 from fp8ptq.errors import Fp8ptqError
+from fp8ptq.fields import Cli
+from fp8ptq.spec.run import MeasureConfig, RecommendConfig
 
 
 def _echo_json(obj) -> None:
@@ -73,27 +76,9 @@ def _acceptance_table(measured, costs: dict | None) -> None:
 
 
 @spec_app.command("measure")
+@config_command(MeasureConfig)
 def measure_cmd(
-    target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
-    draft: str = typer.Argument(
-        ...,
-        help="draft dir (draft-train or draft-trim output, an EAGLE-3 head), ngram[:MIN-MAX] (vLLM's prompt lookup, "
-        "default sizes 2-4), suffix[:N] (vLLM's suffix decoding, N cached requests, default 10000; no draft "
-        "model) or mtp (the target's own multi-token-prediction layer)",
-    ),
-    gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
-    temperatures: str = typer.Option("0", help="0 = greedy; e.g. 0,1"),
-    prompts: Optional[str] = typer.Option(None, help="prompt file; default: built-in held-out prompts"),
-    num_prompts: int = typer.Option(8),
-    max_tokens: int = typer.Option(64, help="tokens generated per prompt (EOS ignored, like vLLM with ignore_eos)"),
-    thresholds: Optional[str] = typer.Option(
-        None, help="dynamic draft length: stop drafting below these draft max-probs, e.g. 0.3,0.5"
-    ),
-    batch_sizes: Optional[str] = typer.Option(
-        None, help="also time the costs at these decode batch sizes and write γ per batch size, e.g. 1,8,32"
-    ),
-    seed: int = typer.Option(0),
-    device: str = typer.Option("cpu"),
+    cfg: MeasureConfig,
     save: Optional[Path] = typer.Option(
         None, "--save", callback=expand_home, help="write the measurements (JSON) for `spec recommend --measured`"
     ),
@@ -111,20 +96,7 @@ def measure_cmd(
     offline()
     from fp8ptq.spec.run import measure
 
-    cfg = measure_config(
-        target=target,
-        draft=draft,
-        gammas=gammas,
-        temperatures=temperatures,
-        prompts=prompts,
-        num_prompts=num_prompts,
-        max_tokens=max_tokens,
-        thresholds=thresholds,
-        seed=seed,
-        device=device,
-        batch_sizes=batch_sizes,
-    )
-    check_save(save, (target, draft))
+    check_save(save, (cfg.target, cfg.draft))
     with user_errors(), progress_bar(not json_out) as progress:
         result = measure(cfg, progress)
     from fp8ptq.results import to_json
@@ -137,48 +109,26 @@ def measure_cmd(
 
 
 @spec_app.command("recommend")
+@config_command(
+    RecommendConfig,
+    exclude=("measure",),
+    part=Part(
+        MeasureConfig,
+        ("target", "draft", "gammas", "num_prompts", "max_tokens", "thresholds", "batch_sizes", "seed", "device"),
+        cli={
+            "target": Cli(argument=True, default=None, help="target (omit with --measured)"),
+            "draft": Cli(
+                argument=True, default=None, help="draft dir, ngram[:MIN-MAX], suffix[:N] or mtp (omit with --measured)"
+            ),
+        },
+    ),
+)
 def recommend_cmd(
-    target: Optional[str] = typer.Argument(None, help="target (omit with --measured)"),
-    draft: Optional[str] = typer.Argument(
-        None, help="draft dir, ngram[:MIN-MAX], suffix[:N] or mtp (omit with --measured)"
-    ),
-    output: Path = typer.Option(
-        ..., "--output", "-o", callback=expand_home, help="folder for speculative_config.json, sglang_flags.txt, plot"
-    ),
-    measured: Optional[Path] = typer.Option(
-        None, "--measured", help="a `spec measure --save` file instead of measuring"
-    ),
-    temperature: float = typer.Option(0.0, help="recommend for this sampling temperature"),
-    gammas: str = typer.Option("1-8"),
-    num_prompts: int = typer.Option(8),
-    max_tokens: int = typer.Option(64),
-    thresholds: Optional[str] = typer.Option(None, help="also try dynamic draft length at these thresholds"),
-    draft_path: Optional[str] = typer.Option(None, help="draft path to write into the configs (default: DRAFT)"),
-    token_map: Optional[str] = typer.Option(
-        None, help="draft-trim's token_map.pt (recorded; not written to the SGLang flags: SGLang 0.5.23 mis-indexes it)"
-    ),
-    device_memory: Optional[str] = typer.Option(None, help="add a memory plan for a device of this size, e.g. 24GiB"),
-    context: int = typer.Option(4096, help="memory plan: tokens per sequence"),
-    batch: int = typer.Option(1, help="memory plan: concurrent sequences"),
-    kv_dtype: str = typer.Option("auto", help="memory plan: KV dtype (auto: fp8 if the checkpoint has a KV scheme)"),
-    engine_check: bool = typer.Option(
-        False,
-        "--engine-check",
-        help="run the chosen config in vLLM vs plain decoding "
-        "on the same prompts: measured tokens/s and vLLM's acceptance counters",
-    ),
-    vllm_python: Optional[str] = typer.Option(
-        None, help="--engine-check: python of a venv with vLLM (default .venv-vllm)"
-    ),
+    cfg: RecommendConfig,
+    measuring: dict,
     compare_with: list[str] = typer.Option(
         [], "--compare", help="also measure this proposer (repeatable) and decide between all: `spec compare`"
     ),
-    batch_sizes: Optional[str] = typer.Option(
-        None, help="also time the costs at these decode batch sizes and write γ per batch size, e.g. 1,8,32"
-    ),
-    seed: int = typer.Option(0),
-    device: str = typer.Option("cpu"),
-    overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Choose γ maximising τ·T_t / (γ·T_d + T_v(γ+1)); write vLLM and SGLang configs and a plot.
@@ -192,62 +142,30 @@ def recommend_cmd(
       fp8ptq spec recommend out/q out/draft --batch-sizes 1,8,32 -o out/spec --device cuda
     """
     offline()
+    target, draft, output = measuring["target"], measuring["draft"], cfg.output
     if compare_with:
         from fp8ptq.cli.spec_compare import compare_and_print
 
-        if measured is not None or target is None or draft is None:
+        if cfg.measured is not None or target is None or draft is None:
             fail(
                 Fp8ptqError(
                     "--compare measures every proposer: it needs TARGET and DRAFT, not --measured",
                     fix="e.g. fp8ptq spec recommend out/q out/draft --compare ngram -o out/spec",
                 )
             )
-
-        opts = dict(gammas=gammas, temperature=temperature, num_prompts=num_prompts, max_tokens=max_tokens)
-        opts |= dict(engine_check=engine_check, vllm_python=vllm_python, seed=seed, device=device)
-        compare_and_print(target, [draft, *compare_with], output, opts, overwrite=overwrite, json_out=json_out)
+        compare_and_print(cfg, measuring, [draft, *compare_with], json_out=json_out)
         return
-    from fp8ptq.spec.run import RecommendConfig, recommend
+    from fp8ptq.spec.run import recommend
 
-    if measured is None and (target is None or draft is None):
+    if cfg.measured is None and (target is None or draft is None):
         fail(
             Fp8ptqError(
                 "spec recommend needs TARGET and DRAFT, or --measured FILE",
                 fix="e.g. fp8ptq spec recommend out/q out/draft -o out/spec",
             )
         )
-    mcfg = (
-        None
-        if measured
-        else measure_config(
-            target=target,
-            draft=draft,
-            gammas=gammas,
-            temperatures=str(temperature),
-            prompts=None,
-            num_prompts=num_prompts,
-            max_tokens=max_tokens,
-            thresholds=thresholds,
-            seed=seed,
-            device=device,
-            batch_sizes=batch_sizes,
-        )
-    )
-    cfg = RecommendConfig(
-        output=output,
-        measured=measured,
-        measure=mcfg,
-        temperature=temperature,
-        draft_for_engine=draft_path,
-        token_map=token_map,
-        device_memory=device_memory,
-        context=context,
-        batch=batch,
-        kv_dtype=kv_dtype,
-        overwrite=overwrite,
-        engine_check=engine_check,
-        vllm_python=vllm_python,
-    )
+    if cfg.measured is None:
+        cfg = replace(cfg, measure=MeasureConfig(**measuring, temperatures=(cfg.temperature,)))
     with user_errors(output), progress_bar(not json_out) as progress:
         rec = recommend(cfg, progress)
     if json_out:
@@ -255,7 +173,7 @@ def recommend_cmd(
 
         _echo_json(to_json(rec))
         return
-    table = Table("γ", "τ", "α", "predicted speedup", title=f"recommendation (T = {temperature})")
+    table = Table("γ", "τ", "α", "predicted speedup", title=f"recommendation (T = {cfg.temperature})")
     for row in rec.table:
         table.add_row(
             str(row["gamma"]),

@@ -9,34 +9,36 @@ import typer
 from rich.table import Table
 
 from fp8ptq.cli.app import spec_app
-from fp8ptq.cli.common import console, expand_home, offline, out, progress_bar, user_errors
-from fp8ptq.cli.spec_options import measure_config
+from fp8ptq.cli.common import console, offline, out, progress_bar, user_errors
+from fp8ptq.cli.fielded import Part, config_command
+from fp8ptq.fields import Cli
+from fp8ptq.spec.run import MeasureConfig, RecommendConfig
+
+# The measuring options `spec compare` (and `spec recommend --compare`) applies to every proposer alike
+COMPARED = ("target", "gammas", "num_prompts", "max_tokens", "seed", "device")
 
 
 @spec_app.command("compare")
+@config_command(
+    RecommendConfig,
+    only=("output", "temperature", "overwrite", "engine_check", "vllm_python"),
+    cli={
+        "output": Cli(
+            flags=("--output", "-o"), help="folder: comparison.json, the winner's configs, one folder per proposer"
+        ),
+        "temperature": Cli(help="measure and recommend at this sampling temperature"),
+        "engine_check": Cli(
+            flags=("--engine-check",), help="run every proposer's config in vLLM: decide on measured tokens/s"
+        ),
+    },
+    part=Part(MeasureConfig, COMPARED),
+)
 def compare_cmd(
-    target: str = typer.Argument(..., help="target (quantized checkpoint: measured under simulated engine numerics)"),
+    cfg: RecommendConfig,
+    measuring: dict,
     drafts: list[str] = typer.Argument(
         ..., help="two or more: draft dirs, EAGLE-3 heads, ngram[:MIN-MAX], suffix[:N], mtp"
     ),
-    output: Path = typer.Option(
-        ...,
-        "--output",
-        "-o",
-        callback=expand_home,
-        help="folder: comparison.json, the winner's configs, one folder per proposer",
-    ),
-    gammas: str = typer.Option("1-8", help="γ values: 1-8 or 1,2,4"),
-    temperature: float = typer.Option(0.0, help="measure and recommend at this sampling temperature"),
-    num_prompts: int = typer.Option(8),
-    max_tokens: int = typer.Option(64),
-    engine_check: bool = typer.Option(
-        False, "--engine-check", help="run every proposer's config in vLLM: decide on measured tokens/s"
-    ),
-    vllm_python: str = typer.Option(None, help="--engine-check: python of a venv with vLLM (default .venv-vllm)"),
-    seed: int = typer.Option(0),
-    device: str = typer.Option("cpu"),
-    overwrite: bool = typer.Option(False),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Measure every DRAFT on the same target and prompts, recommend each (its γ and configs), and decide
@@ -49,46 +51,36 @@ def compare_cmd(
       fp8ptq spec compare out/q out/eagle3 suffix -o out/spec-compare --engine-check
     """
     offline()
-    opts = dict(gammas=gammas, temperature=temperature, num_prompts=num_prompts, max_tokens=max_tokens)
-    opts |= dict(engine_check=engine_check, vllm_python=vllm_python, seed=seed, device=device)
-    compare_and_print(target, list(drafts), output, opts, overwrite=overwrite, json_out=json_out)
+    compare_and_print(cfg, measuring, list(drafts), json_out=json_out)
 
 
-def compare_and_print(target: str, drafts: list[str], output: Path, opts: dict, *, overwrite: bool, json_out: bool):
-    """Run spec.compare with `spec recommend`'s measuring options (opts) and print its table and decision
-    (also `spec recommend TARGET DRAFT --compare DRAFT2 ...`)."""
+def compare_and_print(cfg: RecommendConfig, measuring: dict, drafts: list[str], *, json_out: bool):
+    """Run spec.compare on measuring["target"] with the COMPARED options in `measuring` and cfg's output,
+    temperature and engine check, and print its table and decision (also `spec recommend TARGET DRAFT
+    --compare DRAFT2 ...`)."""
     from fp8ptq.spec.compare import compare
-    from fp8ptq.spec.run import RecommendConfig
+
+    target, output = measuring["target"], cfg.output
+    shared = {k: measuring[k] for k in COMPARED}
 
     def recommend_config(draft: str, folder: Path) -> RecommendConfig:
-        m = measure_config(
-            target=target,
-            draft=draft,
-            gammas=opts["gammas"],
-            temperatures=str(opts["temperature"]),
-            prompts=None,
-            num_prompts=opts["num_prompts"],
-            max_tokens=opts["max_tokens"],
-            thresholds=None,
-            seed=opts["seed"],
-            device=opts["device"],
-        )
+        m = MeasureConfig(**shared, draft=draft, temperatures=(cfg.temperature,))
         return RecommendConfig(
             output=folder,
             measure=m,
-            temperature=opts["temperature"],
-            engine_check=opts["engine_check"],
-            vllm_python=opts["vllm_python"],
+            temperature=cfg.temperature,
+            engine_check=cfg.engine_check,
+            vllm_python=cfg.vllm_python,
         )
 
     with user_errors(output), progress_bar(not json_out) as progress:
-        report = compare(target, drafts, output, recommend_config, overwrite=overwrite, progress=progress)
+        report = compare(target, drafts, output, recommend_config, overwrite=cfg.overwrite, progress=progress)
     if json_out:
         from fp8ptq.results import to_json
 
         typer.echo(json.dumps(to_json(report), indent=2))
         return
-    temperature = opts["temperature"]
+    temperature = cfg.temperature
     table = Table("draft", "method", "γ", "τ", "α", "c", "predicted", "vLLM", title=f"proposers (T = {temperature})")
     for r in report.proposers:
         v = "—" if r["vllm_speedup"] is None else f"{r['vllm_speedup']:.2f}×"

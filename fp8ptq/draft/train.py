@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from fp8ptq.draft.config import DraftTrainConfig
 from fp8ptq.draft.loop import TrainRun, TrainSummary, fit, load_checkpoint, locked_output, trainable
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.models import DRAFT_META, LoadedModel, load_target
@@ -40,31 +41,6 @@ from fp8ptq.spec.prompts import encode_prompts, load_prompts
 
 # Not *.safetensors: engines (vLLM) load every *.safetensors file in a model dir as weights.
 DATA_FILE = "fp8ptq_draft_data.st"
-
-
-@dataclass(frozen=True)
-class DraftTrainConfig:
-    target: str
-    output: Path
-    layers: int = 2
-    prompts: str | None = None  # None: built-in (calibration split)
-    text_field: str = "text"
-    num_prompts: int = 192
-    gen_tokens: int = 128
-    gen_batch_size: int = 16
-    max_prompt_tokens: int = 256
-    topk: int = 32
-    batch_size: int = 8
-    lr: float = 2e-4
-    warmup_steps: int = 10
-    max_steps: int = 400
-    time_budget_s: float | None = 900.0  # wall-clock budget for the training loop (None = steps only)
-    checkpoint_every: int = 50
-    resume: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    keep_work: bool = False
-    device: str = "cpu"
 
 
 @dataclass(frozen=True)

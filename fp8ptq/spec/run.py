@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from fp8ptq.errors import check_option
 from fp8ptq.results import to_json
 from fp8ptq.spec import SpecError
 from fp8ptq.spec.acceptance import Measurement, read_measurement
+from fp8ptq.spec.config import MeasureConfig, RecommendConfig
 from fp8ptq.spec.recommend import (
     MAX_GAMMA,
     OUTPUT_FILES,
@@ -37,27 +38,6 @@ from fp8ptq.spec.recommend import (
 from fp8ptq.spec.schedule import parse_batch_sizes, per_batch, vllm_ranges
 
 MEASURE_FILE = "measure.json"
-
-
-@dataclass(frozen=True)
-class MeasureConfig:
-    target: str
-    draft: str
-    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
-    temperatures: tuple[float, ...] = (0.0,)
-    prompts: str | None = None  # None: built-in evaluation split (held out from draft-train's prompts)
-    text_field: str = "text"
-    num_prompts: int = 8
-    max_tokens: int = 64
-    max_prompt_tokens: int = 256
-    thresholds: tuple[float, ...] = ()
-    seed: int = 0
-    cost_repeats: int = 7
-    device: str = "cpu"
-    prompt_ids: tuple[tuple[int, ...], ...] | None = (
-        None  # exact token ids (overrides prompts), e.g. to match a vLLM run
-    )
-    batch_sizes: tuple[int, ...] = ()  # also time the costs at these decode batch sizes (schedule.py)
 
 
 def load_any_draft(draft: str, target, device: str = "cpu"):
@@ -123,24 +103,6 @@ def measure(cfg: MeasureConfig, progress=None) -> Measurement:
         timings={"load_s": load_s, "total_s": time.perf_counter() - t0},
         costs_by_batch={k: c.as_dict() for k, c in by_batch.items()},
     )
-
-
-@dataclass(frozen=True)
-class RecommendConfig:
-    output: Path
-    measured: Path | None = None  # a measure JSON (fp8ptq spec measure --save); else measure now
-    measure: MeasureConfig | None = None
-    temperature: float = 0.0  # which measured temperature to recommend for
-    draft_for_engine: str | None = None  # path written into the configs (default: the measured draft)
-    token_map: str | None = None  # SGLang --speculative-token-map (a draft-trim output)
-    device_memory: str | None = None  # e.g. 24GiB: add the memory plan
-    context: int = 4096
-    batch: int = 1
-    kv_dtype: str = "auto"
-    overwrite: bool = False
-    costs: dict | None = None  # override the measured costs (e.g. from vLLM), Costs.as_dict() form
-    engine_check: bool = False  # run the chosen config in vLLM vs plain decoding (needs the vLLM venv)
-    vllm_python: str | None = None  # that venv's python (default: $FP8PTQ_VLLM_PYTHON or .venv-vllm)
 
 
 def check_engine_ready(draft: str, python: str | None = None) -> None:
