@@ -192,8 +192,9 @@ class Calibration(_Frozen):
     """How scales are chosen. Only used when the scheme needs data (static activations, KV, GPTQ)."""
 
     observer: Literal["minmax", "mse"] = "minmax"  # static activation scales
-    # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error)
-    kv_observer: Literal["minmax", "mse"] = "minmax"
+    # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error;
+    # constant: 1.0 whatever the data, as vLLM serves a checkpoint without KV scales)
+    kv_observer: Literal["minmax", "mse", "constant"] = "minmax"
     # weight scales (mse: per-group / per-block clip search; integer, FP4 and FP8 block weights)
     # hessian_mse: with GPTQ's static groups (act-order) on integer, NVFP4 and MXFP4 grids, the search's
     # error weighted per input column by the Hessian diagonal (the output error each column's rounding

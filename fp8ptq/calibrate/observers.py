@@ -3,9 +3,11 @@
 An observer reads an `ActStats` (outliers/stats.py, the one statistics code path) and a grid (FP8 or
 INT8: its max code and its fake-quant function), and returns the scale (x ~= q * scale).
 
-minmax: scale = amax / qmax (nothing clipped).
-mse:    adaptive search over clip ratios r in [0.5, 1]: scale = r * amax / qmax minimising the
-        reconstruction MSE ||fq(x) - x||^2 on the statistics' row subsample.
+minmax:   scale = amax / qmax (nothing clipped).
+mse:      adaptive search over clip ratios r in [0.5, 1]: scale = r * amax / qmax minimising the
+          reconstruction MSE ||fq(x) - x||^2 on the statistics' row subsample.
+constant: scale = 1.0 whatever the data (KV caches only): what vLLM uses for a checkpoint that carries
+          no KV scales and what ModelOpt writes by default; the statistics still report amax.
 """
 
 from __future__ import annotations
@@ -60,3 +62,9 @@ def mse(stats: ActStats, grid: Grid, ratios: torch.Tensor | None = None) -> Scal
         if err < best_err:
             best, best_err = r, err
     return ScaleChoice(grid.scale(amax * best), amax, best)
+
+
+@observer("constant")
+def constant(stats: ActStats, grid: Grid) -> ScaleChoice:
+    amax = stats.amax
+    return ScaleChoice(torch.ones(1, dtype=torch.float32), amax, grid.qmax / amax if amax > 0 else 1.0)

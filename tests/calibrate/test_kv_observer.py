@@ -48,3 +48,19 @@ def test_kv_observer_rejects_unknown(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError, match="kv_observer"):
         load_recipe(str(path))
+
+
+def test_kv_observer_constant_writes_unit_scales_and_simulates_them(tmp_path, tiny_dir):
+    """`constant`: k_scale = v_scale = 1.0 in every layer (what vLLM uses without KV scales), the data's
+    amax still reported; the quality check runs the KV quantizer at that scale, so the simulated KL differs
+    from the calibrated run's."""
+    runs = {}
+    for name, cal in (("constant", {"kv_observer": "constant"}), ("minmax", {})):
+        cfg = dict(model=str(tiny_dir), recipe=_recipe(tmp_path, **cal), output=tmp_path / name)
+        runs[name] = quantize(QuantizeConfig(**cfg, num_samples=4, seq_len=64, eval_samples=2))
+    tensors = read_tensors(tmp_path / "constant")
+    scales = [t.float() for k, t in tensors.items() if k.endswith(("k_scale", "v_scale"))]
+    assert scales and all(torch.equal(t, torch.ones_like(t)) for t in scales)
+    amax = [layer["kv"]["k_amax"] for layer in runs["constant"].layers if "kv" in layer]
+    assert amax and all(a > 0 for a in amax)
+    assert runs["constant"].quality.kl != runs["minmax"].quality.kl
