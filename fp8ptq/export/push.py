@@ -16,6 +16,8 @@ from fp8ptq.errors import OptionError, OutputError
 from fp8ptq.export.card import CARD
 from fp8ptq.manifest import MANIFEST
 
+RECORDS = (MANIFEST, "model_free.json")  # what `quantize` and `model-free` write beside the card
+
 
 @dataclass(frozen=True)
 class PushPlan:
@@ -42,9 +44,10 @@ def plan_push(folder: Path, repo_id: str, private: bool = False) -> PushPlan:
         first = str(err).strip().splitlines()[0]
         raise OptionError(f"'{repo_id}' is not a Hub repository id ({first})", fix="use NAME or ORG/NAME") from None
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file() or not (folder / CARD).is_file():
+    record = any((folder / name).is_file() for name in RECORDS)
+    if not record or not (folder / CARD).is_file():
         raise OutputError(
-            f"'{folder}' is not a finished fp8ptq export (no {MANIFEST} or {CARD})",
+            f"'{folder}' is not a finished fp8ptq export (no {' / '.join(RECORDS)}, or no {CARD})",
             fix="push the folder `fp8ptq quantize -o` wrote (`fp8ptq report OUT` writes a missing card)",
         )
     files, skipped = [], []

@@ -238,3 +238,5 @@ def test_a_model_free_export_is_a_model_repository(tiny_dir, tmp_path):
         assert f"| {why} | {len(names)} |" in card.text
     assert f"vllm serve {tmp_path / 'mf'}" in card.text
     assert f"python -m sglang.launch_server --model-path {tmp_path / 'mf'}" in card.text
+    rc, output = run_cli("push", tmp_path / "mf", "me/tiny-fp8", "--dry-run")  # it uploads as a repository
+    assert rc == 0 and "README.md" in output and "model_free.json" in output, output
