@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from fp8ptq.manifest import Manifest
 
 # torch, transformers and compressed-tensors (seconds to import) are imported by the entry points that
-# use them, not by `import fp8ptq.api`: the configs are plain dataclasses (issue 19: start-up).
+# use them, not by `import fp8ptq.api`: the configs are plain dataclasses, so start-up stays fast.
 
 __all__ = ["QuantizeConfig", "EvalConfig", "AnalyzeConfig", "VerifyConfig", "ConvertConfig", "InspectConfig"]
 __all__ += ["ConversionReport"]

@@ -1,4 +1,4 @@
-"""Typed results and the JSON they become (issue 34 item 4).
+"""Typed results and the JSON they become.
 
 A library entry point returns a frozen dataclass (or a pydantic model); the CLI renders its
 attributes and `--json` prints `to_json(result)`: the fields, after two keys that say what the

@@ -8,7 +8,8 @@
 - no module imports another module's private (`_name`) functions: what is shared is public;
 - no compressed-tensors format name outside ops/ and quantization/schemes/: its scheme handler says what it means;
 - one speculative loop verifies drafts (spec/measure.py), whatever the proposer;
-- no command lists an option as a parameter and again to build its config (cli/fielded.py generates them).
+- no command lists an option as a parameter and again to build its config (cli/fielded.py generates them);
+- no issue or stop numbers in the sources and recipes (they belong in BENCHMARKS.md and the notebook).
 """
 
 from __future__ import annotations
@@ -391,3 +392,25 @@ def test_every_option_comes_from_one_field_or_belongs_to_its_command():
             for cls, field in mapping.values():
                 assert field in cls.__dataclass_fields__, (name, field)
     assert generated >= 14  # quantize, model-free, convert, inspect, analyze, verify, draft-*, eval x3, spec x3
+
+
+NOTEBOOK_IDS = re.compile(r"\b(issues?|stops?) #?\d+|\bseed article", re.IGNORECASE)
+
+
+def notebook_identifiers(root: Path) -> list[str]:
+    """Issue and stop numbers in the sources and recipes under root (a copy of the fp8ptq package): code
+    states its constraint and reason; where a number came from belongs in BENCHMARKS.md or the notebook."""
+    bad = []
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.yaml")]):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if NOTEBOOK_IDS.search(line):
+                bad.append(f"{f.relative_to(root.parent)}:{i}")
+    return bad
+
+
+def test_no_issue_or_stop_numbers_in_the_code(tmp_path):
+    assert notebook_identifiers(PACKAGE) == []
+    (tmp_path / "fp8ptq").mkdir()
+    (tmp_path / "fp8ptq" / "m.py").write_text('"""Faster GEMMs (issue 35)."""\n# fine: vLLM #40177\n')
+    (tmp_path / "fp8ptq" / "r.yaml").write_text("# since stop 56\nname: r\n")
+    assert notebook_identifiers(tmp_path / "fp8ptq") == ["fp8ptq/m.py:1", "fp8ptq/r.yaml:1"]

@@ -37,7 +37,7 @@ def quantize_kv(cal, block: Block) -> None:
         attn.__dict__.pop("fp8ptq_kv_hook", None)
     kv = cal.recipe.scheme.kv_cache
     grid = handler(kv).act_grid(kv)
-    # default minmax: clipping hurts FP8's flat relative error (BENCHMARKS.md, issues 2 and 21)
+    # default minmax: clipping hurts FP8's flat relative error (BENCHMARKS.md, FP8 KV observers)
     reduced = {key: stats[key].reduce(cal.state.comm) for key in ("k", "v")}
     kc, vc = (OBSERVERS[kv_observer](reduced[key], grid) for key in ("k", "v"))
     prefix = cal.plan.prefix + cal.attn_name

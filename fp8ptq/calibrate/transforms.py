@@ -68,7 +68,7 @@ def smooth_layer(layer, prefix: str, stats: dict, recipe, src: ModelSource, resu
     modules = dict(layer.named_modules())
     # Candidates are scored with the recipe's own weight rounding. Where that is a scale search (NVFP4's
     # costs ~25x min-max rounding), every candidate is screened with min-max weights and only the best
-    # RESCORE (outliers/smooth.py) are scored with the search (BENCHMARKS.md, issue 17 part 5).
+    # RESCORE (outliers/smooth.py) are scored with the search (BENCHMARKS.md, NVFP4 smoothing search).
     wq = lambda w: fake_quant_weight(w, recipe.scheme.weights, recipe.calibration)  # noqa: E731
     screen = None
     if recipe.calibration.weight_observer != "minmax":

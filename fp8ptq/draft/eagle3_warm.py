@@ -1,7 +1,7 @@
 """Linear warm start of an EAGLE-3 head, fitted in closed form on the captured hidden states.
 
 A head trained from random weights spends its first hundreds of steps finding the target's output space;
-on a 2-core CPU that is most of the budget (BENCHMARKS.md, issue 20). Here the head starts as the best
+on a 2-core CPU that is most of the budget (BENCHMARKS.md, EAGLE-3 training). Here the head starts as the best
 linear predictor of what the target's LM head will read one position later:
 
     final_{i+1}  ≈  W · fc_input(aux_i)  +  B · n(embed(token_{i+1}))        (ridge regression)

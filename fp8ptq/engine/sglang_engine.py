@@ -1,4 +1,4 @@
-"""SGLang's own code over what fp8ptq writes for it (issue 38): its server argument parser over every set of
+"""SGLang's own code over what fp8ptq writes for it: its server argument parser over every set of
 flags `spec recommend` emits, its models' EAGLE-3 capture rule over the layer ids a head declares, and its
 compressed-tensors config classes over a checkpoint's quantization_config (`inspect --engine sglang`: the
 scheme SGLang picks per GPU generation, or its refusal).

@@ -1,4 +1,4 @@
-"""The next decoder layer read while this one calibrates (issue 35: I/O off the critical path).
+"""The next decoder layer read while this one calibrates: I/O off the critical path.
 
 On a GPU the sequential pipeline would otherwise stop between layers to read the next layer's shards,
 check them on the host and send them by a blocking pageable copy. A reader thread copies layer i+1's

@@ -1,4 +1,4 @@
-"""GPTQ's intra-block column recurrence as one Triton kernel per block (issue 35).
+"""GPTQ's intra-block column recurrence as one Triton kernel per block.
 
 The eager solver (`ops.gptq._solve`) runs one Python iteration per input column: ~10 tiny kernel
 launches per column on a GPU, ~300k per 8B-width layer, the device idle most of the time. Here one

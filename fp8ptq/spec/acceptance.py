@@ -60,8 +60,8 @@ def paired_tau_difference(a: RunSummary, b: RunSummary, resamples: int = 2000) -
         raise SpecError(
             f"a paired comparison needs the same prompts, ≥ 2, with per-prompt counts (got {len(a.per_prompt)} "
             f"and {len(b.per_prompt)})",
-            fix="measure both with the same --prompts/--num-prompts/--max-tokens by this fp8ptq (measure.json "
-            "keeps per-prompt counts since stop 56)",
+            fix="measure both with the same --prompts/--num-prompts/--max-tokens with this fp8ptq (older "
+            "measure.json files lack per-prompt counts)",
         )
     taus = bootstrap_taus([a.per_prompt, b.per_prompt], resamples)
     return float(b.tau - a.tau), float((taus[1] - taus[0]).std())
