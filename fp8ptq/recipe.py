@@ -21,7 +21,7 @@ from pydantic import (
 from fp8ptq.errors import RecipeError
 from fp8ptq.io import load_yaml
 from fp8ptq.quantization.plan import check_pattern
-from fp8ptq.quantization.schemes import calibrated_inputs, handler
+from fp8ptq.quantization.schemes import LinearScheme, calibrated_inputs, handler
 from fp8ptq.quantization.schemes.pairing import check_linear_scheme
 
 BUILTIN_DIR = Path(__file__).parent / "recipes"
@@ -261,6 +261,15 @@ class Recipe(_Frozen):
             except RecipeError as err:
                 raise ValueError(str(err)) from None
         return gates
+
+    def linear_scheme(self) -> LinearScheme:
+        """The scheme of every quantized Linear (a mixed recipe's high-bit one)."""
+        return LinearScheme(self.scheme.weights, self.scheme.input_activations)
+
+    def low_scheme(self) -> LinearScheme | None:
+        """A mixed recipe's low-bit scheme (for the Linears its plan moves down); None otherwise."""
+        m = self.mixed
+        return None if m is None else LinearScheme(m.weights, m.input_activations)
 
     @model_validator(mode="after")
     def _check_combination(self):

@@ -34,9 +34,6 @@ class MixedPlan:
     low_scheme: LinearScheme
     report: dict
 
-    def scheme_for(self, full_name: str) -> LinearScheme:
-        return self.low_scheme if full_name in self.low else self.high_scheme
-
 
 def _group_error(weights: list[torch.Tensor], H: torch.Tensor, args, cal) -> float:
     total = 0.0
@@ -151,7 +148,7 @@ def plan_mixed(
     }
     return MixedPlan(
         frozenset(low),
-        LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations),
-        LinearScheme(m.weights, m.input_activations),
+        recipe.linear_scheme(),
+        recipe.low_scheme(),
         report,
     )

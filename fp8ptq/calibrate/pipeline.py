@@ -324,7 +324,7 @@ def calibrate(
         raise
     arch = state.arch
     layers = arch.decoder_layers(model)
-    default = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+    default = recipe.linear_scheme()
     # where it runs, on the bar from the start (--device auto), and in what, unless plain fp32
     stage = f"calibrate ({state.device}" + ("" if state.compute == "fp32" else f", {state.compute}") + ")"
     if progress:

@@ -88,7 +88,7 @@ def _decide_layer(g: GgufModel, index: int, types: dict[str, str], recipe: Recip
         mixed = "" if len(set(kinds)) == 1 else f"fused with shards of types {kinds}"
         quantized = any(k not in FLOAT_TYPES for k in kinds)
         if quantized and recipe is not None and all(n in targeted for n in group):
-            scheme = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
+            scheme = recipe.linear_scheme()
             out.update({n: Decision("requantized", scheme, mixed) for n in names})
         else:
             why = mixed or ("no --recipe" if recipe is None else "not targeted by the recipe")

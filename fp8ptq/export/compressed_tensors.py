@@ -57,8 +57,7 @@ def quantization_config(
     never-quantized patterns (MoE routers), added to `ignore`: engines build routers as Linears (vLLM's
     ReplicatedLinear gate) and would otherwise expect quantized tensors for them."""
     if groups is None:
-        s = recipe.scheme
-        groups = [(LinearScheme(s.weights, s.input_activations), list(s.targets))]
+        groups = [(recipe.linear_scheme(), list(recipe.scheme.targets))]
     formats = {export_format(sch.weights, sch.input_activations) for sch, _ in groups}
     mixed = len(formats) > 1
     explicit = mixed or any(_inferred_differs(sch) for sch, _ in groups)

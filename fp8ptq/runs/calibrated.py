@@ -17,7 +17,6 @@ from fp8ptq.calibrate.transforms import make_transforms
 from fp8ptq.dist import ChunkPlan
 from fp8ptq.errors import Fp8ptqError
 from fp8ptq.quantization.results import LayerResult
-from fp8ptq.quantization.schemes import LinearScheme
 from fp8ptq.runs.context import RunContext
 
 RESUME_DIR = "resume"
@@ -130,8 +129,7 @@ def _mixed_schemes(ctx: RunContext, setup: CalibrationSetup):
     if recipe.mixed is None:
         return None
     low = _mixed_low(ctx, setup)
-    high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
-    low_scheme = LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations)
+    high, low_scheme = recipe.linear_scheme(), recipe.low_scheme()
     return lambda i, plan: {g: low_scheme if plan.prefix + g[0] in low else high for g in plan.groups}
 
 

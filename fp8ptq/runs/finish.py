@@ -172,14 +172,12 @@ def _export_groups(recipe, layers: list[dict], state: dict):
     if recipe.mixed is None:
         if head is None:
             return None
-        s = recipe.scheme
-        return [(LinearScheme(s.weights, s.input_activations), list(s.targets)), (head, ["lm_head"])]
+        return [(recipe.linear_scheme(), list(recipe.scheme.targets)), (head, ["lm_head"])]
     low = set(state["mixed"]["low"])
     names = sorted(n for layer in layers for n in layer["quantized"])
-    high = LinearScheme(recipe.scheme.weights, recipe.scheme.input_activations)
-    groups = [(high, [n for n in names if n not in low])]
+    groups = [(recipe.linear_scheme(), [n for n in names if n not in low])]
     if low:
-        groups.append((LinearScheme(recipe.mixed.weights, recipe.mixed.input_activations), sorted(low)))
+        groups.append((recipe.low_scheme(), sorted(low)))
     return [g for g in groups if g[1]] + ([(head, ["lm_head"])] if head is not None else [])
 
 
