@@ -90,12 +90,6 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of `permute_qk` (transformers' `LlamaTensorProcessor._reverse_permute_weights`)."""
-    shape = w.shape
-    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
 def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0 rows (22 bytes per 32: d fp16, 4 bytes of fifth bits, 16 bytes of nibbles; value = d * (q - 16))
     -> (codes int8 in [-16, 15] [rows, in], scale fp32 [rows, in/32]): an INT8 group-32 grid, exactly."""

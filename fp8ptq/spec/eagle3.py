@@ -178,13 +178,6 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]
 
-    def target_to_draft(self) -> torch.Tensor:
-        """[V] long: the draft row of each target id, -1 where the target id is not kept."""
-        out = torch.full((self.s.vocab,), -1, dtype=torch.long, device=self.d2t.device)
-        rows = torch.arange(self.s.draft_vocab, device=self.d2t.device)
-        out[self.draft_to_target(rows)] = rows
-        return out
-
     def set_vocab(self, kept: torch.Tensor) -> None:
         """kept: the target ids of the lm_head rows, ascending (the d2t / t2d convention)."""
         kept = kept.long().to(self.d2t.device)
