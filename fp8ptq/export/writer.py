@@ -212,3 +212,44 @@ class CheckpointWriter:
         for p in (self.dir / LAYERS).glob("*"):
             p.unlink()
         (self.dir / LAYERS).rmdir()
+
+
+class BackgroundWrites:
+    """Layer i serialised and fsynced by one writer thread while layer i+1 is computed. A layer counts as
+    done (`on_done(i)`) only once it is on disk; a write's error is raised in the caller's thread, at the
+    next `submit` or `settle`. `writer` None: a rank that writes nothing (its layers are done at once)."""
+
+    def __init__(self, writer: CheckpointWriter | None, on_done):
+        self.writer, self.on_done = writer, on_done
+        self.pending: tuple[int, object] | None = None
+        self.pool = None
+
+    def __enter__(self) -> BackgroundWrites:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8ptq-writer")
+        return self
+
+    def submit(self, res: LayerResult) -> None:
+        """Start writing `res`, then settle the layer before it."""
+        w = self.writer
+        write = None if w is None else self.pool.submit(w.write_layer, *w.layer_payload(res))
+        self.settle()
+        self.pending = (res.index, write)
+
+    def settle(self) -> None:
+        """Wait for the layer being written and record it as done."""
+        if self.pending is None:
+            return
+        i, write = self.pending
+        self.pending = None
+        if write is not None:
+            write.result()
+        self.on_done(i)
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        try:
+            if exc_type is None:
+                self.settle()
+        finally:
+            self.pool.shutdown(wait=True)

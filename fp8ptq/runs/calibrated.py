@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from fp8ptq.calibrate.state import CalibrationSetup, RunState
 from fp8ptq.calibrate.transforms import make_transforms
 from fp8ptq.dist import ChunkPlan
 from fp8ptq.errors import Fp8ptqError
+from fp8ptq.export.writer import BackgroundWrites
 from fp8ptq.quantization.results import LayerResult
 from fp8ptq.runs.context import RunContext
 
@@ -67,22 +67,14 @@ def calibrate_into(ctx: RunContext) -> None:
     last = {"t": time.monotonic(), "cost": None}
     # Layer i is compressed here, then serialised and fsynced by a writer thread while layer i+1 calibrates
     # (as on the data-free path); the run state records a layer as done only once it is on disk.
-    pending: dict = {}  # the layer being written: {"index", "write"}
 
-    def settle() -> None:
-        """Wait for the layer in the writer thread (its error is raised here) and record it as done."""
-        if pending:
-            i, write = pending.pop("index"), pending.pop("write")
-            if write is not None:  # None: a rank that writes nothing
-                write.result()
-            if ctx.run is not None:
-                ctx.run.save_state(layers_done=i + 1)
+    def done(i: int) -> None:
+        if ctx.run is not None:
+            ctx.run.save_state(layers_done=i + 1)
 
     def on_layer(res: LayerResult, st: RunState) -> None:
         i = res.index
-        write = None if ctx.writer is None else pool.submit(ctx.writer.write_layer, *ctx.writer.layer_payload(res))
-        settle()
-        pending.update(index=i, write=write)
+        writes.submit(res)
         if last["cost"] is None:
             last["cost"] = st.store.nbytes / CHECKPOINT_BYTES_PER_S
         since = time.monotonic() - last["t"]
@@ -96,7 +88,7 @@ def calibrate_into(ctx: RunContext) -> None:
             last["t"], last["cost"] = time.monotonic(), time.monotonic() - t0
         comm.barrier()
         if due or final:  # a checkpoint names this layer as done: it must be on disk first
-            settle()
+            writes.settle()
             if ctx.run is not None:
                 ctx.run.save_state(checkpoint=i + 1)
         if due:  # the state names the new checkpoint on every rank's behalf: the older files can go
@@ -106,7 +98,7 @@ def calibrate_into(ctx: RunContext) -> None:
                 if old != keep:
                     old.unlink(missing_ok=True)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8ptq-writer") as pool:
+    with BackgroundWrites(ctx.writer, done) as writes:
         calibrate(
             src,
             ctx.recipe,
@@ -117,7 +109,6 @@ def calibrate_into(ctx: RunContext) -> None:
             comm=comm,
             hooks=LayerHooks(transforms=make_transforms(ctx.recipe, src), schemes=_mixed_schemes(ctx, setup)),
         )
-        settle()
     comm.barrier()
     if ctx.run is not None:
         shutil.rmtree(resume_dir, ignore_errors=True)

@@ -6,10 +6,9 @@ as the general fp32 fake-quant path that other schemes take."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
+from fp8ptq.export.writer import BackgroundWrites
 from fp8ptq.models.loader import check_finite
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.quantization.plan import plan_layer
@@ -23,23 +22,15 @@ def data_free_into(ctx: RunContext) -> None:
     """Quantize every layer from ctx.start_layer on into ctx's run directory (rank 0 only)."""
     src, writer = ctx.src, ctx.writer
     layers = src.arch.decoder_layers(build_skeleton(src.config))
-    with ThreadPoolExecutor(max_workers=1) as pool:  # layer i is written (and fsynced) while i+1 is quantized
-        pending = None
+
+    def done(i: int) -> None:
+        ctx.run.save_state(layers_done=i + 1, checkpoint=i + 1)
+        if ctx.progress:
+            ctx.progress("quantize", i + 1, len(layers))
+
+    with BackgroundWrites(writer, done) as writes:  # layer i is written (and fsynced) while i+1 is quantized
         for res in _layers(ctx, layers):
-            write = pool.submit(writer.write_layer, *writer.layer_payload(res))
-            if pending is not None:
-                _finish_layer(ctx, pending, len(layers))
-            pending = (res.index, write)
-        if pending is not None:
-            _finish_layer(ctx, pending, len(layers))
-
-
-def _finish_layer(ctx: RunContext, pending, total: int) -> None:
-    i, write = pending
-    write.result()  # the layer is on disk (or its error is raised here)
-    ctx.run.save_state(layers_done=i + 1, checkpoint=i + 1)
-    if ctx.progress:
-        ctx.progress("quantize", i + 1, total)
+            writes.submit(res)
 
 
 def _layers(ctx: RunContext, layers):
