@@ -26,6 +26,8 @@ def front_matter(text: str) -> dict:
     """The metadata of a model card as huggingface_hub reads it ({} when it has none or it does not parse)."""
     from huggingface_hub import ModelCard
 
+    if not text.lstrip().startswith("---"):  # no front matter (huggingface_hub would log that it found none)
+        return {}
     try:
         return ModelCard(text, ignore_metadata_errors=True).data.to_dict()
     except Exception:  # noqa: BLE001 - a source card's YAML may be anything; its licence is then unknown
