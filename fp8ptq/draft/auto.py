@@ -102,7 +102,10 @@ def build_draft_bundle(
         meta = eagle3_train(Eagle3TrainConfig(**common, **vocab), progress)
     else:
         meta = draft_train(DraftTrainConfig(**common, layers=cfg.layers), progress)
+    from fp8ptq.spec.proposers import DraftModelProposer, Eagle3Proposer
+
     eagle3 = kind == "eagle3"
+    proposer = Eagle3Proposer if eagle3 else DraftModelProposer  # "draft" is relative to the bundle: unread
     timings = {"draft_train_s": time.perf_counter() - t0}
     trimmed = None
     if trim_keep and not eagle3:  # an EAGLE-3 head is trimmed as it is trained
@@ -157,8 +160,10 @@ def build_draft_bundle(
             table=rec.table,
         ),
         kind=kind,
-        speculative_config=vllm_config("draft", rec.gamma, eagle3=eagle3),
-        sglang_flags=sglang_flags("draft", rec.gamma, f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, eagle3=eagle3),
+        speculative_config=vllm_config("draft", rec.gamma, proposer=proposer),
+        sglang_flags=sglang_flags(
+            "draft", rec.gamma, f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, proposer=proposer
+        ),
         files=SpecFiles(
             draft="draft",
             trimmed="draft-trimmed" if trimmed else None,

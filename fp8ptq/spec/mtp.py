@@ -226,6 +226,10 @@ class MtpProposer(TargetHiddenProposer):
     model_free = True  # no draft to size: its weights are in the target's files (and counted there)
 
     @classmethod
+    def claims(cls, draft) -> bool:
+        return str(draft) == cls.method
+
+    @classmethod
     def load(cls, draft, target=None, device="cpu"):
         if target is None or target.source is None:
             raise SpecError("the MTP draft runs on its target's own layers", fix="load the target first")

@@ -24,6 +24,12 @@ class Proposer:
         self.draft = draft
 
     @classmethod
+    def claims(cls, draft) -> bool:
+        """Whether the DRAFT argument names this proposer (read without loading it; proposers.proposer_class
+        asks each in PROPOSERS' order, the draft model last)."""
+        raise NotImplementedError
+
+    @classmethod
     def load(cls, draft, target=None, device: str = "cpu"):
         """The draft that DRAFT (a path or `ngram[:MIN-MAX]`) names, as this proposer runs it; `target`: the
         loaded target (needed where reads_target)."""

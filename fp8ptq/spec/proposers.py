@@ -34,6 +34,10 @@ class DraftModelProposer(Proposer):
     method = "draft_model"
     sglang_algorithm = "STANDALONE"  # a small LLM as the draft
 
+    @classmethod
+    def claims(cls, draft) -> bool:
+        return True  # any other path: asked last
+
     @property
     def vocab_trimmed(self):
         return self.draft.kept_ids is not None
@@ -80,6 +84,10 @@ class NgramProposer(Proposer):
     method = "ngram"
     has_probabilities = False
     model_free = True
+
+    @classmethod
+    def claims(cls, draft) -> bool:
+        return parse_ngram(draft) is not None
 
     @classmethod
     def vllm_config(cls, draft, gamma):
@@ -138,6 +146,12 @@ class Eagle3Proposer(TargetHiddenProposer):
     sglang_algorithm = "EAGLE3"  # the head's d2t maps its draft vocabulary: no token map
 
     @classmethod
+    def claims(cls, draft) -> bool:
+        from fp8ptq.spec.eagle3 import is_eagle3
+
+        return is_eagle3(draft)  # its config.json's architecture
+
+    @classmethod
     def load(cls, draft, target=None, device="cpu"):
         from fp8ptq.spec.eagle3 import load_head
         from fp8ptq.spec.eagle3_loop import Eagle3Draft
@@ -173,6 +187,11 @@ class SuffixProposer(Proposer):
 
     method = "suffix"
     has_probabilities = False
+
+    @classmethod
+    def claims(cls, draft) -> bool:
+        return is_suffix(draft)
+
     model_free = True
 
     @classmethod
@@ -221,8 +240,9 @@ class SuffixProposer(Proposer):
         return batch * median_time(lambda: d.propose(rid, context, max_k - 1), repeats) / max(1, max_k - 1)
 
 
+# In the order `proposer_class` asks them: the draft model, which claims any path, last
 PROPOSERS: dict[str, type[Proposer]] = {
-    p.method: p for p in (DraftModelProposer, NgramProposer, Eagle3Proposer, SuffixProposer, MtpProposer)
+    p.method: p for p in (NgramProposer, SuffixProposer, MtpProposer, Eagle3Proposer, DraftModelProposer)
 }
 
 
@@ -231,17 +251,6 @@ def proposer_for(draft) -> Proposer:
     return PROPOSERS[draft.method](draft)
 
 
-def proposer_class(draft: str, eagle3: bool | None = None) -> type[Proposer]:
-    """The proposer a DRAFT argument names, without loading it: `ngram[:MIN-MAX]`, an EAGLE-3 head (eagle3
-    None: read its config.json, which a path relative to a bundle cannot), else a draft model."""
-    if parse_ngram(draft) is not None:
-        return NgramProposer
-    if is_suffix(draft):
-        return SuffixProposer
-    if str(draft) == MtpProposer.method:
-        return MtpProposer
-    if eagle3 is None:
-        from fp8ptq.spec.eagle3 import is_eagle3
-
-        eagle3 = is_eagle3(draft)
-    return Eagle3Proposer if eagle3 else DraftModelProposer
+def proposer_class(draft: str) -> type[Proposer]:
+    """The proposer a DRAFT argument names, without loading it: the first in PROPOSERS that claims it."""
+    return next(p for p in PROPOSERS.values() if p.claims(draft))

@@ -181,15 +181,15 @@ def choose(measured: Acceptance, costs: Costs, gamma_range: tuple[int, int] | No
     )
 
 
-def vllm_config(draft: str, gamma: int, *, eagle3: bool | None = None) -> dict:
-    """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) for the proposer DRAFT names
-    (its class's own `vllm_config`, spec/proposers.py): a draft model, `ngram[:MIN-MAX]`, or (eagle3) an
-    EAGLE-3 head (None: read its config.json, which a path relative to a bundle cannot)."""
+def vllm_config(draft: str, gamma: int, *, proposer=None) -> dict:
+    """The dict vLLM takes as --speculative-config / LLM(speculative_config=...) for DRAFT, written by its
+    proposer class's own `vllm_config` (spec/proposers.py). proposer None: the class DRAFT names
+    (proposer_class, which reads a head's config.json: a path relative to a bundle passes its class)."""
     from fp8ptq.spec.proposers import proposer_class
 
     if not 1 <= gamma <= MAX_GAMMA:
         raise SpecError(f"γ={gamma} is out of range", fix=f"use 1..{MAX_GAMMA}")
-    return proposer_class(draft, eagle3).vllm_config(draft, gamma)
+    return (proposer or proposer_class(draft)).vllm_config(draft, gamma)
 
 
 def with_schedule(config: dict, ranges: list[list[int]] | None) -> dict:
@@ -202,9 +202,9 @@ def with_schedule(config: dict, ranges: list[list[int]] | None) -> dict:
     return {**config, "num_speculative_tokens": top, VLLM_SCHEDULE_FIELD: ranges}
 
 
-def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3: bool = False) -> list[str]:
-    """SGLang (0.5.23) server flags for the proposer DRAFT names (its class's own `sglang_flags`):
-    STANDALONE for a small LLM, EAGLE3 for a head (eagle3), NGRAM for `ngram[:MIN-MAX]`;
+def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, proposer=None) -> list[str]:
+    """SGLang (0.5.23) server flags for DRAFT (its proposer class's own `sglang_flags`; None: the class DRAFT
+    names): STANDALONE for a small LLM, EAGLE3 for a head, NGRAM for `ngram[:MIN-MAX]`;
     tests/engine/test_sglang_args.py parses every set with SGLang's own parser.
     No --speculative-token-map (token_map is accepted and left out): SGLang 0.5.23's STANDALONE worker loads
     it but keeps the draft's full LM head and indexes the map with full-vocabulary ids (out of range, or
@@ -212,7 +212,7 @@ def sglang_flags(draft: str, gamma: int, token_map: str | None = None, *, eagle3
     from fp8ptq.spec.proposers import proposer_class
 
     del token_map
-    return proposer_class(draft, eagle3).sglang_flags(draft, gamma)
+    return (proposer or proposer_class(draft)).sglang_flags(draft, gamma)
 
 
 def plot(path: Path, rec: Recommendation, title: str) -> Path:
@@ -246,7 +246,7 @@ def write_outputs(
     draft: str,
     token_map: str | None = None,
     title: str = "speculative decoding",
-    eagle3: bool | None = None,
+    proposer=None,
 ) -> dict[str, Path]:
     """speculative_config.json (vLLM), sglang_flags.txt, recommendation.json, speculative.png in out_dir
     (OUTPUT_FILES); a RecommendReport is written whole, with its schema keys."""
@@ -254,10 +254,10 @@ def write_outputs(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {k: out_dir / name for k, name in OUTPUT_FILES.items()}
-    config = vllm_config(draft, rec.gamma, eagle3=eagle3)  # eagle3 None: read from the draft's config
+    config = vllm_config(draft, rec.gamma, proposer=proposer)
     config = with_schedule(config, getattr(rec, "batch_schedule", None))
     files["vllm"].write_text(json.dumps(config, indent=2) + "\n")
-    flags = sglang_flags(draft, rec.gamma, token_map, eagle3=config["method"] == "eagle3")
+    flags = sglang_flags(draft, rec.gamma, token_map, proposer=proposer)
     files["sglang"].write_text(" ".join(flags) + "\n")
     data = to_json(rec) if isinstance(rec, RecommendReport) else rec.as_dict()
     files["recommendation"].write_text(json.dumps(data, indent=2) + "\n")

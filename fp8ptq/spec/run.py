@@ -245,7 +245,7 @@ def _inputs(cfg: RecommendConfig) -> tuple:
 def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     """Choose γ and write the configs into cfg.output (atomically)."""
     from fp8ptq.io import atomic_output_dir, check_output
-    from fp8ptq.spec.proposers import Eagle3Proposer, proposer_class
+    from fp8ptq.spec.proposers import proposer_class
 
     check_output(Path(cfg.output), cfg.overwrite, _inputs(cfg))
     if cfg.device_memory:
@@ -279,7 +279,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
         ranges = vllm_ranges(rows)
     draft = cfg.draft_for_engine or measured.draft
     # the measured draft's proposer: draft_for_engine may be a path relative to a bundle
-    eagle3 = proposer_class(measured.draft) is Eagle3Proposer
+    proposer = proposer_class(measured.draft)
     engine = None
     if cfg.engine_check:  # the measured draft's real path: draft_for_engine may be relative to a bundle
         engine = engine_check(
@@ -298,7 +298,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
             engine["vllm_schedule"] = check["schedule"]
     sglang = None
     if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
-        flags = sglang_flags(draft, rec.gamma, cfg.token_map, eagle3=eagle3)
+        flags = sglang_flags(draft, rec.gamma, cfg.token_map, proposer=proposer)
         sglang = sglang_check(flags)
     plan = None
     if cfg.device_memory:
@@ -339,7 +339,7 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
             draft=draft,
             token_map=cfg.token_map,
             title=f"{Path(measured.target).name} + {Path(draft).name}, T={cfg.temperature}",
-            eagle3=eagle3,
+            proposer=proposer,
         )
         (tmp / MEASURE_FILE).write_text(json.dumps(to_json(measured), indent=1) + "\n")
     return report

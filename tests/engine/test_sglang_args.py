@@ -15,6 +15,7 @@ import torch
 
 from fp8ptq.engine.sglang_engine import run_checks
 from fp8ptq.spec.eagle3 import SGLANG_CAPTURES_NEXT, default_layer_ids, sglang_layer_ids
+from fp8ptq.spec.proposers import Eagle3Proposer
 from fp8ptq.spec.recommend import sglang_flags
 
 SGLANG_CLASS = {  # model_type -> SGLang 0.5.23's model file and class
@@ -32,7 +33,7 @@ def test_sglang_accepts_what_fp8ptq_writes():
     ours = {
         "ngram": sglang_flags("ngram:2-4", 5),
         "standalone": sglang_flags("/models/draft", 3),
-        "eagle3": sglang_flags("/models/head", 4, eagle3=True),
+        "eagle3": sglang_flags("/models/head", 4, proposer=Eagle3Proposer),
         "mtp": sglang_flags("mtp", 3),
     }
     old_ngram = ["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "2"]
