@@ -18,10 +18,21 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from fp8ptq.errors import ModelError, OptionError, OutputError
 from fp8ptq.fields import Cli, documented
+
+
+@runtime_checkable
+class ConverterModule(Protocol):
+    """What a converter's module (CONVERTERS' `module`) provides; see the module docstring."""
+
+    def check(self, cfg: ConvertConfig, fmt: str) -> Any: ...
+
+    def write(self, cfg: ConvertConfig, fmt: str, checked: Any, out: Path) -> dict: ...
+
+    def describe(self, report: dict) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -33,8 +44,11 @@ class Converter:
     recipe: bool = False  # takes --recipe
     suffix: str | None = None  # the target is one file ending in this (None: a directory)
 
-    def functions(self):
-        return importlib.import_module(f"fp8ptq.conversion.{self.module}")
+    def functions(self) -> ConverterModule:
+        module = importlib.import_module(f"fp8ptq.conversion.{self.module}")
+        if not isinstance(module, ConverterModule):
+            raise TypeError(f"fp8ptq.conversion.{self.module} lacks check / write / describe")
+        return module
 
 
 CONVERTERS = (

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from fp8ptq.api import ConvertConfig, convert
 from fp8ptq.cli import app
-from fp8ptq.conversion.registry import CONVERTERS, SOURCES, TARGETS, find
+from fp8ptq.conversion.registry import CONVERTERS, SOURCES, TARGETS, ConverterModule, find
 from fp8ptq.errors import ModelError, OptionError
 
 pytestmark = pytest.mark.tiny
@@ -32,7 +32,9 @@ def _dir(tmp_path, name: str, method: str | None, **extra):
 
 @pytest.mark.parametrize("conv", CONVERTERS, ids=lambda c: f"{c.source}->{c.target}")
 def test_each_converter_module_has_the_three_functions(conv):
+    """The declared ConverterModule protocol, its arities included (the protocol checks names only)."""
     module = conv.functions()
+    assert isinstance(module, ConverterModule)
     for name, params in (("check", 2), ("write", 4), ("describe", 1)):
         fn = getattr(module, name, None)
         assert callable(fn), f"fp8ptq.conversion.{conv.module} has no {name}()"
@@ -73,3 +75,10 @@ def test_help_offers_every_source_and_target_and_the_registry_imports_no_torch()
         assert fmt in out, fmt
     code = "import sys, fp8ptq.conversion.registry; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_module_without_the_protocol_is_refused():
+    from fp8ptq.conversion.registry import Converter
+
+    with pytest.raises(TypeError, match="lacks check / write / describe"):
+        Converter("x", "y", "registry", "nothing").functions()  # the registry module itself converts nothing
