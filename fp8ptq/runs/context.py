@@ -10,13 +10,14 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import fp8ptq
 from fp8ptq import gates as gates_mod
 from fp8ptq.calibrate.state import Progress
-from fp8ptq.dist import init_from_env
+from fp8ptq.dist import LocalComm, TorchComm, init_from_env
 from fp8ptq.draft.auto import KINDS as DRAFT_BUNDLE_KINDS
 from fp8ptq.errors import Fp8ptqError, RecipeError, check_option
 from fp8ptq.export.rundir import RunDir
@@ -29,6 +30,11 @@ from fp8ptq.recipe import Recipe, load_recipe
 from fp8ptq.runs.config import QuantizeConfig
 from fp8ptq.runs.overrides import recipe_overrides
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fp8ptq.calibrate.images import ImageRows
+
 
 @dataclass
 class RunContext:
@@ -39,12 +45,12 @@ class RunContext:
     device: str
     gates: list[gates_mod.Gate]
     gates_skipped: list[str]
-    comm: object
+    comm: LocalComm | TorchComm
     progress: Progress | None = None
     src: ModelSource | None = None
-    tokenizer: object = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     ids: torch.Tensor | None = None  # calibration samples; None: data-free
-    images: object = None  # calibrate/images.ImageRows: the image+text samples among ids (--images)
+    images: ImageRows | None = None  # the image+text samples among ids (--images)
     run: RunDir | None = None  # rank 0 only
     path: Path | None = None  # the hidden run directory (every rank)
     state: dict = field(default_factory=dict)  # the run directory's state.json (resume)
