@@ -72,77 +72,85 @@ class DraftBundleConfig:
     train: dict = field(default_factory=dict)  # extra trainer fields
 
 
+def _train(cfg: DraftBundleConfig, target_dir: Path, draft_dir: Path, device: str, progress):
+    """The draft (or EAGLE-3 head) of the bundle, trained into draft_dir; its summary."""
+    from fp8ptq.draft.train import DraftTrainConfig, draft_train
+
+    common = dict(target=str(target_dir), output=draft_dir, time_budget_s=cfg.time_budget_s)
+    if cfg.max_steps is not None:
+        common["max_steps"] = cfg.max_steps
+    common |= dict(seed=cfg.seed, device=device, **cfg.train)
+    if cfg.kind == "eagle3":
+        from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
+
+        vocab = {} if cfg.trim_keep is None else {"draft_vocab": cfg.trim_keep}
+        return eagle3_train(Eagle3TrainConfig(**common, **vocab), progress)
+    return draft_train(DraftTrainConfig(**common, layers=cfg.layers), progress)
+
+
+def _recommend(cfg: DraftBundleConfig, target_dir: Path, out_dir: Path, token_map: str | None, device, progress):
+    """The draft measured on the target and γ chosen, into out_dir/speculative (spec.run.recommend)."""
+    from fp8ptq.spec.run import MeasureConfig, RecommendConfig, recommend
+
+    measure = MeasureConfig(
+        target=str(target_dir),
+        draft=str(out_dir / "draft"),
+        gammas=tuple(cfg.gammas),
+        temperatures=(float(cfg.temperature),),
+        num_prompts=cfg.num_prompts,
+        max_tokens=cfg.max_tokens,
+        seed=cfg.seed,
+        device=device,
+    )
+    rc = RecommendConfig(
+        output=out_dir / "speculative",
+        temperature=cfg.temperature,
+        draft_for_engine="draft",
+        token_map=token_map,
+        device_memory=cfg.device_memory,
+        measure=measure,
+    )
+    return recommend(rc, progress)
+
+
 def build_draft_bundle(
     target_dir: Path, out_dir: Path, cfg: DraftBundleConfig | None = None, *, device: str = "cpu", progress=None
 ) -> Speculative:
     """Train (and trim) a draft for the finished checkpoint TARGET_DIR, measure it, write the engine
     configs beside it in OUT_DIR; the manifest's `speculative` part."""
     cfg = cfg or DraftBundleConfig()
-    from fp8ptq.draft.train import DraftTrainConfig, draft_train
     from fp8ptq.draft.trim import TOKEN_MAP, DraftTrimConfig, draft_trim
     from fp8ptq.manifest import SpecChoice, SpecFiles, Speculative
-    from fp8ptq.spec.run import MeasureConfig, RecommendConfig, check_gammas, recommend
+    from fp8ptq.spec.proposers import DraftModelProposer, Eagle3Proposer
+    from fp8ptq.spec.run import check_gammas
 
     check_gammas(cfg.gammas)
-    kind, trim_keep, seed = cfg.kind, cfg.trim_keep, cfg.seed
+    kind, trim_keep = cfg.kind, cfg.trim_keep
     if kind not in KINDS:
         raise SpecError(f"unknown draft kind '{kind}'", fix="use model (a small draft LLM) or eagle3 (an EAGLE-3 head)")
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     draft_dir = out_dir / "draft"
-    common = dict(target=str(target_dir), output=draft_dir, time_budget_s=cfg.time_budget_s)
-    if cfg.max_steps is not None:
-        common["max_steps"] = cfg.max_steps
-    common |= dict(seed=seed, device=device, **cfg.train)
-    if kind == "eagle3":
-        from fp8ptq.draft.eagle3_train import Eagle3TrainConfig, eagle3_train
-
-        vocab = {} if trim_keep is None else {"draft_vocab": trim_keep}
-        meta = eagle3_train(Eagle3TrainConfig(**common, **vocab), progress)
-    else:
-        meta = draft_train(DraftTrainConfig(**common, layers=cfg.layers), progress)
-    from fp8ptq.spec.proposers import DraftModelProposer, Eagle3Proposer
-
+    meta = _train(cfg, target_dir, draft_dir, device, progress)
     eagle3 = kind == "eagle3"
     proposer = Eagle3Proposer if eagle3 else DraftModelProposer  # "draft" is relative to the bundle: unread
     timings = {"draft_train_s": time.perf_counter() - t0}
     trimmed = None
     if trim_keep and not eagle3:  # an EAGLE-3 head is trimmed as it is trained
         t = time.perf_counter()
-        trimmed = draft_trim(
-            DraftTrimConfig(
-                draft=draft_dir,
-                target=str(target_dir),
-                keep=trim_keep,
-                output=out_dir / "draft-trimmed",
-                seed=seed,
-                device=device,
-            ),
-            progress,
+        trim = DraftTrimConfig(
+            draft=draft_dir,
+            target=str(target_dir),
+            keep=trim_keep,
+            output=out_dir / "draft-trimmed",
+            seed=cfg.seed,
+            device=device,
         )
+        trimmed = draft_trim(trim, progress)
         timings["draft_trim_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    rec = recommend(
-        RecommendConfig(
-            output=out_dir / "speculative",
-            temperature=cfg.temperature,
-            draft_for_engine="draft",
-            token_map=f"draft-trimmed/{TOKEN_MAP}" if trimmed else None,
-            device_memory=cfg.device_memory,
-            measure=MeasureConfig(
-                target=str(target_dir),
-                draft=str(draft_dir),
-                gammas=tuple(cfg.gammas),
-                temperatures=(float(cfg.temperature),),
-                num_prompts=cfg.num_prompts,
-                max_tokens=cfg.max_tokens,
-                seed=seed,
-                device=device,
-            ),
-        ),
-        progress,
-    )
+    rec = _recommend(cfg, target_dir, out_dir, f"draft-trimmed/{TOKEN_MAP}" if trimmed else None, device, progress)
     timings["measure_recommend_s"] = time.perf_counter() - t
     # The engine files sit at the top of the folder, beside the target they belong to.
     for name in ("speculative_config.json", "sglang_flags.txt"):
