@@ -242,10 +242,9 @@ def _inputs(cfg: RecommendConfig) -> tuple:
     return (cfg.measured, cfg.token_map, cfg.draft_for_engine) + (() if m is None else (m.target, m.draft, m.prompts))
 
 
-def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
-    """Choose γ and write the configs into cfg.output (atomically)."""
-    from fp8ptq.io import atomic_output_dir, check_output
-    from fp8ptq.spec.proposers import proposer_class
+def _measured(cfg: RecommendConfig, progress) -> Measurement:
+    """cfg's measurement (read from --measured, or measured now), after every check that needs none."""
+    from fp8ptq.io import check_output
 
     check_output(Path(cfg.output), cfg.overwrite, _inputs(cfg))
     if cfg.device_memory:
@@ -259,11 +258,53 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     if cfg.engine_check and cfg.measure is not None:
         check_engine_ready(cfg.measure.draft, cfg.vllm_python)  # before minutes of measuring
     if cfg.measured is not None:
-        measured = read_measurement(Path(cfg.measured))
-    elif cfg.measure is not None:
-        measured = measure(cfg.measure, progress)
-    else:
-        raise SpecError("nothing to recommend from", fix="pass TARGET and DRAFT, or --measured FILE")
+        return read_measurement(Path(cfg.measured))
+    if cfg.measure is not None:
+        return measure(cfg.measure, progress)
+    raise SpecError("nothing to recommend from", fix="pass TARGET and DRAFT, or --measured FILE")
+
+
+def _vllm_check(cfg: RecommendConfig, measured: Measurement, gamma: int, ranges, max_tokens: int) -> dict:
+    """The chosen config run in vLLM against plain decoding, on the measured draft's real path
+    (draft_for_engine may be relative to a bundle), and a γ-per-batch schedule through vLLM's classes."""
+    engine = engine_check(
+        measured.target_path,
+        measured.draft,
+        vllm_config(measured.draft, gamma),
+        measured.prompt_ids,
+        max_tokens,
+        temperature=cfg.temperature,
+        seed=int(measured.config.get("seed", 0)),
+        python=cfg.vllm_python,
+    )
+    scheduled = with_schedule(vllm_config(measured.draft, gamma), ranges)
+    if VLLM_SCHEDULE_FIELD in scheduled:  # γ per batch size: vLLM's classes and its scheduler's lookup builder
+        check = vllm_config_check(measured.target_path, {"schedule": scheduled}, python=cfg.vllm_python)
+        engine["vllm_schedule"] = check["schedule"]
+    return engine
+
+
+def _memory_plan(cfg: RecommendConfig, measured: Measurement, gamma: int) -> dict:
+    """Where target, draft and KV cache fit on cfg.device_memory (the measured draft's real path)."""
+    from fp8ptq.spec.memory import draft_shape, model_shape, parse_size
+    from fp8ptq.spec.memory import plan as memory_plan
+
+    return memory_plan(
+        model_shape(Path(measured.target_path), cfg.kv_dtype),
+        draft_shape(measured.draft),
+        parse_size(cfg.device_memory),
+        context=cfg.context,
+        batch=cfg.batch,
+        gamma=gamma,
+    ).as_dict()
+
+
+def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
+    """Choose γ and write the configs into cfg.output (atomically)."""
+    from fp8ptq.io import atomic_output_dir
+    from fp8ptq.spec.proposers import proposer_class
+
+    measured = _measured(cfg, progress)
     key = str(float(cfg.temperature))
     if key not in measured.by_temperature:
         raise SpecError(
@@ -280,39 +321,12 @@ def recommend(cfg: RecommendConfig, progress=None) -> RecommendReport:
     draft = cfg.draft_for_engine or measured.draft
     # the measured draft's proposer: draft_for_engine may be a path relative to a bundle
     proposer = proposer_class(measured.draft)
-    engine = None
-    if cfg.engine_check:  # the measured draft's real path: draft_for_engine may be relative to a bundle
-        engine = engine_check(
-            measured.target_path,
-            measured.draft,
-            vllm_config(measured.draft, rec.gamma),
-            measured.prompt_ids,
-            acc.max_tokens,
-            temperature=cfg.temperature,
-            seed=int(measured.config.get("seed", 0)),
-            python=cfg.vllm_python,
-        )
-        scheduled = with_schedule(vllm_config(measured.draft, rec.gamma), ranges)
-        if VLLM_SCHEDULE_FIELD in scheduled:  # γ per batch size: vLLM's classes and its scheduler's lookup builder
-            check = vllm_config_check(measured.target_path, {"schedule": scheduled}, python=cfg.vllm_python)
-            engine["vllm_schedule"] = check["schedule"]
-    sglang = None
-    if cfg.engine_check:  # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
-        flags = sglang_flags(draft, rec.gamma, cfg.token_map, proposer=proposer)
-        sglang = sglang_check(flags)
-    plan = None
-    if cfg.device_memory:
-        from fp8ptq.spec.memory import draft_shape, model_shape, parse_size
-        from fp8ptq.spec.memory import plan as memory_plan
-
-        plan = memory_plan(  # the measured draft's real path: draft_for_engine may be relative to a bundle
-            model_shape(Path(measured.target_path), cfg.kv_dtype),
-            draft_shape(measured.draft),
-            parse_size(cfg.device_memory),
-            context=cfg.context,
-            batch=cfg.batch,
-            gamma=rec.gamma,
-        ).as_dict()
+    engine, sglang = (None, None)
+    if cfg.engine_check:
+        engine = _vllm_check(cfg, measured, rec.gamma, ranges, acc.max_tokens)
+        # the SGLang flags this writes, parsed by SGLang's own parser where it is installed
+        sglang = sglang_check(sglang_flags(draft, rec.gamma, cfg.token_map, proposer=proposer))
+    plan = _memory_plan(cfg, measured, rec.gamma) if cfg.device_memory else None
     report = RecommendReport(
         **asdict(rec),
         target=measured.target,
