@@ -165,8 +165,6 @@ def engine_check(
     runs agree on the first max_tokens). Engine failures are results (ok False, error) — a recommendation
     is still written; bad input raises."""
     from fp8ptq.engine.vllm import run_vllm_jobs, vllm_request
-    from fp8ptq.spec.measure import SpecStats, replay_greedy
-    from fp8ptq.spec.proposers import proposer_class
 
     check_engine_ready(draft, python)
     gamma = int(spec_config["num_speculative_tokens"])
@@ -212,28 +210,35 @@ def engine_check(
         },
     }
     if temperature == 0:
-        stats, same, tgt = SpecStats(gamma), 0, None
-        proposer = proposer_class(str(draft))
-        if proposer.reads_target:  # an EAGLE-3 head runs on the target's hidden states (fp8ptq's simulation)
-            from fp8ptq.spec.models import load_target
-
-            tgt, _ = load_target(target)
-        model = proposer.load(draft, tgt)
-        for prompt, stream, longer in zip(prompts, spec.token_ids, plain.token_ids):
-            if longer[: len(stream)] == stream:
-                stream, same = longer, same + 1
-            replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens, target=tgt)
-        s = stats.summary()
-        out["fp8ptq_replay"] = {
-            "drafts": s.drafts,
-            "drafted": s.drafted,
-            "accepted": s.accepted,
-            "per_pos_accepted": s.per_pos_accepted,
-            "acceptance": s.alpha,
-        }
-        out["acceptance_gap"] = (out["vllm"]["acceptance"] - s.alpha) / s.alpha if s.alpha else None
+        replay, same = _replay(target, draft, prompts, (spec.token_ids, plain.token_ids), gamma, max_tokens)
+        alpha = replay["acceptance"]
+        out["fp8ptq_replay"] = replay
+        out["acceptance_gap"] = (out["vllm"]["acceptance"] - alpha) / alpha if alpha else None
         out["outputs_equal_plain"] = same  # prompts whose speculative output == plain greedy output
     return out
+
+
+def _replay(target: str, draft: str, prompts, streams, gamma: int, max_tokens: int) -> tuple[dict, int]:
+    """fp8ptq's greedy accounting replayed on vLLM's speculative output (streams: the speculative and the
+    longer plain token ids), and how many prompts came out equal to plain greedy decoding."""
+    from fp8ptq.spec.measure import SpecStats, replay_greedy
+    from fp8ptq.spec.proposers import proposer_class
+
+    stats, same, tgt = SpecStats(gamma), 0, None
+    proposer = proposer_class(str(draft))
+    if proposer.reads_target:  # an EAGLE-3 head runs on the target's hidden states (fp8ptq's simulation)
+        from fp8ptq.spec.models import load_target
+
+        tgt, _ = load_target(target)
+    model = proposer.load(draft, tgt)
+    for prompt, stream, longer in zip(prompts, *streams):
+        if longer[: len(stream)] == stream:
+            stream, same = longer, same + 1
+        replay_greedy(model, prompt, stream, gamma=gamma, stats=stats, max_tokens=max_tokens, target=tgt)
+    s = stats.summary()
+    replay = {"drafts": s.drafts, "drafted": s.drafted, "accepted": s.accepted}
+    replay |= {"per_pos_accepted": s.per_pos_accepted, "acceptance": s.alpha}
+    return replay, same
 
 
 def _inputs(cfg: RecommendConfig) -> tuple:
