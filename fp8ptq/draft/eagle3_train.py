@@ -213,13 +213,46 @@ def _check(cfg: Eagle3TrainConfig) -> None:
         )
 
 
+# in the work folder: the generations, and what they were generated for (a resumed run reuses both)
+WORK_DATA, WORK_FINGERPRINT = "data.safetensors", "eagle3.json"
+
+
+def _fresh_data(target, tokenizer, cfg: Eagle3TrainConfig, *, src_path: Path, work: Path, layer_ids, progress):
+    """The target's generations, into an emptied work folder with the fingerprint that lets a resumed run
+    reuse them; (generation seconds, tokens/s rates)."""
+    for old in work.glob("*"):
+        old.unlink() if old.is_file() else shutil.rmtree(old)
+    t = time.perf_counter()
+    data, engine_s = _generate(target, tokenizer, src_path, cfg, progress)
+    generate_s = time.perf_counter() - t
+    rates = {"generate_tok_s": float(data["gen_len"].sum()) / max(generate_s, 1e-9)}
+    if engine_s is not None:  # vLLM's own generate time: its steady rate, start-up excluded
+        rates["generate_engine_tok_s"] = float(data["gen_len"].sum()) / max(engine_s, 1e-9)
+    save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(work / WORK_DATA))
+    (work / WORK_FINGERPRINT).write_text(json.dumps(_fingerprint(cfg, layer_ids)))  # a capture cut short keeps these
+    return generate_s, rates
+
+
+def _write_head(cfg: Eagle3TrainConfig, src_path: Path, head, data: dict, meta: Eagle3Summary) -> None:
+    """The head as vLLM and SGLang load it, its training data and its summary, into cfg.output atomically."""
+    from fp8ptq.draft.train import DATA_FILE
+    from fp8ptq.io import atomic_output_dir
+
+    tcfg = json.loads((src_path / "config.json").read_text())
+    with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
+        save_file(export_state(head), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(export_config(tcfg, head.s), indent=2) + "\n")
+        save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(tmp / DATA_FILE))
+        meta.write(tmp / EAGLE3_META)
+
+
 @locked_output
 def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     """Generate, count, capture, train, export (atomically). A time budget covers the whole run: training
     gets what generation and capture left of it (at least one step)."""
-    from fp8ptq.draft.train import DATA_FILE, work_dir
+    from fp8ptq.draft.train import work_dir
     from fp8ptq.draft.trim import choose_kept, count_tokens
-    from fp8ptq.io import atomic_output_dir, check_output
+    from fp8ptq.io import check_output
     from fp8ptq.spec.models import load_target
 
     t_run = time.perf_counter()
@@ -238,19 +271,12 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     layer_ids = head.s.layer_ids  # sorted, distinct: vLLM's order of the fc input
     work = work_dir(cfg.output)
     work.mkdir(parents=True, exist_ok=True)
-    fp_file, data_file = work / "eagle3.json", work / "data.safetensors"
+    fp_file, data_file = work / WORK_FINGERPRINT, work / WORK_DATA
     fresh = not _same_data(fp_file, cfg, layer_ids)
     if fresh:
-        for old in work.glob("*"):
-            old.unlink() if old.is_file() else shutil.rmtree(old)
-        t = time.perf_counter()
-        data, engine_s = _generate(target, tokenizer, Path(src.path), cfg, progress)
-        timings["generate_s"] = time.perf_counter() - t
-        rates["generate_tok_s"] = float(data["gen_len"].sum()) / max(timings["generate_s"], 1e-9)
-        if engine_s is not None:  # vLLM's own generate time: its steady rate, start-up excluded
-            rates["generate_engine_tok_s"] = float(data["gen_len"].sum()) / max(engine_s, 1e-9)
-        save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(data_file))
-        fp_file.write_text(json.dumps(_fingerprint(cfg, layer_ids)))  # a capture cut short keeps these
+        where = dict(src_path=Path(src.path), work=work, layer_ids=layer_ids, progress=progress)
+        timings["generate_s"], generated = _fresh_data(target, tokenizer, cfg, **where)
+        rates |= generated
     data = load_file(str(data_file))
     counts = count_tokens(data["tokens"], data["prompt_len"], data["gen_len"], V)
     kept = choose_kept(counts, keep, list(tokenizer.all_special_ids)) if keep < V else torch.arange(V)
@@ -299,12 +325,7 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
         timings=timings,
         losses=run.losses,
     )
-    tcfg = json.loads((Path(src.path) / "config.json").read_text())
-    with atomic_output_dir(Path(cfg.output), cfg.overwrite) as tmp:
-        save_file(export_state(head), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(export_config(tcfg, head.s), indent=2) + "\n")
-        save_file({k: data[k].contiguous() for k in ("tokens", "prompt_len", "gen_len")}, str(tmp / DATA_FILE))
-        meta.write(tmp / EAGLE3_META)
+    _write_head(cfg, Path(src.path), head, data, meta)
     if not cfg.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return meta
