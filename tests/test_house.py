@@ -2,7 +2,7 @@
 
 - imports flow one way: a module imports only packages of its own layer or below (function-level
   imports count too);
-- files stay at most 400 lines;
+- files stay at most 400 lines, functions outside cli/ at most 80;
 - no function outside the typer commands takes more than 6 positional parameters (use keywords);
 - every repository path the docs, BENCHMARKS.md and the sources name exists;
 - no module imports another module's private (`_name`) functions: what is shared is public;
@@ -414,3 +414,30 @@ def test_no_issue_or_stop_numbers_in_the_code(tmp_path):
     (tmp_path / "fp8ptq" / "m.py").write_text('"""Faster GEMMs (issue 35)."""\n# fine: vLLM #40177\n')
     (tmp_path / "fp8ptq" / "r.yaml").write_text("# since stop 56\nname: r\n")
     assert notebook_identifiers(tmp_path / "fp8ptq") == ["fp8ptq/m.py:1", "fp8ptq/r.yaml:1"]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: Path) -> list[str]:
+    """Functions longer than MAX_FUNCTION_LINES outside root/cli (a copy of the fp8ptq package): a reader
+    holds one screen; the typer commands, which mostly print tables, are exempt."""
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        if f.relative_to(root).parts[0] == "cli":
+            continue
+        for fn in ast.walk(ast.parse(f.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = fn.end_lineno - fn.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    bad.append(f"{f.relative_to(root.parent)}:{fn.lineno} {fn.name} ({n} lines)")
+    return bad
+
+
+def test_functions_fit_on_a_screen(tmp_path):
+    assert long_functions(PACKAGE) == []
+    (tmp_path / "fp8ptq" / "cli").mkdir(parents=True)
+    body = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    (tmp_path / "fp8ptq" / "m.py").write_text(body)
+    (tmp_path / "fp8ptq" / "cli" / "c.py").write_text(body)  # a command may print a long table
+    assert long_functions(tmp_path / "fp8ptq") == [f"fp8ptq/m.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]

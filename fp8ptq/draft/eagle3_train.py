@@ -263,21 +263,19 @@ def eagle3_train(cfg: Eagle3TrainConfig, progress=None) -> Eagle3Summary:
     timings, rates = {}, {}
     target, src = load_target(cfg.target, cfg.device)
     tokenizer = src.tokenizer()
-    tconf = target.model.config
-    L, V = int(tconf.num_hidden_layers), int(tconf.vocab_size)
+    L, V = int(target.model.config.num_hidden_layers), int(target.model.config.vocab_size)
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(L)
     keep = min(cfg.draft_vocab or V, V)  # a draft vocabulary as large as the target's is no trim
     head = build_head(target.model, layer_ids, keep, cfg.fc_norm)  # validates the layer ids before the expensive part
     layer_ids = head.s.layer_ids  # sorted, distinct: vLLM's order of the fc input
     work = work_dir(cfg.output)
     work.mkdir(parents=True, exist_ok=True)
-    fp_file, data_file = work / WORK_FINGERPRINT, work / WORK_DATA
-    fresh = not _same_data(fp_file, cfg, layer_ids)
+    fresh = not _same_data(work / WORK_FINGERPRINT, cfg, layer_ids)
     if fresh:
         where = dict(src_path=Path(src.path), work=work, layer_ids=layer_ids, progress=progress)
         timings["generate_s"], generated = _fresh_data(target, tokenizer, cfg, **where)
         rates |= generated
-    data = load_file(str(data_file))
+    data = load_file(str(work / WORK_DATA))
     counts = count_tokens(data["tokens"], data["prompt_len"], data["gen_len"], V)
     kept = choose_kept(counts, keep, list(tokenizer.all_special_ids)) if keep < V else torch.arange(V)
     coverage = float(counts[kept].sum()) / max(1, int(counts.sum()))

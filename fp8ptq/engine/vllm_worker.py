@@ -165,6 +165,33 @@ def _prompt(p) -> dict:
         return {"prompt": p["prompt"], "multi_modal_data": {"image": im.convert("RGB")}}
 
 
+def _probe_and_capture(llm, req: dict, prompts: list, where: tuple[str, str], result: dict) -> None:
+    """The requested Linears' weights as vLLM holds them, and the requested layers' outputs on the first
+    prompt, saved in the job's work folder (where: folder, tag); vLLM-internal layouts, so a failure is
+    reported in `result`, not fatal."""
+    work, tag = where
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+
+    if req.get("probe_layers"):
+        try:
+            probe = os.path.join(work, f"probe{tag}.safetensors")
+            save_file(_probe_linears(llm, req["probe_layers"]), probe)
+            result["probe_file"] = probe
+        except Exception as err:
+            result["probe_error"] = f"{type(err).__name__}: {err}"
+    if req.get("capture_layers"):
+        captured = {}
+        try:
+            _capture_layers(llm, req["capture_layers"], captured)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+            cap = os.path.join(work, f"layers{tag}.safetensors")
+            save_file({f"layer.{i}": captured[i].contiguous() for i in sorted(captured)}, cap)
+            result["layers_file"] = cap
+        except Exception as err:
+            result["capture_error"] = f"{type(err).__name__}: {err}"
+
+
 def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
     """One job: load, optionally probe / capture, generate. keep=False: shut the engine down after."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_space_gib", 1)))
@@ -208,27 +235,7 @@ def run(req: dict, work: str, tag: str, keep: bool = True) -> dict:
             prompt_logprobs=0 if req.get("prompt_logprobs") else None,
         )
         prompts = [_prompt(p) for p in req["prompts"]]
-        if req.get("probe_layers"):
-            try:  # vLLM-internal layout; a failure is reported, not fatal
-                from safetensors.torch import save_file
-
-                probe = os.path.join(work, f"probe{tag}.safetensors")
-                save_file(_probe_linears(llm, req["probe_layers"]), probe)
-                result["probe_file"] = probe
-            except Exception as err:
-                result["probe_error"] = f"{type(err).__name__}: {err}"
-        captured = {}
-        if req.get("capture_layers"):
-            try:  # vLLM-internal layout; a failure is reported, not fatal
-                _capture_layers(llm, req["capture_layers"], captured)
-                llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
-                from safetensors.torch import save_file
-
-                cap = os.path.join(work, f"layers{tag}.safetensors")
-                save_file({f"layer.{i}": captured[i].contiguous() for i in sorted(captured)}, cap)
-                result["layers_file"] = cap
-            except Exception as err:
-                result["capture_error"] = f"{type(err).__name__}: {err}"
+        _probe_and_capture(llm, req, prompts, (work, tag), result)
         before = {}
         if req.get("warmup"):  # the engine's first generate costs more than the steady state (measured ~0.5 s)
             llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
