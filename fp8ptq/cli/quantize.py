@@ -144,15 +144,15 @@ def model_free_cmd(cfg: ModelFreeConfig, json_out: bool = typer.Option(False, "-
     with user_errors(output), progress_bar(not json_out and not dry_run) as progress:
         summary = model_free(cfg, progress)
     if json_out:
-        typer.echo(json.dumps(summary, indent=2))
+        typer.echo(json.dumps(summary.as_dict(), indent=2))
         return
     table = Table(
         "decision", "tensors", "examples", title=f"fp8ptq model-free {'(dry run) ' if dry_run else ''}→ {output}"
     )
-    for why, names in summary["by_reason"].items():
+    for why, names in summary.by_reason.items():
         table.add_row(why, str(len(names)), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
     out.print(table)
-    console.print(f"ignore (kept Linears): {', '.join(summary['ignore']) or 'none'}", highlight=False)
+    console.print(f"ignore (kept Linears): {', '.join(summary.ignore) or 'none'}", highlight=False)
 
 
 def mmap_threshold_mib(cfg: Q) -> int:

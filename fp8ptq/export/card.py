@@ -103,22 +103,22 @@ def _write(out_dir: Path, metadata, body: str) -> Path:
     return path
 
 
-def write_model_free_card(out_dir: Path, summary: dict, scheme: dict, serve_path: str) -> Path:
-    """OUT/README.md of a `model-free` export: `summary` is its model_free.json (model, recipe, ignore,
-    by_reason), `scheme` the recipe record's scheme."""
+def write_model_free_card(out_dir: Path, summary, scheme: dict, serve_path: str) -> Path:
+    """OUT/README.md of a `model-free` export: `summary` its runs.model_free.ModelFreeSummary, `scheme` the
+    recipe record's scheme."""
     name = Path(serve_path).name
     lines = [
         f"# {name}",
         "",
-        f"`{summary['model']}` quantized with the data-free recipe `{summary['recipe']}` by `fp8ptq model-free`: "
+        f"`{summary.model}` quantized with the data-free recipe `{summary.recipe}` by `fp8ptq model-free`: "
         "each tensor placed by its name and shape, without building the model and without calibration data. "
         "`model_free.json` lists every decision.",
         "",
         "| decision | tensors |",
         "|---|---|",
-        *(f"| {why} | {len(names)} |" for why, names in summary["by_reason"].items()),
+        *(f"| {why} | {len(names)} |" for why, names in summary.by_reason.items()),
         "",
-        "Kept in float (the checkpoint's `ignore`): " + (", ".join(f"`{n}`" for n in summary["ignore"]) or "none"),
+        "Kept in float (the checkpoint's `ignore`): " + (", ".join(f"`{n}`" for n in summary.ignore) or "none"),
         "",
         "## Serve",
         "",
@@ -131,7 +131,7 @@ def write_model_free_card(out_dir: Path, summary: dict, scheme: dict, serve_path
         "```",
         "",
     ]
-    return _write(out_dir, lambda existing: card_front_matter(summary["model"], scheme, existing), "\n".join(lines))
+    return _write(out_dir, lambda existing: card_front_matter(summary.model, scheme, existing), "\n".join(lines))
 
 
 def write_card(out_dir: Path, manifest: Manifest, report_md: str) -> Path:

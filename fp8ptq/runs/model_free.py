@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -77,11 +77,27 @@ class Plan:
         kept = [d for d in self.of(KEEP) if len(d.shape) == 2 and d.reason not in ("embedding", TOWER_REASON)]
         return [f"re:.*{re.escape(t)}\\..*" for t in sorted(towers)] + sorted({d.name[:-7] for d in kept})
 
-    def as_dict(self) -> dict:
-        by_reason: dict[str, list[str]] = {}
+    def by_reason(self) -> dict[str, list[str]]:
+        """Tensor names per 'action: reason', in the order the decisions were made."""
+        out: dict[str, list[str]] = {}
         for d in self.decisions:
-            by_reason.setdefault(f"{d.action}: {d.reason}", []).append(d.name)
-        return {"tensors": len(self.decisions), "quantized": len(self.of(QUANTIZE)), "by_reason": by_reason}
+            out.setdefault(f"{d.action}: {d.reason}", []).append(d.name)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelFreeSummary:
+    """What `model_free` decided (and, unless a dry run, wrote): model_free.json in the export."""
+
+    model: str
+    recipe: str
+    ignore: list[str]  # the Linears kept in float, as the export's `ignore` names them
+    tensors: int
+    quantized: int
+    by_reason: dict[str, list[str]]  # tensor names per "action: reason"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def data_free_recipe(name: str) -> Recipe:
@@ -168,7 +184,7 @@ def _quantized(name: str, t: torch.Tensor, recipe: Recipe) -> dict[str, torch.Te
     return {f"{module}.{k}": v for k, v in tensors.items()}
 
 
-def model_free(cfg: ModelFreeConfig, progress=None) -> dict:
+def model_free(cfg: ModelFreeConfig, progress=None) -> ModelFreeSummary:
     """Quantize `cfg.model` by tensor names (or, with dry_run, only decide). Returns the plan summary."""
     from safetensors.torch import save_file
 
@@ -188,7 +204,14 @@ def model_free(cfg: ModelFreeConfig, progress=None) -> dict:
     recipe = data_free_recipe(cfg.recipe)
     weight_map = read_weight_map(path)
     plan = plan_model_free(path, weight_map, recipe)
-    summary = {"model": str(path), "recipe": recipe.name, "ignore": plan.ignore(), **plan.as_dict()}
+    summary = ModelFreeSummary(
+        model=str(path),
+        recipe=recipe.name,
+        ignore=plan.ignore(),
+        tensors=len(plan.decisions),
+        quantized=len(plan.of(QUANTIZE)),
+        by_reason=plan.by_reason(),
+    )
     if cfg.dry_run:
         return summary
     if not plan.of(QUANTIZE):
@@ -219,6 +242,6 @@ def model_free(cfg: ModelFreeConfig, progress=None) -> dict:
         for f in copied:  # tokenizer, chat template, processor, generation config: as they were
             if f.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(f, tmp / f.name)
-        write_json_atomic(tmp / "model_free.json", summary, trailing_newline=True)
+        write_json_atomic(tmp / "model_free.json", summary.as_dict(), trailing_newline=True)
         write_model_free_card(tmp, summary, recipe_record(recipe)["scheme"], str(cfg.output))
     return summary
