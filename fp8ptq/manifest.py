@@ -19,6 +19,7 @@ from fp8ptq.io import write_json_atomic
 from fp8ptq.results import read_json
 
 MANIFEST = "fp8ptq_manifest.json"
+MODEL_FREE_RECORD = "model_free.json"  # what `model-free` writes where `quantize` writes MANIFEST
 
 
 class _Part(BaseModel):

@@ -146,6 +146,25 @@ def spelling_of(callback: Callable) -> dict[str, Cli]:
     return dict(getattr(callback, SPELLING_ATTR, {}))
 
 
+def _own(body: Callable, skip: int) -> list[inspect.Parameter]:
+    """The body's own parameters after its first `skip` (the configs), keyword-only, annotations resolved."""
+    hints = typing.get_type_hints(body)
+    own = list(inspect.signature(body).parameters.values())[skip:]
+    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name]) for p in own]
+
+
+def _as_command(callback: Callable, body: Callable, params: list, fields: dict, spelling: dict) -> Callable:
+    """`callback` dressed as typer reads `body`: its name, help and signature `params`, plus the record of
+    which parameter fills which field (fields_of) and how it is spelled (spelling_of)."""
+    callback.__name__, callback.__qualname__ = body.__name__, body.__qualname__
+    callback.__doc__, callback.__module__ = body.__doc__, body.__module__
+    callback.__signature__ = inspect.Signature(params)
+    callback.__annotations__ = {p.name: p.annotation for p in params}
+    setattr(callback, FIELDS_ATTR, fields)
+    setattr(callback, SPELLING_ATTR, spelling)
+    return callback
+
+
 def config_command(
     cls,
     *,
@@ -163,13 +182,11 @@ def config_command(
     extra = _Fields(part.cls, part.fields, part.cli) if part is not None else None
 
     def decorate(body: Callable) -> Callable:
-        own = list(inspect.signature(body).parameters.values())[1 if part is None else 2 :]
+        own = _own(body, 1 if part is None else 2)
         generated = main.params + (extra.params if extra else [])
         clash = {p.name for p in own} & {p.name for p in generated}
         if clash or len({p.name for p in generated}) != len(generated):
             raise TypeError(f"{body.__name__}: {sorted(clash)} are generated from the config fields; drop them")
-        own_hints = typing.get_type_hints(body)
-        params = generated + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=own_hints[p.name]) for p in own]
 
         def callback(**kwargs):
             try:
@@ -179,16 +196,11 @@ def config_command(
                 fail(err)
             return body(cfg, *parts, **kwargs)
 
-        callback.__name__, callback.__qualname__ = body.__name__, body.__qualname__
-        callback.__doc__, callback.__module__ = body.__doc__, body.__module__
-        callback.__signature__ = inspect.Signature(params)
-        callback.__annotations__ = {p.name: p.annotation for p in params}
         mapping = {f.name: (cls, f.name) for f in main.fields}
         mapping |= {f.name: (part.cls, f.name) for f in (extra.fields if extra else [])}
         mapping |= {p.name: p.default.fp8ptq_field for p in own if hasattr(p.default, "fp8ptq_field")}
-        setattr(callback, FIELDS_ATTR, mapping)
-        setattr(callback, SPELLING_ATTR, main.cli | (extra.cli if extra else {}))
-        return callback
+        spelling = main.cli | (extra.cli if extra else {})
+        return _as_command(callback, body, generated + own, mapping, spelling)
 
     return decorate
 
@@ -202,14 +214,14 @@ def choice_command(choices: dict[str, type], *, flag: str, default: str, help: s
     for cls in choices.values():
         for f in _documented(cls):
             by_field.setdefault(f.name, []).append((cls, f))
-    params, kind_default = [], {}
+    params, kind_default = [], set()  # kind_default: the options whose default is the chosen kind's
     for name, owners in by_field.items():
         cls, f = owners[0]
         defaults = [default_of(c, name) for c, _ in owners]
         if len(set(map(repr, defaults))) == 1:
             params.append(_parameter(cls, f, typing.get_type_hints(cls)[name], f.metadata["cli"]))
             continue
-        kind_default[name] = True
+        kind_default.add(name)
         kinds = [k for k in names for c, _ in owners if choices[k] is c]
         stated = "; ".join(f"{'default' if i == 0 else k} {d}" for i, (k, d) in enumerate(zip(kinds, defaults)))
         inner, _ = _optional(typing.get_type_hints(cls)[name])
@@ -224,9 +236,6 @@ def choice_command(choices: dict[str, type], *, flag: str, default: str, help: s
     params.insert(2, selector)
 
     def decorate(body: Callable) -> Callable:
-        own = list(inspect.signature(body).parameters.values())[1:]
-        own_hints = typing.get_type_hints(body)
-        every = params + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=own_hints[p.name]) for p in own]
 
         def callback(**kwargs):
             kind = kwargs.pop(selector.name)
@@ -246,13 +255,9 @@ def choice_command(choices: dict[str, type], *, flag: str, default: str, help: s
                 fail(err)
             return body(cfg, **kwargs)
 
-        callback.__name__, callback.__qualname__ = body.__name__, body.__qualname__
-        callback.__doc__, callback.__module__ = body.__doc__, body.__module__
-        callback.__signature__ = inspect.Signature(every)
-        callback.__annotations__ = {p.name: p.annotation for p in every}
-        setattr(callback, FIELDS_ATTR, {name: (owners[0][0], name) for name, owners in by_field.items()})
-        setattr(callback, SPELLING_ATTR, {name: owners[0][1].metadata["cli"] for name, owners in by_field.items()})
+        fields = {name: (owners[0][0], name) for name, owners in by_field.items()}
+        spelling = {name: owners[0][1].metadata["cli"] for name, owners in by_field.items()}
         setattr(callback, CHOICES_ATTR, dict(choices))
-        return callback
+        return _as_command(callback, body, params + _own(body, 1), fields, spelling)
 
     return decorate

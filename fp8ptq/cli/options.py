@@ -25,12 +25,6 @@ BEGIN = "<!-- quantize options: rendered by `python -m fp8ptq.cli.options --writ
 END = "<!-- end quantize options -->"
 
 
-def field_of(name: str) -> tuple[type, str] | None:
-    """The (config class, field) a quantize parameter fills, or None (a flag of the command alone)."""
-    cmd = typer.main.get_command(app).commands["quantize"]
-    return fields_of(cmd.callback).get(name)
-
-
 def _default_cell(p, shown: str | None) -> str:
     if shown is not None:
         return shown

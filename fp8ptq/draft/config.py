@@ -17,25 +17,26 @@ def time_budget(seconds: float, flag: str) -> float | None:
     return None if seconds == 0 else seconds
 
 
-# The options both trainers take, spelled and documented once (`draft-train --kind model | eagle3`)
-HELP = {
-    "target": "target model: quantized checkpoint dir, HF dir, .gguf or alias",
-    "output": "draft output directory (written atomically)",
-    "prompts": "prompt file (.txt blocks, .jsonl, .parquet); default: built-in",
-    "text_field": "field with the prompt in .jsonl/.parquet",
-    "num_prompts": "prompts the target generates from",
-    "gen_tokens": "tokens generated per prompt",
-    "gen_batch_size": "prompts the target generates from at once",
-    "max_steps": "training steps at most",
-    "time_budget_s": "training wall-clock budget in seconds (0 = steps only)",
-    "batch_size": "sequences per training step",
-    "lr": "AdamW peak learning rate",
-    "checkpoint_every": "steps between checkpoints in .OUT.draft-work/",
-    "seed": "prompt-selection, sampling and initialisation seed",
-    "resume": "continue from the last checkpoint of this output",
-    "overwrite": "replace an existing output directory",
-    "keep_work": "keep .OUT.draft-work/ (data + checkpoint) after success",
-    "device": "cpu, cuda, cuda:N",
+# The options both trainers take, documented once: (default, help); None as the default where the two
+# trainers' defaults differ (each class gives its own)
+SHARED = {
+    "target": (dataclasses.MISSING, "target model: quantized checkpoint dir, HF dir, .gguf or alias"),
+    "output": (dataclasses.MISSING, "draft output directory (written atomically)"),
+    "prompts": (None, "prompt file (.txt blocks, .jsonl, .parquet); default: built-in"),
+    "text_field": ("text", "field with the prompt in .jsonl/.parquet"),
+    "num_prompts": (192, "prompts the target generates from"),
+    "gen_tokens": (128, "tokens generated per prompt"),
+    "gen_batch_size": (16, "prompts the target generates from at once"),
+    "max_steps": (None, "training steps at most"),
+    "time_budget_s": (900.0, "training wall-clock budget in seconds (0 = steps only)"),
+    "batch_size": (8, "sequences per training step"),
+    "lr": (None, "AdamW peak learning rate"),
+    "checkpoint_every": (50, "steps between checkpoints in .OUT.draft-work/"),
+    "seed": (0, "prompt-selection, sampling and initialisation seed"),
+    "resume": (False, "continue from the last checkpoint of this output"),
+    "overwrite": (False, "replace an existing output directory"),
+    "keep_work": (False, "keep .OUT.draft-work/ (data + checkpoint) after success"),
+    "device": ("cpu", "cpu, cuda, cuda:N"),
 }
 CLI = {
     "target": Cli(argument=True),
@@ -46,9 +47,10 @@ CLI = {
 }
 
 
-def shared(name: str, default=dataclasses.MISSING):
-    """The documented field `name` as both trainers' configs declare it."""
-    return documented(default, HELP[name], cli=CLI.get(name))
+def shared(name: str, default=None):
+    """The documented field `name` as both trainers' configs declare it; `default` only where theirs differ."""
+    common, help = SHARED[name]
+    return documented(common if default is None else default, help, cli=CLI.get(name))
 
 
 @dataclass(frozen=True)
@@ -78,24 +80,24 @@ class DraftTrainConfig:
     target: str = shared("target")
     output: Path = shared("output")
     layers: int = documented(2, "decoder layers of the draft (initialised from the target's first ones)")
-    prompts: str | None = shared("prompts", None)
-    text_field: str = shared("text_field", "text")
-    num_prompts: int = shared("num_prompts", 192)
-    gen_tokens: int = shared("gen_tokens", 128)
-    gen_batch_size: int = shared("gen_batch_size", 16)
+    prompts: str | None = shared("prompts")
+    text_field: str = shared("text_field")
+    num_prompts: int = shared("num_prompts")
+    gen_tokens: int = shared("gen_tokens")
+    gen_batch_size: int = shared("gen_batch_size")
     max_prompt_tokens: int = 256
     topk: int = documented(32, "model: target log-probs kept per position (eagle3 reads the full distribution)")
-    batch_size: int = shared("batch_size", 8)
+    batch_size: int = shared("batch_size")
     lr: float = shared("lr", 2e-4)
     warmup_steps: int = 10
     max_steps: int = shared("max_steps", 400)
-    time_budget_s: float | None = shared("time_budget_s", 900.0)  # None = steps only
-    checkpoint_every: int = shared("checkpoint_every", 50)
-    resume: bool = shared("resume", False)
-    seed: int = shared("seed", 0)
-    overwrite: bool = shared("overwrite", False)
-    keep_work: bool = shared("keep_work", False)
-    device: str = shared("device", "cpu")
+    time_budget_s: float | None = shared("time_budget_s")  # None = steps only
+    checkpoint_every: int = shared("checkpoint_every")
+    resume: bool = shared("resume")
+    seed: int = shared("seed")
+    overwrite: bool = shared("overwrite")
+    keep_work: bool = shared("keep_work")
+    device: str = shared("device")
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,11 @@ class Eagle3TrainConfig:
         cli=Cli(parse=int_list),
     )
     draft_vocab: int = documented(16384, "eagle3: LM-head rows (most frequent generated ids); 0 = full")
-    prompts: str | None = shared("prompts", None)
-    text_field: str = shared("text_field", "text")
-    num_prompts: int = shared("num_prompts", 192)
-    gen_tokens: int = shared("gen_tokens", 128)
-    gen_batch_size: int = shared("gen_batch_size", 16)
+    prompts: str | None = shared("prompts")
+    text_field: str = shared("text_field")
+    num_prompts: int = shared("num_prompts")
+    gen_tokens: int = shared("gen_tokens")
+    gen_batch_size: int = shared("gen_batch_size")
     max_prompt_tokens: int = 256
     # passages of text (max_prompt_tokens + gen_tokens long) added to the generations; None: one per 4.5 s of
     # the time budget (their capture then takes ~1/8 of it on a 2-core CPU), 200 without a budget
@@ -142,14 +144,14 @@ class Eagle3TrainConfig:
     feature_loss: float = documented(0.0, "eagle3: weight of the EAGLE-1 feature-regression term (0 = off)")
     fc_norm: bool = documented(True, "eagle3: an RMSNorm per aux layer before fc (vLLM's fc_norm)")
     warm_start: bool = documented(True, "eagle3: start from a linear predictor fitted in closed form")
-    batch_size: int = shared("batch_size", 8)
+    batch_size: int = shared("batch_size")
     lr: float = shared("lr", 1e-3)
     warmup_steps: int = 20
     max_steps: int = shared("max_steps", 2000)
-    time_budget_s: float | None = shared("time_budget_s", 900.0)
-    checkpoint_every: int = shared("checkpoint_every", 50)
-    resume: bool = shared("resume", False)
-    seed: int = shared("seed", 0)
-    overwrite: bool = shared("overwrite", False)
-    keep_work: bool = shared("keep_work", False)
-    device: str = shared("device", "cpu")
+    time_budget_s: float | None = shared("time_budget_s")
+    checkpoint_every: int = shared("checkpoint_every")
+    resume: bool = shared("resume")
+    seed: int = shared("seed")
+    overwrite: bool = shared("overwrite")
+    keep_work: bool = shared("keep_work")
+    device: str = shared("device")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from fp8ptq.errors import OptionError, OutputError
 from fp8ptq.export.card import CARD
-from fp8ptq.manifest import MANIFEST
+from fp8ptq.manifest import MANIFEST, MODEL_FREE_RECORD
 
-RECORDS = (MANIFEST, "model_free.json")  # what `quantize` and `model-free` write beside the card
+RECORDS = (MANIFEST, MODEL_FREE_RECORD)  # what `quantize` and `model-free` write beside the card
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from fp8ptq.errors import ModelError, RecipeError
 from fp8ptq.export.card import write_model_free_card
 from fp8ptq.export.compressed_tensors import compress_linear, quantization_config
 from fp8ptq.io import ST_DTYPES, atomic_output_dir, write_json_atomic
+from fp8ptq.manifest import MODEL_FREE_RECORD
 from fp8ptq.models.folder import side_files
 from fp8ptq.models.loader import check_finite, read_weight_map
 from fp8ptq.quantization.schemes import LinearScheme, handler
@@ -242,6 +243,6 @@ def model_free(cfg: ModelFreeConfig, progress=None) -> ModelFreeSummary:
         for f in copied:  # tokenizer, chat template, processor, generation config: as they were
             if f.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(f, tmp / f.name)
-        write_json_atomic(tmp / "model_free.json", summary.as_dict(), trailing_newline=True)
+        write_json_atomic(tmp / MODEL_FREE_RECORD, summary.as_dict(), trailing_newline=True)
         write_model_free_card(tmp, summary, recipe_record(recipe)["scheme"], str(cfg.output))
     return summary
