@@ -30,7 +30,7 @@ from fp8ptq.cli.common import (
 from fp8ptq.cli.fielded import Part, config_command
 from fp8ptq.errors import Fp8ptqError
 from fp8ptq.fields import Cli
-from fp8ptq.spec.run import MeasureConfig, RecommendConfig
+from fp8ptq.spec.config import MeasureConfig, RecommendConfig
 
 
 def _echo_json(obj) -> None:

@@ -12,7 +12,7 @@ from fp8ptq.cli.app import spec_app
 from fp8ptq.cli.common import console, offline, out, progress_bar, user_errors
 from fp8ptq.cli.fielded import Part, config_command
 from fp8ptq.fields import Cli
-from fp8ptq.spec.run import MeasureConfig, RecommendConfig
+from fp8ptq.spec.config import MeasureConfig, RecommendConfig
 
 # The measuring options `spec compare` (and `spec recommend --compare`) applies to every proposer alike
 COMPARED = ("target", "gammas", "num_prompts", "max_tokens", "seed", "device")
