@@ -114,12 +114,34 @@ def _modules(
         stored = ModelSource(path=Path("."), label="", weight_map={}, config=cfg, renames=arch.renames(names))
         model = build_skeleton(cfg)
         # a module is named as the checkpoint stores its weight (a renamed router: `mlp.router.weight`
-        # stored as `block_sparse_moe.gate.weight`)
-        modules = {stored.stored_name(f"{n}.weight")[:-7]: m for n, m in model.named_modules() if n}
+        # stored as `block_sparse_moe.gate.weight`; q/k/v_proj stored fused as `query_key_value`)
+        fused = _stored_modules(arch.source_views(list(names), cfg) if arch.source_views is not None else {})
+        modules = {}
+        for n, m in model.named_modules():
+            if n:
+                for on_disk in fused.get(n, [stored.stored_name(f"{n}.weight")[:-7]]):
+                    modules.setdefault(on_disk, m)
         return modules, _fused_groups(arch, model, stored)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         out.append(Finding("warning", "no-module-tree", "config.json", f"cannot build the model ({err}); lint partial"))
         return {}, {}
+
+
+def _stored_modules(views: dict) -> dict[str, list[str]]:
+    """Module name -> the module names the files store its tensors under, where a view joins or splits
+    them (per-expert slices of 3-D experts keep their own names)."""
+    from fp8ptq.models.arch.base import SourceView
+
+    out: dict[str, list[str]] = {}
+    for name, view in views.items():
+        if isinstance(view, SourceView):
+            continue
+        module = name.rpartition(".")[0]
+        for source in view.sources:
+            on_disk = source.rpartition(".")[0]
+            if on_disk not in out.setdefault(module, []):
+                out[module].append(on_disk)
+    return out
 
 
 def _scheme_of(name, module, qcfg):

@@ -107,7 +107,7 @@ class CheckpointWriter:
         # pinned only up to the layer reader's bound (models/prefetch.py): page-locking a huge MoE layer's
         # codes costs more than the wait it saves
         pin = sum(t.numel() * t.element_size() for t in out.values() if t.is_cuda) <= PREFETCH_MAX_BYTES
-        tensors = {self.src.stored_name(k): _to_host(t, pin) for k, t in out.items()}
+        tensors = {k: _to_host(t, pin) for k, t in self.src.stored_tensors(out).items()}
         self.src.close()
         quantized = {m: q.report for m, q in res.linears.items()} | {m: r for m, (_, r) in res.packed.items()}
         # no code path may write a NaN scale or weight. Directly packed FP8 is checked where it is made

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from fp8ptq.errors import ModelError, NonFiniteError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for
-from fp8ptq.models.arch.base import SourceView
+from fp8ptq.models.arch.base import JoinedView, PartView, View
 from fp8ptq.models.arch.capture import stored_name
 from fp8ptq.models.config_checks import check_architectures, check_sizes
 from fp8ptq.models.folder import inside_model, side_files
@@ -88,9 +88,10 @@ class ModelSource:
     label: str
     weight_map: dict[str, str]  # tensor name -> shard file name
     config: object
-    # names the skeleton uses that the files store inside fused tensors (Arch.source_views); the
-    # weight_map lists these names instead of the fused ones
-    views: dict[str, SourceView] = field(default_factory=dict)
+    # names the skeleton uses that the files store fused or split (Arch.source_views); the weight_map
+    # lists these names instead of the stored ones, whose shards `stored_files` holds
+    views: dict[str, View] = field(default_factory=dict)
+    stored_files: dict[str, str] = field(default_factory=dict)
     # module name -> the name the files store it under, by transformers' own checkpoint renamings (the
     # generic adapter: `model.language_model.layers...` stored as `language_model.model.layers...`)
     renames: dict[str, str] = field(default_factory=dict)
@@ -120,25 +121,63 @@ class ModelSource:
         tensors by their prefix, so a quantized Linear's scales and an attention's KV scales follow."""
         return stored_name(name, self.renames) if self.renames else name
 
-    def _slice(self, name: str):
+    def stored_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Module-named tensors of an export (a quantized Linear's `weight_scale`, ... beside its weight)
+        under the names and in the layout the source files use: renamed by `stored_name`, and those of a
+        joined or split view written back as the files hold them (ExportError where a fused tensor's
+        parts do not agree on a scale it has one of)."""
+        out, fused = {}, {}
+        for name, t in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            view = self.views.get(name) or self.views.get(f"{module}.weight")
+            if isinstance(view, JoinedView):
+                shapes = [self.tensor_shape_of(p) for p in view.parts]
+                out.update(_split_back(view, name, leaf, t, shapes, whole=name in self.views))
+            elif isinstance(view, PartView):
+                fused.setdefault((view.stored, leaf), (view, {}))[1][name] = t
+            else:
+                out[self.stored_name(name)] = t
+        for (_, leaf), (view, parts) in fused.items():
+            out.update(_join_back(view, leaf, parts))
+        return out
+
+    def tensor_shape_of(self, stored: str) -> tuple[int, ...]:
+        """The shape of a tensor as the files store it (a view's source)."""
+        shard = self.stored_files[stored]
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
+        return tuple(handle.get_slice(stored).get_shape())
+
+    def _slices(self, name: str) -> list:
+        """The stored tensors (safetensors slices) the tensor `name` is read from: itself, or its view's."""
         view = self.views.get(name)
-        return self._handle(name).get_slice(self.stored_name(name) if view is None else view.stored)
+        if view is None:
+            return [self._handle(name).get_slice(self.stored_name(name))]
+        out = []
+        for stored in view.sources:
+            shard = self.stored_files[stored]
+            handle = self._handles.get(shard)
+            if handle is None:
+                handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
+            out.append(handle.get_slice(stored))
+        return out
 
     def tensor(self, name: str) -> torch.Tensor:
         view = self.views.get(name)
         if view is not None:
-            return view.read(self._slice(name))
+            return view.read(self._slices(name))
         return self._handle(name).get_tensor(self.stored_name(name))
 
     def tensor_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a tensor, read from the safetensors header (no data is loaded)."""
-        return ST_DTYPES[self._slice(name).get_dtype()]
+        return ST_DTYPES[self._slices(name)[0].get_dtype()]
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Shape of a tensor, from the safetensors header."""
-        shape = tuple(self._slice(name).get_shape())
+        slices = self._slices(name)
         view = self.views.get(name)
-        return shape if view is None else view.shape(shape)
+        return tuple(slices[0].get_shape()) if view is None else view.shape([tuple(s.get_shape()) for s in slices])
 
     def tensor_bytes(self, name: str) -> int:
         """Stored size of a tensor, from the safetensors header."""
@@ -306,19 +345,83 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
     arch = arch_for(config)  # a typed error for an unsupported model_type, before any work
     check_architectures(config, path)
     check_sizes(config, weight_map, path)
-    views = arch.source_views(list(weight_map), config) if arch.source_views is not None else {}
-    if views:
-        fused = {v.stored for v in views.values()}
-        weight_map = {n: s for n, s in weight_map.items() if n not in fused} | {
-            n: weight_map[v.stored] for n, v in views.items()
-        }
+    # both from the names as stored: a view's module name is no stored name to rename
     renames = arch.renames(list(weight_map))
+    views = arch.source_views(list(weight_map), config) if arch.source_views is not None else {}
+    stored_files = {}
+    if views:
+        stored_files = {s: weight_map[s] for v in views.values() for s in v.sources}
+        weight_map = {n: s for n, s in weight_map.items() if n not in stored_files} | {
+            n: weight_map[v.sources[0]] for n, v in views.items()
+        }
     if renames:
         back = {stored: name for name, stored in renames.items() if not name.endswith(".")}  # not the prefixes
         weight_map = {back.get(n, n): s for n, s in weight_map.items()}
     return ModelSource(
-        path=path, label=label or str(path), weight_map=weight_map, config=config, views=views, renames=renames
+        path=path,
+        label=label or str(path),
+        weight_map=weight_map,
+        config=config,
+        views=views,
+        stored_files=stored_files,
+        renames=renames,
     )
+
+
+def _leaf_name(stored: str, leaf: str, whole: bool) -> str:
+    """The stored name of a module tensor `leaf` (`weight_scale`) beside a stored weight name."""
+    return stored if whole else f"{stored.removesuffix('.weight')}.{leaf}"
+
+
+def _split_back(
+    view: JoinedView, name: str, leaf: str, t: torch.Tensor, shapes: list, whole: bool
+) -> dict[str, torch.Tensor]:
+    """One tensor of a module whose weight is a JoinedView, as its parts: split along the view's axis
+    where the tensor spans it (weights, per-row scales, packed rows), its shape per part for
+    compressed-tensors' `weight_shape`, the same value for each part where it has one (per-tensor
+    scales). `whole`: `t` is the view's own tensor, not one beside it."""
+    sizes = [s[view.dim] for s in shapes]
+    total = sum(sizes)
+    names = [_leaf_name(p, leaf, whole) for p in view.parts]
+    if leaf == "weight_shape":
+        return {n: torch.tensor(list(s), dtype=t.dtype) for n, s in zip(names, shapes)}
+    if t.dim() > view.dim and t.shape[view.dim] == total:
+        return dict(zip(names, (c.contiguous() for c in torch.split(t, sizes, dim=view.dim))))
+    if t.dim() > view.dim and t.shape[view.dim] > 1 and total % t.shape[view.dim] == 0:  # packed rows
+        pack = total // t.shape[view.dim]
+        if all(s % pack == 0 for s in sizes):
+            return dict(zip(names, (c.contiguous() for c in torch.split(t, [s // pack for s in sizes], view.dim))))
+    if t.numel() == 1 or t.dim() <= view.dim:
+        return {n: t.clone() for n in names}
+    raise ModelError(f"'{name}': cannot write its '{leaf}' {list(t.shape)} back as the parts {view.parts} the files store")
+
+
+def _join_back(view: PartView, leaf: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors `leaf` of a split view's modules (q/k/v_proj), as the one fused tensor the files store
+    (query_key_value): concatenated along the view's axis, or one value the parts share (per-tensor
+    scales), or the fused `weight_shape`."""
+    by_module = {n.rpartition(".")[0]: t for n, t in parts.items()}
+    modules = [s.removesuffix(".weight") for s in view.siblings]
+    missing = [m for m in modules if m not in by_module]
+    if missing:
+        raise ModelError(
+            f"'{view.stored}' is stored fused: its parts {missing} have no '{leaf}'",
+            fix="please report this as an fp8ptq bug: the parts of a fused tensor are quantized together",
+        )
+    ts = [by_module[m] for m in modules]
+    name = _leaf_name(view.stored, leaf, leaf == "weight" and view.stored.endswith(".weight"))
+    if leaf == "weight_shape":
+        shape = ts[0].clone()
+        shape[view.dim] = sum(int(t[view.dim]) for t in ts)
+        return {name: shape}
+    if all(t.numel() == 1 for t in ts) or ts[0].dim() <= view.dim:
+        if any(not torch.equal(t, ts[0]) for t in ts[1:]):
+            raise ModelError(
+                f"'{view.stored}' is stored fused, but its parts {modules} have different '{leaf}' values",
+                fix="please report this as an fp8ptq bug: fused shards share one scale",
+            )
+        return {name: ts[0]}
+    return {name: torch.cat(ts, dim=view.dim)}
 
 
 def resolve_model(spec: str, revision: str | None = None) -> ModelSource:

@@ -18,6 +18,8 @@ depend on other experts' weights).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from typing import Callable
 
@@ -32,11 +34,19 @@ UP_DOWN = (None, "up_proj", "down_proj")  # experts without a gate (Nemotron-H):
 
 class ExpertMLP(torch.nn.Module):
     """One expert: down(act(gate(x)) * up(x)) (down(act(up(x))) without a gate), with the checkpoint's
-    leaf names."""
+    leaf names. `glu`, when given, replaces act(gate) * up: the family's own gating of the two halves
+    (clamped SwiGLU variants)."""
 
-    def __init__(self, hidden: int, inter: int, act: Callable, names: tuple[str | None, str, str] = GATE_UP_DOWN):
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        act: Callable,
+        names: tuple[str | None, str, str] = GATE_UP_DOWN,
+        glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
-        self.names, self.act = names, act
+        self.names, self.act, self.glu = names, act, glu
         gate, up, down = names
         if gate is not None:
             self.add_module(gate, torch.nn.Linear(hidden, inter, bias=False))
@@ -47,6 +57,8 @@ class ExpertMLP(torch.nn.Module):
         gate, up, down = (self._modules.get(n) if n else None for n in self.names)
         if gate is None:
             return down(self.act(up(x)))
+        if self.glu is not None:
+            return down(self.glu(gate(x), up(x)))
         return down(self.act(gate(x)) * up(x))
 
 
@@ -76,11 +88,11 @@ class Experts(torch.nn.ModuleList):
 
 
 def replace_experts(
-    moe: torch.nn.Module, count: int, hidden: int, inter: int, act: Callable, names=GATE_UP_DOWN
+    moe: torch.nn.Module, count: int, hidden: int, inter: int, act: Callable, names=GATE_UP_DOWN, glu=None
 ) -> None:
     """Swap `moe.experts` (transformers' fused 3-D experts) for per-expert Linears on the meta device."""
     with torch.device("meta"):
-        moe.experts = Experts([ExpertMLP(hidden, inter, act, names) for _ in range(count)])
+        moe.experts = Experts([ExpertMLP(hidden, inter, act, names, glu) for _ in range(count)])
 
 
 def token_counts(top_k_index: torch.Tensor, count: int) -> torch.Tensor:
@@ -94,15 +106,20 @@ _MODEL_FREE = "quantize it data-free by tensor names: `fp8ptq model-free MODEL -
 
 
 def is_fused_experts(m: torch.nn.Module) -> bool:
-    """transformers' experts: 3-D `gate_up_proj` (or `up_proj`, experts without a gate) and `down_proj`."""
+    """transformers' routed experts: 3-D `gate_up_proj` (or `up_proj`, experts without a gate) and
+    `down_proj`, called with the routing (`top_k_index`). Shared experts stacked in 3-D tensors (run on
+    every token, no routing) are not: they stay as stored, in float."""
     p = m._parameters
     up = p.get("gate_up_proj", p.get("up_proj"))
-    return up is not None and up.dim() == 3 and p.get("down_proj") is not None
+    if up is None or up.dim() != 3 or p.get("down_proj") is None:
+        return False
+    return "top_k_index" in inspect.signature(type(m).forward).parameters
 
 
 def fused_experts(layers: torch.nn.ModuleList) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Layer-relative paths of fused experts modules, and of the routers (a sibling with a weight of one
-    row per expert) and shared-expert gates (one row), which are never quantized."""
+    """Layer-relative paths of fused experts modules, and of the routers and shared-expert gates, which
+    are never quantized: a module beside the experts, or inside such a sibling (afmoe's
+    `router.gate`), whose 2-D weight has one row per expert (a router) or one row (a gate)."""
     at, keep = set(), set()
     for layer in layers:
         for n, m in layer.named_modules():
@@ -113,9 +130,13 @@ def fused_experts(layers: torch.nn.ModuleList) -> tuple[tuple[str, ...], tuple[s
             parent = layer.get_submodule(parent_name) if parent_name else layer
             count = m.down_proj.shape[0]
             for c, child in parent.named_children():
-                w = getattr(child, "weight", None)
-                if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] in (count, 1):
-                    keep.add(f"{parent_name}.{c}" if parent_name else c)
+                if child is m:
+                    continue
+                for g, inner in child.named_modules():
+                    w = getattr(inner, "weight", None)
+                    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] in (count, 1):
+                        path = ".".join(p for p in (parent_name, c, g) if p)
+                        keep.add(path)
     return tuple(sorted(at)), tuple(sorted(keep))
 
 
@@ -166,6 +187,51 @@ def unfuse_experts(layer: torch.nn.Module, config, leaves: tuple | None = None) 
         names = leaves or (GATE_UP_DOWN if gated else UP_DOWN)
         if (names[0] is not None) != gated:
             raise ModelError(f"experts '{n}': the checkpoint's expert names {names} do not match {type(m).__name__}")
-        replace_experts(parent, count, hidden, inter, m.act_fn, names)
+        act, glu = _gating(n, m)
+        replace_experts(parent, count, hidden, inter, act, names, glu)
         if leaf != "experts":
             parent._modules[leaf] = parent._modules.pop("experts")
+
+
+def _gating(name: str, m: torch.nn.Module) -> tuple[Callable, Callable | None]:
+    """The activation of a fused experts module and, for families that gate the two halves their own
+    way (`_apply_gate(gate_up)`: clamped SwiGLU), that gating as a function of (gate, up)."""
+    apply_gate = getattr(type(m), "_apply_gate", None)
+    if apply_gate is not None:
+        return torch.nn.Identity(), functools.partial(_glu_of, functools.partial(apply_gate, m))
+    act = getattr(m, "act_fn", None)
+    if act is None:
+        raise ModelError(
+            f"experts '{name}' ({type(m).__name__}) have neither an act_fn nor an _apply_gate: their gating is unknown",
+            fix=_MODEL_FREE,
+        )
+    return act, None
+
+
+def _glu_of(apply_gate: Callable, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return apply_gate(torch.cat([gate, up], dim=-1))
+
+
+def fused_views(stored: dict[str, str], experts: dict[str, tuple[int, int]], leaves: tuple[str | None, str, str]):
+    """Per-expert Linear weights (named as after unfusing, `model.layers.3.mlp.experts.7.gate_proj.weight`)
+    as views of a checkpoint's fused 3-D tensors. `experts`: a fused experts module's path -> (expert
+    count, intermediate size); `stored`: a fused parameter's module name (`...experts.gate_up_proj`) ->
+    the checkpoint's name for it (absent: not in the checkpoint). gate_up_proj [E, 2I, H] holds the
+    gate rows first, then the up rows (the `.chunk(2, dim=-1)` of transformers' experts forward)."""
+    from fp8ptq.models.arch.base import SourceView
+
+    gate, up, down = leaves
+    views = {}
+    for path, (count, inter) in experts.items():
+        fused_up = stored.get(f"{path}.gate_up_proj" if gate else f"{path}.up_proj")
+        fused_down = stored.get(f"{path}.down_proj")
+        if fused_up is None or fused_down is None:
+            continue
+        for e in range(count):
+            views[f"{path}.{e}.{down}.weight"] = SourceView(fused_down, e)
+            if gate is None:
+                views[f"{path}.{e}.{up}.weight"] = SourceView(fused_up, e)
+            else:
+                views[f"{path}.{e}.{gate}.weight"] = SourceView(fused_up, e, rows=(0, inter))
+                views[f"{path}.{e}.{up}.weight"] = SourceView(fused_up, e, rows=(inter, 2 * inter))
+    return views

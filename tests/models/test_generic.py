@@ -1,7 +1,8 @@
 """The generic adapter (models/arch/generic.py) on model types no adapter registers — a new dense family,
-a multimodal checkpoint, an MoE family and a hybrid linear-attention family, tiny random models from
-transformers' own config classes — and on every registered family, where it must find what the
-adapter says."""
+a multimodal checkpoint, an MoE family and a hybrid linear-attention family, checkpoints whose tensors
+transformers joins, splits or stacks on load (experts stored fused in 3-D tensors, a fused q/k/v, split
+convolutions), tiny random models from transformers' own config classes — and on every registered
+family, where it must find what the adapter says."""
 
 import json
 
@@ -31,6 +32,14 @@ FAMILIES = {
         shared_expert_intermediate_size=64,
         layer_types=("linear_attention", "full_attention"),
     ),
+    # experts stored as transformers holds them: `block_sparse_moe.input_linear.weight` [E, 2I, H]
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2),
+    # q/k/v stored fused as `attention.query_key_value` (transformers splits it on load)
+    "sarvam_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1),
+    # the linear attention's q/k/v convolutions stored apart (transformers joins them into `conv1d`)
+    "olmo_hybrid": dict(layer_types=("linear_attention", "full_attention")),
+    # a shared expert's gate/up stored apart (joined into `gate_up_proj`), experts with a clamped SwiGLU
+    "minimax_m3_vl": dict(num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -218,3 +227,48 @@ def test_a_discovered_layout_says_so_when_it_refuses_a_recipe(tiny_model, tmp_pa
     assert not (tmp_path / "q").exists()
     # what the engine lacks (README, "MLA models") and the way out
     assert "vLLM 0.32 reads no calibrated scale" in str(e.value) and "--kv-cache-dtype fp8" in str(e.value)
+
+
+# model type -> (a tensor name the source stores and the export keeps, a module name it must not write)
+STORED_LAYOUT = {
+    "granitemoe": ("model.layers.1.block_sparse_moe.experts.7.up_proj.weight_scale", "gate_up_proj"),
+    "sarvam_moe": ("model.layers.0.attention.query_key_value.weight_scale", "self_attn.q_proj"),
+    "olmo_hybrid": ("model.layers.0.linear_attn.q_conv1d.weight", "linear_attn.conv1d"),
+    "minimax_m3_vl": (
+        "language_model.model.layers.0.block_sparse_moe.shared_experts.up_proj.weight_scale",
+        "shared_experts.gate_up_proj",
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(STORED_LAYOUT))
+def test_an_export_keeps_the_layout_the_source_stores(model_type, tiny_model, tmp_path):
+    """Layers that transformers builds from joined, split or 3-D-stacked checkpoint tensors are calibrated
+    as the modules they are, and written back as the source stored them (what the family's engine loader
+    reads): every quantized module decompresses, read back through the same views, to exactly what
+    calibration simulated, and fp8ptq's lint finds nothing wrong."""
+    from fp8ptq.api import InspectConfig, QuantizeConfig, inspect
+
+    from tests.helpers import decompression_mismatches, quantize_recording
+
+    out = tmp_path / "q"
+    cfg = QuantizeConfig(
+        model=str(_model(tiny_model, model_type)), recipe="fp8-dynamic", output=out, num_samples=4, seq_len=32,
+        eval_samples=1, recipe_gates=False,
+    )  # fmt: skip
+    fakes = quantize_recording(cfg)
+    assert len(fakes) > 8 and decompression_mismatches(out, fakes) == []
+    kept, module = STORED_LAYOUT[model_type]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert kept in names and not any(module in n for n in names)
+    assert [f for f in inspect(InspectConfig(path=out)).findings if f.level == "error"] == []
+
+
+def test_routers_inside_a_sibling_module_stay_float(tiny_model):
+    """afmoe keeps its router one level down (`mlp.router.gate`, one row per expert): found beside the
+    experts, it is never quantized and the export ignores it by name."""
+    arch = open_hf_dir(
+        tiny_model("afmoe", max_position_embeddings=512, **SIZES, num_experts=8, num_experts_per_tok=2)
+    ).arch
+    assert "re:.*mlp\\.router\\.gate$" in arch.keep_float

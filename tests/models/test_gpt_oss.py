@@ -58,7 +58,7 @@ def test_clamped_swiglu_expert_block_matches_transformers():
     state = {f"{pre}experts.{k}": v for k, v in hf.experts.state_dict().items()}
     views = arch.source_views(list(state), cfg)
     assert len(views) == 4 * cfg.num_local_experts
-    loaded = {n.removeprefix(pre): v.read(state[v.stored]) for n, v in views.items()} | {
+    loaded = {n.removeprefix(pre): v.read([state[v.stored]]) for n, v in views.items()} | {
         f"router.{k}": v for k, v in hf.router.state_dict().items()
     }
     ours.load_state_dict(loaded, strict=True, assign=True)
