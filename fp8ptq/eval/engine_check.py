@@ -136,7 +136,11 @@ def weight_errors(model: torch.nn.Module, arch, probed: dict[str, torch.Tensor])
         i, _, name = key.partition(".")
         parent, _, leaf = name.rpartition(".")
         shards = arch.fused.get(leaf) or _traced_shards(arch, layers[int(i)], int(i), parent, leaf)
-        modules = [layers[int(i)].get_submodule(f"{parent}.{s}" if parent else s) for s in shards]
+        try:
+            modules = [layers[int(i)].get_submodule(f"{parent}.{s}" if parent else s) for s in shards]
+        except AttributeError:  # a module vLLM names that transformers' model has not (a renamed router)
+            out[key] = None
+            continue
         eye = torch.eye(w_vllm.shape[1])
         if not all(isinstance(m, torch.nn.Linear) for m in modules):  # a router: a plain weight in transformers
             if not all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in modules):
