@@ -49,9 +49,7 @@ GENERIC = {
     "bamba": dict(DENSE, time_step_limit=[0.0, 1e4]),
     # checkpoints whose tensors transformers stacks, splits or joins on load (kept as stored on export)
     "granitemoe": dict(DENSE, num_local_experts=8, num_experts_per_tok=2),
-    "sarvam_moe": dict(
-        DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1
-    ),
+    "sarvam_moe": dict(DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1),
     "olmo_hybrid": dict(DENSE, layer_types=["linear_attention", "full_attention", "linear_attention"]),
 }
 

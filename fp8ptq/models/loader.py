@@ -393,7 +393,9 @@ def _split_back(
             return dict(zip(names, (c.contiguous() for c in torch.split(t, [s // pack for s in sizes], view.dim))))
     if t.numel() == 1 or t.dim() <= view.dim:
         return {n: t.clone() for n in names}
-    raise ModelError(f"'{name}': cannot write its '{leaf}' {list(t.shape)} back as the parts {view.parts} the files store")
+    raise ModelError(
+        f"'{name}': cannot write its '{leaf}' {list(t.shape)} back as the parts {view.parts} the files store"
+    )
 
 
 def _join_back(view: PartView, leaf: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

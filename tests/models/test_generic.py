@@ -248,7 +248,6 @@ def test_an_export_keeps_the_layout_the_source_stores(model_type, tiny_model, tm
     reads): every quantized module decompresses, read back through the same views, to exactly what
     calibration simulated, and fp8ptq's lint finds nothing wrong."""
     from fp8ptq.api import InspectConfig, QuantizeConfig, inspect
-
     from tests.helpers import decompression_mismatches, quantize_recording
 
     out = tmp_path / "q"

@@ -318,8 +318,14 @@ def converter_views(names: list[str], skeleton: torch.nn.Module) -> dict:
     of other kinds (experts merged into 3-D tensors: models/moe.py; rotary permutations) are not read
     here: a tensor only they make is reported missing by the config-agreement check."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import Chunk, Concatenate, Split, WeightConverter, WeightRenaming
-    from transformers.core_model_loading import rename_source_key
+    from transformers.core_model_loading import (
+        Chunk,
+        Concatenate,
+        Split,
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
 
     mapping = get_model_conversion_mapping(skeleton)
     rules = [t for t in mapping if isinstance(t, WeightRenaming)]
