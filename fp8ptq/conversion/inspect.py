@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
+from fp8ptq.conversion.gguf_inspect import inspect_gguf
+from fp8ptq.conversion.inspect_report import Finding, InspectReport
 from fp8ptq.errors import ModelError
 from fp8ptq.quantization.schemes import handler, stored_tensors
 
@@ -46,40 +46,6 @@ SCALE_KEYS = (
 ROUTER = re.compile(r"(^|\.)(router|gate)$")
 VISION = re.compile(r"(^|\.)(vision|visual)")
 LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's index in a tensor name
-
-
-@dataclass(frozen=True)
-class Finding:
-    level: str  # error | warning | info
-    code: str
-    where: str
-    message: str
-
-
-@dataclass(frozen=True)
-class InspectReport:
-    """What `inspect` says of a checkpoint (`--json`: results.to_json of it). Directory fields: model_type,
-    schemes (label -> Linears), linears, linears_unquantized (None unless compressed-tensors); GGUF
-    fields: architecture, tensor_types (GGUF type -> tensors)."""
-
-    SCHEMA: ClassVar[str] = "inspect"
-    SCHEMA_VERSION: ClassVar[int] = 1
-
-    path: str
-    format: str
-    size_bytes: int
-    bits_per_param: float
-    findings: tuple[Finding, ...] = ()
-    model_type: str | None = None
-    schemes: dict[str, int] = field(default_factory=dict)
-    linears: int | None = None
-    linears_unquantized: int | None = None
-    architecture: str | None = None
-    tensor_types: dict[str, int] = field(default_factory=dict)
-    errors: int = field(init=False, default=0)  # findings at level error (inspect exits 1 when > 0)
-
-    def __post_init__(self):
-        object.__setattr__(self, "errors", sum(f.level == "error" for f in self.findings))
 
 
 def _format(path: Path, config: dict) -> str:
@@ -101,6 +67,7 @@ def _modules(
     from fp8ptq.models.arch import arch_for
     from fp8ptq.models.loader import ModelSource
     from fp8ptq.models.skeleton import build_skeleton
+    from fp8ptq.models.views import stored_modules
 
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
@@ -115,7 +82,7 @@ def _modules(
         model = build_skeleton(cfg)
         # a module is named as the checkpoint stores its weight (a renamed router: `mlp.router.weight`
         # stored as `block_sparse_moe.gate.weight`; q/k/v_proj stored fused as `query_key_value`)
-        fused = _stored_modules(arch.source_views(list(names), cfg) if arch.source_views is not None else {})
+        fused = stored_modules(arch.source_views(list(names), cfg) if arch.source_views is not None else {})
         modules = {}
         for n, m in model.named_modules():
             if n:
@@ -125,23 +92,6 @@ def _modules(
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         out.append(Finding("warning", "no-module-tree", "config.json", f"cannot build the model ({err}); lint partial"))
         return {}, {}
-
-
-def _stored_modules(views: dict) -> dict[str, list[str]]:
-    """Module name -> the module names the files store its tensors under, where a view joins or splits
-    them (per-expert slices of 3-D experts keep their own names)."""
-    from fp8ptq.models.arch.base import SourceView
-
-    out: dict[str, list[str]] = {}
-    for name, view in views.items():
-        if isinstance(view, SourceView):
-            continue
-        module = name.rpartition(".")[0]
-        for source in view.sources:
-            on_disk = source.rpartition(".")[0]
-            if on_disk not in out.setdefault(module, []):
-                out[module].append(on_disk)
-    return out
 
 
 def _scheme_of(name, module, qcfg):
@@ -320,50 +270,6 @@ def _lint_head(config: dict, weight_map: dict, modules: dict, out: list[Finding]
         out.append(Finding("error", "missing-head", "lm_head", "the config is untied but no lm_head tensor is stored"))
 
 
-def _inspect_gguf(path: Path) -> InspectReport:
-    from fp8ptq.models import gguf
-
-    reader, k_types = gguf.open_reader(path), gguf.K_TYPES
-    types: dict[str, int] = {}
-    params = 0
-    for t in reader.tensors:
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-        params += int(t.n_elements)
-    carried = sorted(k for k in types if k in k_types)
-    other = sorted(k for k in types if k not in gguf.EXACT_TYPES and k not in gguf.FLOAT_TYPES and k not in k_types)
-    findings = []
-    if carried:
-        findings.append(
-            Finding(
-                "info",
-                "gguf-k-quant",
-                str(path),
-                f"types {carried}: `convert --to compressed-tensors` carries their Linears as INT8 group 32, "
-                "re-rounded (the error is reported per tensor)",
-            )
-        )
-    if other:
-        findings.append(
-            Finding("info", "gguf-requantize", str(path), f"types {other} have no exact compressed-tensors form")
-        )
-    try:  # the file against its own metadata, as quantize checks it
-        gguf.check_supported(gguf.gguf_architecture(reader))
-        gguf.check_gguf(path)
-    except ModelError as err:
-        code = "gguf-incomplete" if "transformers' GGUF loader" not in err.message else "gguf-architecture"
-        findings.append(Finding("error", code, str(path), err.message))
-    size = path.stat().st_size
-    return InspectReport(
-        path=str(path),
-        format="gguf",
-        architecture=gguf.gguf_architecture(reader),
-        tensor_types=types,
-        size_bytes=size,
-        bits_per_param=8 * size / max(params, 1),
-        findings=tuple(findings),
-    )
-
-
 def inspect_checkpoint(path: Path) -> InspectReport:
     """Format, schemes, size and lint findings of a checkpoint directory or .gguf file."""
     from fp8ptq.models.loader import read_weight_map
@@ -374,7 +280,7 @@ def inspect_checkpoint(path: Path) -> InspectReport:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelError(f"'{path}' is a file but not .gguf", fix="pass a checkpoint directory or a .gguf file")
-        return _inspect_gguf(path)
+        return inspect_gguf(path)
     return _inspect_dir(path, read_weight_map(path))
 
 

@@ -21,11 +21,11 @@ from safetensors import SafetensorError, safe_open
 from fp8ptq.errors import ModelError, NonFiniteError
 from fp8ptq.io import ST_DTYPES
 from fp8ptq.models.arch import Arch, arch_for
-from fp8ptq.models.arch.base import JoinedView, PartView, View
 from fp8ptq.models.arch.capture import stored_name
 from fp8ptq.models.config_checks import check_architectures, check_sizes
 from fp8ptq.models.folder import inside_model, side_files
 from fp8ptq.models.gguf_files import ALIASES, alias_gguf, cached_gguf, gguf_cache_dir
+from fp8ptq.models.views import JoinedView, PartView, View
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -109,12 +109,15 @@ class ModelSource:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def _handle(self, name: str):
-        shard = self.weight_map[name]
+    def _open(self, shard: str):
+        """The shard's safetensors handle, opened once (memory-mapped) until `close`."""
         handle = self._handles.get(shard)
         if handle is None:
             handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return handle
+
+    def _handle(self, name: str):
+        return self._open(self.weight_map[name])
 
     def stored_name(self, name: str) -> str:
         """The name the files give the tensor the skeleton calls `name` (what an export writes): renamed
@@ -124,7 +127,7 @@ class ModelSource:
     def stored_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Module-named tensors of an export (a quantized Linear's `weight_scale`, ... beside its weight)
         under the names and in the layout the source files use: renamed by `stored_name`, and those of a
-        joined or split view written back as the files hold them (ExportError where a fused tensor's
+        joined or split view written back as the files hold them (ModelError where a fused tensor's
         parts do not agree on a scale it has one of)."""
         out, fused = {}, {}
         for name, t in tensors.items():
@@ -132,36 +135,25 @@ class ModelSource:
             view = self.views.get(name) or self.views.get(f"{module}.weight")
             if isinstance(view, JoinedView):
                 shapes = [self.tensor_shape_of(p) for p in view.parts]
-                out.update(_split_back(view, name, leaf, t, shapes, whole=name in self.views))
+                out.update(view.write_back(name, t, shapes, whole=name in self.views))
             elif isinstance(view, PartView):
                 fused.setdefault((view.stored, leaf), (view, {}))[1][name] = t
             else:
                 out[self.stored_name(name)] = t
         for (_, leaf), (view, parts) in fused.items():
-            out.update(_join_back(view, leaf, parts))
+            out.update(view.write_back(leaf, parts))
         return out
 
     def tensor_shape_of(self, stored: str) -> tuple[int, ...]:
         """The shape of a tensor as the files store it (a view's source)."""
-        shard = self.stored_files[stored]
-        handle = self._handles.get(shard)
-        if handle is None:
-            handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
-        return tuple(handle.get_slice(stored).get_shape())
+        return tuple(self._open(self.stored_files[stored]).get_slice(stored).get_shape())
 
     def _slices(self, name: str) -> list:
         """The stored tensors (safetensors slices) the tensor `name` is read from: itself, or its view's."""
         view = self.views.get(name)
         if view is None:
             return [self._handle(name).get_slice(self.stored_name(name))]
-        out = []
-        for stored in view.sources:
-            shard = self.stored_files[stored]
-            handle = self._handles.get(shard)
-            if handle is None:
-                handle = self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
-            out.append(handle.get_slice(stored))
-        return out
+        return [self._open(self.stored_files[s]).get_slice(s) for s in view.sources]
 
     def tensor(self, name: str) -> torch.Tensor:
         view = self.views.get(name)
@@ -366,64 +358,6 @@ def open_hf_dir(path: Path, label: str | None = None) -> ModelSource:
         stored_files=stored_files,
         renames=renames,
     )
-
-
-def _leaf_name(stored: str, leaf: str, whole: bool) -> str:
-    """The stored name of a module tensor `leaf` (`weight_scale`) beside a stored weight name."""
-    return stored if whole else f"{stored.removesuffix('.weight')}.{leaf}"
-
-
-def _split_back(
-    view: JoinedView, name: str, leaf: str, t: torch.Tensor, shapes: list, whole: bool
-) -> dict[str, torch.Tensor]:
-    """One tensor of a module whose weight is a JoinedView, as its parts: split along the view's axis
-    where the tensor spans it (weights, per-row scales, packed rows), its shape per part for
-    compressed-tensors' `weight_shape`, the same value for each part where it has one (per-tensor
-    scales). `whole`: `t` is the view's own tensor, not one beside it."""
-    sizes = [s[view.dim] for s in shapes]
-    total = sum(sizes)
-    names = [_leaf_name(p, leaf, whole) for p in view.parts]
-    if leaf == "weight_shape":
-        return {n: torch.tensor(list(s), dtype=t.dtype) for n, s in zip(names, shapes)}
-    if t.dim() > view.dim and t.shape[view.dim] == total:
-        return dict(zip(names, (c.contiguous() for c in torch.split(t, sizes, dim=view.dim))))
-    if t.dim() > view.dim and t.shape[view.dim] > 1 and total % t.shape[view.dim] == 0:  # packed rows
-        pack = total // t.shape[view.dim]
-        if all(s % pack == 0 for s in sizes):
-            return dict(zip(names, (c.contiguous() for c in torch.split(t, [s // pack for s in sizes], view.dim))))
-    if t.numel() == 1 or t.dim() <= view.dim:
-        return {n: t.clone() for n in names}
-    raise ModelError(
-        f"'{name}': cannot write its '{leaf}' {list(t.shape)} back as the parts {view.parts} the files store"
-    )
-
-
-def _join_back(view: PartView, leaf: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors `leaf` of a split view's modules (q/k/v_proj), as the one fused tensor the files store
-    (query_key_value): concatenated along the view's axis, or one value the parts share (per-tensor
-    scales), or the fused `weight_shape`."""
-    by_module = {n.rpartition(".")[0]: t for n, t in parts.items()}
-    modules = [s.removesuffix(".weight") for s in view.siblings]
-    missing = [m for m in modules if m not in by_module]
-    if missing:
-        raise ModelError(
-            f"'{view.stored}' is stored fused: its parts {missing} have no '{leaf}'",
-            fix="please report this as an fp8ptq bug: the parts of a fused tensor are quantized together",
-        )
-    ts = [by_module[m] for m in modules]
-    name = _leaf_name(view.stored, leaf, leaf == "weight" and view.stored.endswith(".weight"))
-    if leaf == "weight_shape":
-        shape = ts[0].clone()
-        shape[view.dim] = sum(int(t[view.dim]) for t in ts)
-        return {name: shape}
-    if all(t.numel() == 1 for t in ts) or ts[0].dim() <= view.dim:
-        if any(not torch.equal(t, ts[0]) for t in ts[1:]):
-            raise ModelError(
-                f"'{view.stored}' is stored fused, but its parts {modules} have different '{leaf}' values",
-                fix="please report this as an fp8ptq bug: fused shards share one scale",
-            )
-        return {name: ts[0]}
-    return {name: torch.cat(ts, dim=view.dim)}
 
 
 def resolve_model(spec: str, revision: str | None = None) -> ModelSource:

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from fp8ptq.errors import ModelError
+from fp8ptq.models.views import SourceView
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # Qwen-MoE / DeepSeek naming
 W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral naming: w1 gate, w3 up, w2 down
@@ -88,7 +89,7 @@ class Experts(torch.nn.ModuleList):
 
 
 def replace_experts(
-    moe: torch.nn.Module, count: int, hidden: int, inter: int, act: Callable, names=GATE_UP_DOWN, glu=None
+    moe: torch.nn.Module, count: int, hidden: int, inter: int, act: Callable, *, names=GATE_UP_DOWN, glu=None
 ) -> None:
     """Swap `moe.experts` (transformers' fused 3-D experts) for per-expert Linears on the meta device."""
     with torch.device("meta"):
@@ -188,7 +189,7 @@ def unfuse_experts(layer: torch.nn.Module, config, leaves: tuple | None = None) 
         if (names[0] is not None) != gated:
             raise ModelError(f"experts '{n}': the checkpoint's expert names {names} do not match {type(m).__name__}")
         act, glu = _gating(n, m)
-        replace_experts(parent, count, hidden, inter, act, names, glu)
+        replace_experts(parent, count, hidden, inter, act, names=names, glu=glu)
         if leaf != "experts":
             parent._modules[leaf] = parent._modules.pop("experts")
 
@@ -218,8 +219,6 @@ def fused_views(stored: dict[str, str], experts: dict[str, tuple[int, int]], lea
     count, intermediate size); `stored`: a fused parameter's module name (`...experts.gate_up_proj`) ->
     the checkpoint's name for it (absent: not in the checkpoint). gate_up_proj [E, 2I, H] holds the
     gate rows first, then the up rows (the `.chunk(2, dim=-1)` of transformers' experts forward)."""
-    from fp8ptq.models.arch.base import SourceView
-
     gate, up, down = leaves
     views = {}
     for path, (count, inter) in experts.items():

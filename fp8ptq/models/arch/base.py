@@ -13,13 +13,13 @@ tensors, say) into modules named as on disk, so that export writes the names the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
 
 from fp8ptq.errors import ModelError
+from fp8ptq.models.views import View
 
 # The small decoder every adapter's `tiny` config starts from (tests, examples): 2 layers, 64 wide.
 TINY = dict(
@@ -30,146 +30,6 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-
-
-@dataclass(frozen=True)
-class SourceView:
-    """A tensor the skeleton names that the source files store inside a fused one: `stored[index]`
-    (rows `rows[0]:rows[1]` of it where the fused tensor stacks two Linears, as transformers'
-    `gate_up_proj` [E, 2I, H] does), transposed when the file holds it [in, out] (gpt-oss's experts)
-    rather than nn.Linear's [out, in]. An export writes it under its own (per-expert) name."""
-
-    stored: str
-    index: int
-    transpose: bool = False
-    rows: tuple[int, int] | None = None
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return (self.stored,)
-
-    def read(self, slices: list) -> torch.Tensor:
-        # one expert's rows only (a safetensors slice reads just those)
-        t = slices[0][self.index] if self.rows is None else slices[0][self.index, self.rows[0] : self.rows[1]]
-        return t.t().contiguous() if self.transpose else t
-
-    def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-        shape = tuple(shapes[0][1:])
-        if self.rows is not None:
-            shape = (self.rows[1] - self.rows[0], *shape[1:])
-        return shape[::-1] if self.transpose else shape
-
-
-@dataclass(frozen=True)
-class JoinedView:
-    """A tensor the skeleton names that the files store as several (transformers' Concatenate
-    converter: olmo-hybrid's q/k/v_conv1d -> conv1d, a shared expert's gate/up -> gate_up_proj): their
-    concatenation along `dim`. An export writes the parts back under their stored names."""
-
-    parts: tuple[str, ...]
-    dim: int = 0
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return self.parts
-
-    def read(self, slices: list) -> torch.Tensor:
-        return torch.cat([s[:] for s in slices], dim=self.dim)
-
-    def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-        first = list(shapes[0])
-        first[self.dim] = sum(s[self.dim] for s in shapes)
-        return tuple(first)
-
-
-@dataclass(frozen=True)
-class PartView:
-    """One of several tensors the skeleton names that the files store fused in one (transformers'
-    Split/Chunk converters: Bailing's `query_key_value` -> q/k/v_proj): `stored[start:stop]` along
-    `dim`. An export writes the fused tensor back from all of `siblings` (the parts' names, in order)."""
-
-    stored: str
-    dim: int
-    start: int
-    stop: int
-    siblings: tuple[str, ...]
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return (self.stored,)
-
-    def read(self, slices: list) -> torch.Tensor:
-        if self.dim == 0:
-            return slices[0][self.start : self.stop]  # these rows only
-        return slices[0][:].narrow(self.dim, self.start, self.stop - self.start).contiguous()
-
-    def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-        shape = list(shapes[0])
-        shape[self.dim] = self.stop - self.start
-        return tuple(shape)
-
-
-@dataclass(frozen=True)
-class LeafView:
-    """A tensor beside a viewed weight in a quantized checkpoint (`weight_scale`, `weight_packed`,
-    `weight_shape`, ... of a Linear whose weight is a PartView or a JoinedView), read as that weight
-    is: rows `start:stop` of `sources[0]` along `dim` (a PartView's; of `total` rows: a tensor spanning
-    them is sliced, one packing rows (zero points, 8 to a value) sliced in proportion, one value kept
-    as it is, a `weight_shape` told the part's rows), or the parts joined (a JoinedView's: concatenated
-    where they span the rows, one value where they agree on it, their shapes summed)."""
-
-    sources: tuple[str, ...]
-    dim: int
-    start: int = 0
-    stop: int = 0
-    total: int = 0
-    shape_tensor: bool = False  # compressed-tensors' `weight_shape`: the weight's shape as a tensor
-
-    def read(self, slices: list) -> torch.Tensor:
-        ts = [s[:] for s in slices]
-        if len(ts) > 1:  # joined
-            if self.shape_tensor:
-                out = ts[0].clone()
-                out[self.dim] = sum(int(t[self.dim]) for t in ts)
-                return out
-            if all(t.numel() == 1 for t in ts) or ts[0].dim() <= self.dim:
-                if any(not torch.equal(t, ts[0]) for t in ts[1:]):
-                    raise ModelError(
-                        f"{self.sources}: the parts of one Linear carry different values of a per-tensor scale",
-                        fix="re-export the checkpoint with one scale for the fused parts",
-                    )
-                return ts[0]
-            return torch.cat(ts, dim=self.dim)
-        t = ts[0]
-        if self.shape_tensor:
-            out = t.clone()
-            out[self.dim] = self.stop - self.start
-            return out
-        rows = t.shape[self.dim] if t.dim() > self.dim else 0
-        if rows == self.total:
-            return t.narrow(self.dim, self.start, self.stop - self.start).contiguous()
-        if rows > 1 and self.total % rows == 0:
-            pack = self.total // rows
-            return t.narrow(self.dim, self.start // pack, (self.stop - self.start) // pack).contiguous()
-        return t
-
-    def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-        first = list(shapes[0])
-        if self.shape_tensor or len(first) <= self.dim:
-            return tuple(first)
-        if len(shapes) > 1:
-            if all(s[self.dim] > 1 for s in shapes) and not all(math.prod(s) == 1 for s in shapes):
-                first[self.dim] = sum(s[self.dim] for s in shapes)
-            return tuple(first)
-        rows = first[self.dim]
-        if rows == self.total:
-            first[self.dim] = self.stop - self.start
-        elif rows > 1 and self.total % rows == 0:
-            first[self.dim] = (self.stop - self.start) // (self.total // rows)
-        return tuple(first)
-
-
-View = SourceView | JoinedView | PartView | LeafView
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def _prepare(layer, config) -> None:
     if hasattr(moe, "experts"):
         act = ACT2FN[config.hidden_act]
         replace_experts(
-            moe, config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, act, GATE_UP_DOWN
+            moe, config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, act, names=GATE_UP_DOWN
         )
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.models.arch.base import Arch, Block, JoinedView, LayerInputs, LeafView, PartView, SmoothGroup
+from fp8ptq.models.arch.base import Arch, Block, LayerInputs, SmoothGroup
 from fp8ptq.models.arch.capture import (
     MODEL_FREE,
     NoSdpa,
@@ -40,15 +40,15 @@ from fp8ptq.models.arch.capture import (
     fold_is_exact,
     is_norm,
     norm_offset,
-    prefix_pairs,
     stored_path,
     uses_attention_interface,
 )
+from fp8ptq.models.arch.stored import renames as stored_renames
+from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
 from fp8ptq.models.moe import (
     GATE_UP_DOWN,
     UP_DOWN,
     fused_experts,
-    fused_views,
     is_fused_experts,
     stored_expert_leaves,
     unfuse_experts,
@@ -274,114 +274,7 @@ class GenericArch(Arch):
         WeightRenaming rules: legacy multimodal prefixes, `backbone.` -> `model.`, `block_sparse_moe.` ->
         `mlp.`). Entries ending in "." are prefixes under which every stored tensor is renamed, so tensors
         an export adds (a Linear's scales, an attention's KV scales) are named as their module's."""
-        return _renames(self.skeleton, stored)
-
-
-def _renames(skeleton: torch.nn.Module, stored: list[str]) -> dict[str, str]:
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    rules = [t for t in get_model_conversion_mapping(skeleton) if isinstance(t, WeightRenaming)]
-    meta = skeleton.state_dict()
-    new = {name: rename_source_key(name, rules, [], skeleton.base_model_prefix, meta)[0] for name in stored}
-    out = {n: old for old, n in new.items() if n != old}
-    for p_new, p_old in prefix_pairs(out):  # a prefix no stored tensor under it keeps unrenamed
-        if all(old != n for old, n in new.items() if n.startswith(p_new)):
-            out[p_new] = p_old
-    return out
-
-
-def _source_views(names: list[str], config, skeleton: torch.nn.Module, experts: dict, leaves: tuple | None) -> dict:
-    """Arch.source_views of the generic adapter: the tensors transformers' own checkpoint converters
-    join or split on load (converter_views), and the experts of a checkpoint that stores them fused in
-    3-D tensors as transformers holds them, each expert's Linears read from their slices
-    (models/moe.fused_views)."""
-    views = converter_views(names, skeleton)
-    if experts:
-        renamed = _renames(skeleton, names)
-        present = set(names)
-        stored = {}
-        for path in experts:
-            for param in ("gate_up_proj", "up_proj", "down_proj"):
-                name = f"{path}.{param}"
-                on_disk = renamed.get(name, name)
-                if on_disk in present:
-                    stored[name] = on_disk
-        views |= fused_views(stored, experts, leaves)
-    return views
-
-
-def converter_views(names: list[str], skeleton: torch.nn.Module) -> dict:
-    """Module tensor name -> its view of the stored tensors, for transformers' checkpoint converters that
-    join several stored tensors into one (Concatenate: JoinedView) or split one into several (Chunk,
-    Split: PartView), matched to the stored names by transformers' own `rename_source_key`. Converters
-    of other kinds (experts merged into 3-D tensors: models/moe.py; rotary permutations) are not read
-    here: a tensor only they make is reported missing by the config-agreement check."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        Chunk,
-        Concatenate,
-        Split,
-        WeightConverter,
-        WeightRenaming,
-        rename_source_key,
-    )
-
-    mapping = get_model_conversion_mapping(skeleton)
-    rules = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [
-        t
-        for t in mapping
-        if isinstance(t, WeightConverter)
-        and len(t.operations) == 1
-        and type(t.operations[0]) in (Chunk, Concatenate, Split)
-        and getattr(t.operations[0], "num_shards_attribute", None) is None
-    ]
-    if not converters:
-        return {}
-    meta = skeleton.state_dict()
-    joined: dict[tuple[str, int], dict[int, str]] = {}
-    views: dict = {}
-    for name in names:
-        new, pattern = rename_source_key(name, rules, converters, skeleton.base_model_prefix, meta)
-        module, _, leaf = name.rpartition(".")
-        if pattern is None and leaf != "weight":  # a scale beside a weight a converter matches by `.weight`
-            new, pattern = rename_source_key(f"{module}.weight", rules, converters, skeleton.base_model_prefix, meta)
-            new = f"{new.removesuffix('.weight')}.{leaf}"
-        if pattern is None:
-            continue
-        k, conv = next((k, c) for k, c in enumerate(converters) if pattern in c.source_patterns)
-        op = conv.operations[0]
-        if isinstance(op, Concatenate):
-            joined.setdefault((new, k), {})[conv.source_patterns.index(pattern)] = name
-            continue
-        targets = [new.replace(conv.target_patterns[0], t, 1) for t in conv.target_patterns]
-        weights = [t if t in meta else _weight_of(t) for t in targets]
-        if any(w not in meta for w in weights):
-            continue
-        sizes = [meta[w].shape[op.dim] for w in weights]
-        start = 0
-        for t, size in zip(targets, sizes):
-            if t in meta:
-                views[t] = PartView(name, op.dim, start, start + size, tuple(targets))
-            else:  # a quantized checkpoint's scale, codes or shape beside the split weight
-                views[t] = LeafView((name,), op.dim, start, start + size, sum(sizes), t.endswith(".weight_shape"))
-            start += size
-    for (new, k), found in joined.items():
-        conv = converters[k]
-        if len(found) != len(conv.source_patterns):
-            continue
-        parts, dim = tuple(found[i] for i in range(len(found))), conv.operations[0].dim
-        if new in meta:
-            views[new] = JoinedView(parts, dim)
-        elif _weight_of(new) in meta:  # beside a joined weight, in a quantized checkpoint
-            views[new] = LeafView(parts, dim, shape_tensor=new.endswith(".weight_shape"))
-    return views
-
-
-def _weight_of(name: str) -> str:
-    """The weight beside a module's tensor (`q_proj.weight_scale` -> `q_proj.weight`)."""
-    return name.rpartition(".")[0] + ".weight"
+        return stored_renames(self.skeleton, stored)
 
 
 def discover(config) -> GenericArch:
@@ -438,7 +331,7 @@ def discover(config) -> GenericArch:
         gated = next(iter(fused.values()))[2]
         leaves = GATE_UP_DOWN if gated else UP_DOWN
         shapes = {path: (count, inter) for path, (count, inter, _) in fused.items()}
-    views = functools.partial(_source_views, skeleton=model, experts=shapes, leaves=leaves)
+    views = functools.partial(source_views, skeleton=model, experts=shapes, leaves=leaves)
     return GenericArch(
         name=config.model_type,
         model_types=(config.model_type,),
@@ -449,7 +342,7 @@ def discover(config) -> GenericArch:
         expert_lists=experts_at,
         keep_float=keep
         + tuple(f"re:.*{re.escape(t.rpartition('.')[2])}\\..*" for t in towers)
-        + _stored_tower_prefixes(model, towers),
+        + stored_tower_prefixes(model, towers),
         layers=layers,
         embed=names[id(embed_mod)],
         rotary=f"{stack}.{rotary[0]}" if rotary and stack else (rotary[0] if rotary else ""),
@@ -474,34 +367,6 @@ def _fused_modules(layers: torch.nn.ModuleList, prefix: str) -> dict[str, tuple[
                 count, rows, _ = (m.gate_up_proj if gated else m.up_proj).shape
                 found[f"{prefix}.{i}.{n}"] = (count, rows // 2 if gated else rows, gated)
     return found
-
-
-def _stored_tower_prefixes(model: torch.nn.Module, towers: tuple[str, ...]) -> tuple[str, ...]:
-    """Ignore patterns for the tower Linears a checkpoint stores under other names than the modules'
-    (MiniMax-M3-VL's `patch_merge_mlp.linear_1` for `model.multi_modal_projector.merge_linear_1`), by
-    transformers' renamings reversed: the stored path up to its first part the module path lacks; and
-    the LM head's stored name where it is not `lm_head` (the recipe's `ignore` names it so)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    rules = [t.reverse_transform() for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    if not rules:
-        return ()
-    found = set()
-    head = rename_source_key("lm_head.weight", rules[::-1], [], None, None, reverse=True)[0]
-    if head != "lm_head.weight":  # the head stored as `language_model.lm_head`: never quantized by name
-        found.add(head.removesuffix(".weight"))
-    for tower in towers:
-        for n, m in model.get_submodule(tower).named_modules():
-            if not isinstance(m, torch.nn.Linear):
-                continue
-            module = f"{tower}.{n}"
-            stored = rename_source_key(f"{module}.weight", rules[::-1], [], None, None, reverse=True)[0]
-            parts, own = stored.removesuffix(".weight").split("."), set(module.split("."))
-            new = next((i for i, p in enumerate(parts) if p not in own), None)
-            if new is not None:
-                found.add(f"re:.*{re.escape('.'.join(parts[: new + 1]))}\\..*")
-    return tuple(sorted(found))
 
 
 def _contains(name: str, stack: str) -> bool:

@@ -27,8 +27,9 @@ import torch
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 from fp8ptq.models.arch import register
-from fp8ptq.models.arch.base import TINY, Arch, Block, SmoothGroup, SourceView
+from fp8ptq.models.arch.base import TINY, Arch, Block, SmoothGroup
 from fp8ptq.models.moe import Experts
+from fp8ptq.models.views import SourceView
 
 LEAVES = ("gate_up_proj", "down_proj")
 

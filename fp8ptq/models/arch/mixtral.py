@@ -18,7 +18,12 @@ def _prepare(layer, config) -> None:
     layer.block_sparse_moe = moe
     layer.__dict__["mlp"] = moe  # the decoder layer's forward calls self.mlp; not a second child
     replace_experts(
-        moe, config.num_local_experts, config.hidden_size, config.intermediate_size, ACT2FN[config.hidden_act], W1_W3_W2
+        moe,
+        config.num_local_experts,
+        config.hidden_size,
+        config.intermediate_size,
+        ACT2FN[config.hidden_act],
+        names=W1_W3_W2,
     )
 
 

@@ -15,7 +15,9 @@ def _prepare(layer, config) -> None:
     moe = layer.mlp
     if hasattr(moe, "experts"):
         act = ACT2FN[config.hidden_act]
-        replace_experts(moe, config.num_experts, config.hidden_size, config.moe_intermediate_size, act, GATE_UP_DOWN)
+        replace_experts(
+            moe, config.num_experts, config.hidden_size, config.moe_intermediate_size, act, names=GATE_UP_DOWN
+        )
 
 
 QWEN3_MOE = register(
