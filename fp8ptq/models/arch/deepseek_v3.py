@@ -5,8 +5,8 @@ Attention (MLA): `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (or one `q_proj` wi
 `kv_a_proj_with_mqa` (the compressed KV latent plus the shared RoPE key) -> `kv_a_layernorm` ->
 `kv_b_proj`, then `o_proj`. vLLM 0.32 (deepseek_v2.py) fuses `q_a_proj` + `kv_a_proj_with_mqa` into
 `fused_qkv_a_proj` (they read the same input: one per-tensor scale) and dequantizes `kv_b_proj` to
-absorb it into the MLA kernels. Its KV cache holds the latent, not per-head keys/values, so
-fp8ptq's post-RoPE per-head KV scales do not describe it: recipes with a KV scheme are refused.
+absorb it into the MLA kernels. Its KV cache holds the normed latent and the RoPE key, not per-head
+keys/values: KV recipes round that entry with the one scale vLLM applies (calibrate/kv.py).
 
 MLP: the first `first_k_dense_replace` layers are dense; the others are `gate` (router with a
 score-correction bias; never quantized) + routed `experts.{e}.{gate,up,down}_proj` (models/moe.py) +
@@ -41,6 +41,7 @@ DEEPSEEK_V3 = register(
         expert_lists=("mlp.experts",),
         keep_float=("re:.*mlp\\.gate$",),
         kv_cache=False,
+        latent_kv=True,
         prepare_layer=_prepare,
         tiny=dict(
             TINY,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.models.arch.base import Arch, Block, LayerInputs, SmoothGroup
+from fp8ptq.models.arch.base import Arch, Block, LayerInputs, SmoothGroup, is_latent
 from fp8ptq.models.arch.capture import (
     MODEL_FREE,
     NoSdpa,
@@ -339,6 +339,7 @@ def discover(config) -> GenericArch:
         fused={},
         attention="",
         kv_cache=not getattr(text, "kv_lora_rank", None),
+        latent_kv=any(is_latent(m) for m in model.get_submodule(layers).modules()),
         expert_lists=experts_at,
         keep_float=keep
         + tuple(f"re:.*{re.escape(t.rpartition('.')[2])}\\..*" for t in towers)
