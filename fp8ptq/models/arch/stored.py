@@ -24,12 +24,24 @@ def renames(skeleton: torch.nn.Module, stored: list[str]) -> dict[str, str]:
 
     rules = [t for t in get_model_conversion_mapping(skeleton) if isinstance(t, WeightRenaming)]
     meta = skeleton.state_dict()
-    new = {name: rename_source_key(name, rules, [], skeleton.base_model_prefix, meta)[0] for name in stored}
+    new = {
+        name: kept(name, rename_source_key(name, rules, [], skeleton.base_model_prefix, meta)[0], meta)
+        for name in stored
+    }
     out = {n: old for old, n in new.items() if n != old}
     for p_new, p_old in prefix_pairs(out):  # a prefix no stored tensor under it keeps unrenamed
         if all(old != n for old, n in new.items() if n.startswith(p_new)):
             out[p_new] = p_old
     return out
+
+
+def kept(stored: str, renamed: str, meta: dict) -> str:
+    """The module name transformers loads the stored tensor `stored` into, given the name its rules
+    rename it to: the stored name itself where the model has that name and not the renamed one. A rule
+    written for a name inside the layers can also match another module's (DeepSeek-V4's `.norm.` ->
+    `.kv_norm.` for the attention's norm matches the final `model.norm`); transformers' loader then keeps
+    the stored name, and so must the check of what the files hold."""
+    return stored if renamed not in meta and stored in meta else renamed
 
 
 def source_views(names: list[str], config, skeleton: torch.nn.Module, experts: dict, leaves: tuple | None) -> dict:
@@ -89,7 +101,7 @@ def converter_views(names: list[str], skeleton: torch.nn.Module) -> dict:
         if pattern is None and leaf != "weight":  # a scale beside a weight a converter matches by `.weight`
             new, pattern = rename_source_key(f"{module}.weight", rules, converters, skeleton.base_model_prefix, meta)
             new = f"{new.removesuffix('.weight')}.{leaf}"
-        if pattern is None:
+        if pattern is None or kept(name, new, meta) != new:  # transformers loads it under its stored name
             continue
         k, conv = next((k, c) for k, c in enumerate(converters) if pattern in c.source_patterns)
         op = conv.operations[0]
