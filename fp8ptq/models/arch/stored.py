@@ -172,15 +172,21 @@ def _weight_of(name: str) -> str:
 def stored_tower_prefixes(model: torch.nn.Module, towers: tuple[str, ...]) -> tuple[str, ...]:
     """Ignore patterns for the tower Linears a checkpoint stores under other names than the modules'
     (MiniMax-M3-VL's `patch_merge_mlp.linear_1` for `model.multi_modal_projector.merge_linear_1`), by
-    transformers' renamings reversed: the stored path up to its first part the module path lacks; and
-    the LM head's stored name where it is not `lm_head` (the recipe's `ignore` names it so)."""
+    transformers' renamings reversed: the stored path up to its first part the module path lacks (the
+    whole path where that part is the Linear's own name); and the LM head's stored name where it is not
+    `lm_head` (the recipe's `ignore` names it so). A tower that is one Linear (Step3p7's projector) is
+    named by its own path too: the towers' patterns (`name\\..*`) match only modules under a tower."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
+    found = {
+        f"re:.*{re.escape(t.rpartition('.')[2])}$"
+        for t in towers
+        if isinstance(model.get_submodule(t), torch.nn.Linear)
+    }
     rules = [t.reverse_transform() for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     if not rules:
-        return ()
-    found = set()
+        return tuple(sorted(found))
     head = rename_source_key("lm_head.weight", rules[::-1], [], None, None, reverse=True)[0]
     if head != "lm_head.weight":  # the head stored as `language_model.lm_head`: never quantized by name
         found.add(head.removesuffix(".weight"))
@@ -188,10 +194,12 @@ def stored_tower_prefixes(model: torch.nn.Module, towers: tuple[str, ...]) -> tu
         for n, m in model.get_submodule(tower).named_modules():
             if not isinstance(m, torch.nn.Linear):
                 continue
-            module = f"{tower}.{n}"
+            module = f"{tower}.{n}" if n else tower
             stored = rename_source_key(f"{module}.weight", rules[::-1], [], None, None, reverse=True)[0]
             parts, own = stored.removesuffix(".weight").split("."), set(module.split("."))
             new = next((i for i, p in enumerate(parts) if p not in own), None)
-            if new is not None:
+            if new is not None and new + 1 < len(parts):
                 found.add(f"re:.*{re.escape('.'.join(parts[: new + 1]))}\\..*")
+            elif new is not None:  # the Linear itself renamed: a pattern of the path to it, which has no `.` after
+                found.add(f"re:.*{re.escape('.'.join(parts))}$")
     return tuple(sorted(found))
