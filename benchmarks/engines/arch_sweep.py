@@ -170,7 +170,7 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "gemma4": ("multimodal", {}),
     "mistral4": ("multimodal", dict(head_dim=32, qk_head_dim=32, pad_token_id=0)),
     "minimax_m3_vl": ("multimodal", {}),
-    "step3p7": ("multimodal", {}),
+    "step3p7": ("multimodal", dict(sliding_window=16)),  # its forward builds a sliding mask for any layer types
     "kimi_k25": ("multimodal", {}),
 }
 LAYER_TYPES = {

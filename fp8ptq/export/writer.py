@@ -29,6 +29,7 @@ from fp8ptq.models.loader import ModelSource, check_finite
 from fp8ptq.models.prefetch import PREFETCH_MAX_BYTES
 from fp8ptq.models.skeleton import source_name
 from fp8ptq.models.tensors import layers_past
+from fp8ptq.models.views import PartView
 from fp8ptq.quantization.results import LayerResult
 from fp8ptq.quantization.schemes import LinearScheme
 from fp8ptq.quantization.weights import quantize_group
@@ -149,7 +150,8 @@ class CheckpointWriter:
             _save(self._head_tensors(head, cal), files[-1])
         for j, names in enumerate(self._rest_files(head is not None)):  # embeddings, final norm, MTP layers
             files.append(self.dir / LAYERS / f"other-{j:03d}.safetensors")
-            _save({self.src.stored_name(n): check_finite(n, self.src.tensor(n)) for n in names}, files[-1])
+            tensors = {n: check_finite(n, self.src.tensor(n)) for n in names}
+            _save(self.src.stored_tensors(tensors), files[-1])  # a tower's split q/k/v: fused back as stored
             self.src.close()
         if sum(f.stat().st_size for f in files) < SINGLE_SHARD_BYTES:
             merge(files, self.dir / SINGLE_SHARD, metadata={"format": "pt"})
@@ -198,12 +200,17 @@ class CheckpointWriter:
         size = REST_FILE_BYTES
         extra = tuple(p + "." for p in layers_past(self.src.weight_map, self.src.arch.layers, self.src.text_config))
         rest = (n for n in self.src.weight_map if not self.src.arch.is_layer_tensor(n) or n.startswith(extra))
+        # the parts of one stored tensor (PartView) in one file: only all of them write it back
+        groups: dict[str, list[str]] = {}
         for n in sorted(n for n in rest if not (head_written and n == HEAD)):
-            nbytes = self.src.tensor_bytes(n)
+            view = self.src.views.get(n)
+            groups.setdefault(view.stored if isinstance(view, PartView) else n, []).append(n)
+        for group in groups.values():
+            nbytes = sum(self.src.tensor_bytes(n) for n in group)
             if size + nbytes > REST_FILE_BYTES:
                 files.append([])
                 size = 0
-            files[-1].append(n)
+            files[-1].extend(group)
             size += nbytes
         return files
 

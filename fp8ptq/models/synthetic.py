@@ -224,6 +224,12 @@ def _shrink_tower(cfg) -> None:
     for key, value in small.items():
         if hasattr(vision, key):
             setattr(vision, key, value)
+    # a config that derives the MLP width from `mlp_ratio` when built (Step3p5's tower) would load back
+    # wider than the tensors it saved: the ratio follows the width set here
+    width = getattr(vision, "intermediate_size", None)
+    if width is not None and hasattr(vision, "mlp_ratio"):
+        if type(vision).from_dict(vision.to_dict()).intermediate_size != width:
+            vision.mlp_ratio = width / vision.hidden_size
 
 
 # a ChatML template whose message content may be a list of {"type": "image"} / {"type": "text"} parts

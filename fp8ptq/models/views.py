@@ -118,6 +118,12 @@ class JoinedView:
         )
 
 
+def rope_order(rows: int, heads: int) -> torch.Tensor:
+    """The row order of transformers' PermuteForRope on a tensor of `heads` heads: each head's rows, stored
+    as interleaved rotary pairs, regrouped as the two halves (`t[rope_order(...)]`; argsort: back)."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
 @dataclass(frozen=True)
 class PartView:
     """One of several tensors the skeleton names that the files store fused in one (transformers'
@@ -129,6 +135,11 @@ class PartView:
     start: int
     stop: int
     siblings: tuple[str, ...]
+    # a PermuteForRope after the split (rows, dim 0): per sibling, the heads whose rotary pairs it
+    # regroups (0: rows as stored), and which sibling this view is; the files keep the stored order,
+    # so an export writes the rows back in it
+    rope: tuple[int, ...] = ()
+    part: int = 0
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -136,7 +147,9 @@ class PartView:
 
     def read(self, slices: list) -> torch.Tensor:
         if self.dim == 0:
-            return slices[0][self.start : self.stop]  # these rows only
+            t = slices[0][self.start : self.stop]  # these rows only
+            heads = self.rope[self.part] if self.rope else 0
+            return t[rope_order(len(t), heads)] if heads else t
         return slices[0][:].narrow(self.dim, self.start, self.stop - self.start).contiguous()
 
     def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -148,14 +161,28 @@ class PartView:
         """The tensors `leaf` of the modules this view splits (q/k/v_proj; `parts` by tensor name), as the
         one fused tensor the files store (query_key_value)."""
         by_module = {n.rpartition(".")[0]: t for n, t in parts.items()}
-        modules = [s.removesuffix(".weight") for s in self.siblings]
+        modules = [s.rpartition(".")[0] for s in self.siblings]
         missing = [m for m in modules if m not in by_module]
         if missing:
             raise ModelError(f"'{self.stored}' is stored fused: its parts {missing} have no '{leaf}'", fix=BUG)
+        whole = leaf == self.siblings[0].rpartition(".")[2]  # the split tensor itself (a weight, a bias)
         ts = [by_module[m] for m in modules]
-        name = leaf_name(self.stored, leaf, leaf == "weight" and self.stored.endswith(".weight"))
+        if self.rope:
+            ts = [self._stored_order(t, heads, leaf, whole) for t, heads in zip(ts, self.rope)]
+        name = leaf_name(self.stored, leaf, whole)
         what = f"'{self.stored}' is stored fused, but its parts {modules}"
         return {name: joined(ts, self.dim, leaf == "weight_shape", what)}
+
+    def _stored_order(self, t: torch.Tensor, heads: int, leaf: str, whole: bool) -> torch.Tensor:
+        """A part's tensor `leaf` with its rows back in the order the files store them."""
+        if not heads or t.numel() == 1:
+            return t
+        if not whole:  # a quantized Linear's scales or codes: rows not known to follow the weight's
+            raise ModelError(
+                f"'{self.stored}' stores its parts' rows in rotary order: cannot write their '{leaf}' back",
+                fix="keep these Linears float (the recipe's ignore)",
+            )
+        return t[torch.argsort(rope_order(len(t), heads)).to(t.device)]
 
 
 @dataclass(frozen=True)

@@ -272,3 +272,47 @@ def test_routers_inside_a_sibling_module_stay_float(tiny_model):
         tiny_model("afmoe", max_position_embeddings=512, **SIZES, num_experts=8, num_experts_per_tok=2)
     ).arch
     assert "re:.*mlp\\.router\\.gate$" in arch.keep_float
+
+
+STORED_RULES = {
+    # the tower's q/k/v stored fused as `wqkv`, each head's rotary pairs interleaved: transformers chunks
+    # and permutes it on load (Chunk, PermuteForRope) under renamed tower prefixes
+    "kimi_k25": dict(
+        SIZES, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+        n_group=1, topk_group=1,
+    ),
+    # a rule for the attention's `.norm.` also matches the final `model.norm`, loaded as stored
+    "deepseek_v4": dict(
+        SIZES, num_key_value_heads=4, q_lora_rank=64, qk_rope_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(STORED_RULES))
+def test_stored_names_are_read_as_transformers_loads_them(model_type, tiny_model, tmp_path):
+    """Every module tensor reads as transformers holds it after its own load-time rules, the viewed ones
+    write back as the files store them (the export's names and values), and a checkpoint missing a
+    tensor transformers would fill at random is still refused."""
+    from safetensors.torch import save_file
+
+    from fp8ptq.models.skeleton import check_agrees
+
+    path = tiny_model(model_type, max_position_embeddings=512, **STORED_RULES[model_type])
+    src = open_hf_dir(path)
+    check_agrees(src)
+    held = _reference(path).state_dict()
+    assert all(torch.equal(src.tensor(n).float(), held[n]) for n in src.weight_map if n in held)
+    stored = _tensors(path)
+    viewed = src.stored_tensors({n: src.tensor(n) for n in src.views})
+    assert viewed.keys() <= stored.keys() and all(torch.equal(t, stored[n]) for n, t in viewed.items())
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (cut / f.name).write_bytes(f.read_bytes())
+    gone = next(n for n in sorted(stored) if n.endswith("wqkv.weight") or n == "model.norm.weight")
+    save_file({n: t for n, t in stored.items() if n != gone}, str(cut / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ModelError, match="lacks tensor"):
+        check_agrees(open_hf_dir(cut))
