@@ -133,7 +133,18 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "jais2": ("dense", {}),
     "ministral3": ("dense", {}),
     "nanochat": ("dense", {}),
-    "cohere_compass_text": ("dense", {}),
+    # per-layer-type RoPE: the config class has no default entry for any layer type, and its M-RoPE sections
+    # must add up to the tiny head's 8 frequencies
+    "cohere_compass_text": (
+        "dense",
+        dict(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=16,
+            rope_parameters={
+                t: dict(MROPE["rope_parameters"], rope_theta=1e4) for t in ("sliding_attention", "full_attention")
+            },
+        ),
+    ),
     # MoE, one weight per expert on disk
     "afmoe": ("moe", {}),
     "axk2": ("moe", {}),
@@ -145,7 +156,9 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "dots3_note_text": ("moe", {}),
     "sarvam_moe": ("moe", {}),
     "deepseek_v4": ("moe", {}),
-    "lfm2_moe": ("moe", {}),
+    # layer_types has no default (checkpoints list them), and the first num_dense_layers layers are dense:
+    # one conv layer with a dense MLP, one attention layer with the experts
+    "lfm2_moe": ("moe", dict(num_dense_layers=1, layer_types=["conv", "full_attention"])),
     # MoE, experts fused in 3-D tensors on disk
     "granitemoe_swa": ("fused-moe", {}),
     "granitemoeshared": ("fused-moe", {}),
@@ -158,7 +171,9 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "deepseek_v32": ("mla", dict(SMALL_INDEXER)),
     "glm_moe_dsa": ("mla", dict(SMALL_INDEXER)),
     "mimo_v2_flash": ("mla", dict(head_dim=16, v_head_dim=16)),
-    "longcat_flash": ("mla", dict(num_layers=2)),
+    # each decoder layer holds two attention and two MLP sublayers: num_hidden_layers is 2 * num_layers, and its
+    # setter overrides num_layers, so two layers are asked for as num_hidden_layers
+    "longcat_flash": ("mla", dict(num_hidden_layers=4)),
     "youtu": ("mla", {}),
     # hybrid
     "bailing_hybrid": ("hybrid", {}),
