@@ -172,8 +172,12 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "glm_moe_dsa": ("mla", dict(SMALL_INDEXER)),
     "mimo_v2_flash": ("mla", dict(head_dim=16, v_head_dim=16)),
     # each decoder layer holds two attention and two MLP sublayers: num_hidden_layers is 2 * num_layers, and its
-    # setter overrides num_layers, so two layers are asked for as num_hidden_layers
-    "longcat_flash": ("mla", dict(num_hidden_layers=4)),
+    # setter overrides num_layers, so two layers are asked for as num_hidden_layers. No zero (identity)
+    # experts: transformers gives them gate/up rows but no down rows, a layout the generic path refuses
+    "longcat_flash": (
+        "mla",
+        dict(num_hidden_layers=4, ffn_hidden_size=128, expert_ffn_hidden_size=64, zero_expert_num=0),
+    ),
     "youtu": ("mla", {}),
     # hybrid
     "bailing_hybrid": ("hybrid", {}),

@@ -103,6 +103,10 @@ class Arch:
     def layer_prefix(self, index: int) -> str:
         return f"{self.layers}.{index}."
 
+    def layer_count(self, config) -> int:
+        """How many decoder layers the layer list holds (num_hidden_layers; the generic adapter counts them)."""
+        return config.get_text_config().num_hidden_layers
+
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.get_submodule(self.layers)
 

@@ -43,6 +43,7 @@ from fp8ptq.models.arch.capture import (
     stored_path,
     uses_attention_interface,
 )
+from fp8ptq.models.arch.discovery import final_norms, layer_lists
 from fp8ptq.models.arch.stored import renames as stored_renames
 from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
 from fp8ptq.models.moe import (
@@ -103,6 +104,9 @@ class GenericArch(Arch):
 
     def check_layer(self, layer: torch.nn.Module, index: int) -> None:
         return None
+
+    def layer_count(self, config) -> int:
+        return len(self.skeleton.get_submodule(self.layers))
 
     def attention_of(self, layer: torch.nn.Module) -> str | None:
         found = [n for n, m in layer.named_modules() if uses_attention_interface(type(m))]
@@ -290,16 +294,9 @@ def discover(config) -> GenericArch:
     if decoder is None or id(decoder) not in names:
         raise ModelError(f"{where}: transformers' model has no decoder stack (get_decoder)", fix=MODEL_FREE)
     stack = names[id(decoder)]
-    lists = [
-        n
-        for n, m in decoder.named_children()
-        if isinstance(m, torch.nn.ModuleList) and len(m) == text.num_hidden_layers
-    ]
+    lists, counts = layer_lists(decoder, text)
     if len(lists) != 1:
-        raise ModelError(
-            f"{where}: the decoder stack has {len(lists)} layer lists of num_hidden_layers {text.num_hidden_layers}",
-            fix=MODEL_FREE,
-        )
+        raise ModelError(f"{where}: the decoder stack has {len(lists)} layer lists of {counts}", fix=MODEL_FREE)
     layers = f"{stack}.{lists[0]}" if stack else lists[0]
     kinds = {type(m).__name__ for m in model.get_submodule(layers).modules()}
     if "Linear" not in kinds:
@@ -310,9 +307,7 @@ def discover(config) -> GenericArch:
         )
     embed_mod = model.get_input_embeddings()
     rotary = [n for n, m in decoder.named_children() if "Rotary" in type(m).__name__]
-    norms = [n for n, m in decoder.named_children() if "norm" in type(m).__name__.lower()]
-    if len(norms) > 1 and "norm" in norms:  # transformers' name for the norm after the last layer
-        norms = ["norm"]
+    norms = final_norms(decoder, lists[0], embed_mod)
     if len(norms) != 1:
         raise ModelError(
             f"{where}: the decoder stack has {len(norms)} norm modules, not one final norm", fix=MODEL_FREE
