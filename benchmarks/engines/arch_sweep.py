@@ -206,6 +206,7 @@ ZERO_POINTS = "ignore_mismatched_sizes"
 CONVERTERS = "automatic conversion of the weights"
 CONVERTER_HF_FAILS = {"fp8-kv8", "w4a16"}
 GROUP_SIZE = "does not divide the input width"  # a tiny width a recipe's group size cannot tile
+PACKED_ZP = "packed zero points of a Linear"  # a few-row Linear compressed-tensors cannot unpack (asymmetric INT)
 
 
 def _config(model_type: str) -> dict:
@@ -334,7 +335,8 @@ def sweep(families: list[str], work: Path) -> dict:
 
 def verdict(entry: dict) -> str:
     """'works' (every recipe exported and checked; fp8-kv8 may be refused where the family has no per-head
-    KV cache, a grouped recipe where the tiny model's width is no multiple of its group), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
+    KV cache, a grouped recipe where the tiny model's width is no multiple of its group or an asymmetric INT
+    recipe where a Linear has too few output rows for compressed-tensors to unpack its zero points), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
     failed, a traceback, or one recipe refused while others ran)."""
     rows = entry["recipes"].values()
     if "build" in entry or not rows:
@@ -345,9 +347,10 @@ def verdict(entry: dict) -> str:
         if r["status"] == "error":
             return "fails"
         if r["status"] == "refused" and not (
-            (recipe == "fp8-kv8" and "KV cache" in r["reason"]) or GROUP_SIZE in r["reason"]
+            (recipe == "fp8-kv8" and "KV cache" in r["reason"]) or GROUP_SIZE in r["reason"] or PACKED_ZP in r["reason"]
         ):
-            return "fails"  # only a family without a per-head KV cache may refuse a recipe, or a tiny width
+            # only a family without a per-head KV cache may refuse a recipe, a tiny width, or a few-row Linear
+            return "fails"
         if r["status"] == "ok":
             checks = (r.get("decompress"), r.get("inspect"), r.get("ct017"))
             if any(c != "ok" for c in checks) or not (r["reload"] == "ok" or r["reload"].startswith("known")):
