@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8ptq.models.moe import is_fused_experts
+
 # Config attributes that count decoder layers. num_hidden_layers first: where it names one list, that list
 # is the stack's. A family whose layers each hold several sublayers counts them in num_hidden_layers and
 # its layer list in another (num_layers).
@@ -41,3 +43,29 @@ def final_norms(decoder: torch.nn.Module, layers: str, embed: torch.nn.Module) -
     return [
         n for n, m in decoder.named_children() if n != layers and m is not embed and any(True for _ in m.parameters())
     ]
+
+
+def fused_modules(layers: torch.nn.ModuleList, prefix: str) -> dict[str, tuple[int, int, bool]]:
+    """Every fused experts module of the stack: its path -> (expert count, intermediate size, gated)."""
+    found = {}
+    for i, layer in enumerate(layers):
+        for n, m in layer.named_modules():
+            if is_fused_experts(m):
+                gated = m._parameters.get("gate_up_proj") is not None
+                count, rows, _ = (m.gate_up_proj if gated else m.up_proj).shape
+                found[f"{prefix}.{i}.{n}"] = (count, rows // 2 if gated else rows, gated)
+    return found
+
+
+def contains(name: str, stack: str) -> bool:
+    return stack == name or stack.startswith(name + ".") or name.startswith(stack + ".")
+
+
+def top_modules(model: torch.nn.Module):
+    """The children of the model and of its base model (`model.vision_tower`, `model.language_model`)."""
+    for n, m in model.named_children():
+        if n == "model" or (hasattr(model, "base_model_prefix") and n == model.base_model_prefix):
+            for c, cm in m.named_children():
+                yield f"{n}.{c}", cm
+        else:
+            yield n, m
