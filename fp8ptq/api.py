@@ -169,7 +169,7 @@ def quantize(cfg: QuantizeConfig, progress: Progress | None = None, source=None)
     ctx.timings["load_s"] = time.perf_counter() - t0
     with open_run(ctx):
         t1 = time.perf_counter()
-        if ctx.start_layer < ctx.src.text_config.num_hidden_layers:
+        if ctx.start_layer < ctx.src.num_layers:
             if ctx.ids is not None:
                 calibrate_into(ctx)
             elif ctx.comm.rank == 0:  # data-free: nothing to share between ranks, rank 0 does it

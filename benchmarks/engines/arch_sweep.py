@@ -133,7 +133,18 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "jais2": ("dense", {}),
     "ministral3": ("dense", {}),
     "nanochat": ("dense", {}),
-    "cohere_compass_text": ("dense", {}),
+    # per-layer-type RoPE: the config class has no default entry for any layer type, and its M-RoPE sections
+    # must add up to the tiny head's 8 frequencies
+    "cohere_compass_text": (
+        "dense",
+        dict(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=16,
+            rope_parameters={
+                t: dict(MROPE["rope_parameters"], rope_theta=1e4) for t in ("sliding_attention", "full_attention")
+            },
+        ),
+    ),
     # MoE, one weight per expert on disk
     "afmoe": ("moe", {}),
     "axk2": ("moe", {}),
@@ -145,7 +156,9 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "dots3_note_text": ("moe", {}),
     "sarvam_moe": ("moe", {}),
     "deepseek_v4": ("moe", {}),
-    "lfm2_moe": ("moe", {}),
+    # layer_types has no default (checkpoints list them), and the first num_dense_layers layers are dense:
+    # one conv layer with a dense MLP, one attention layer with the experts
+    "lfm2_moe": ("moe", dict(num_dense_layers=1, layer_types=["conv", "full_attention"])),
     # MoE, experts fused in 3-D tensors on disk
     "granitemoe_swa": ("fused-moe", {}),
     "granitemoeshared": ("fused-moe", {}),
@@ -158,7 +171,13 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "deepseek_v32": ("mla", dict(SMALL_INDEXER)),
     "glm_moe_dsa": ("mla", dict(SMALL_INDEXER)),
     "mimo_v2_flash": ("mla", dict(head_dim=16, v_head_dim=16)),
-    "longcat_flash": ("mla", dict(num_layers=2)),
+    # each decoder layer holds two attention and two MLP sublayers: num_hidden_layers is 2 * num_layers, and its
+    # setter overrides num_layers, so two layers are asked for as num_hidden_layers. No zero (identity)
+    # experts: transformers gives them gate/up rows but no down rows, a layout the generic path refuses
+    "longcat_flash": (
+        "mla",
+        dict(num_hidden_layers=4, ffn_hidden_size=128, expert_ffn_hidden_size=64, zero_expert_num=0),
+    ),
     "youtu": ("mla", {}),
     # hybrid
     "bailing_hybrid": ("hybrid", {}),
@@ -187,6 +206,7 @@ ZERO_POINTS = "ignore_mismatched_sizes"
 CONVERTERS = "automatic conversion of the weights"
 CONVERTER_HF_FAILS = {"fp8-kv8", "w4a16"}
 GROUP_SIZE = "does not divide the input width"  # a tiny width a recipe's group size cannot tile
+PACKED_ZP = "packed zero points of a Linear"  # a few-row Linear compressed-tensors cannot unpack (asymmetric INT)
 
 
 def _config(model_type: str) -> dict:
@@ -315,7 +335,8 @@ def sweep(families: list[str], work: Path) -> dict:
 
 def verdict(entry: dict) -> str:
     """'works' (every recipe exported and checked; fp8-kv8 may be refused where the family has no per-head
-    KV cache, a grouped recipe where the tiny model's width is no multiple of its group), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
+    KV cache, a grouped recipe where the tiny model's width is no multiple of its group or an asymmetric INT
+    recipe where a Linear has too few output rows for compressed-tensors to unpack its zero points), 'refused' (the family refused up front, with its one-line reason), or 'fails' (a check
     failed, a traceback, or one recipe refused while others ran)."""
     rows = entry["recipes"].values()
     if "build" in entry or not rows:
@@ -326,9 +347,10 @@ def verdict(entry: dict) -> str:
         if r["status"] == "error":
             return "fails"
         if r["status"] == "refused" and not (
-            (recipe == "fp8-kv8" and "KV cache" in r["reason"]) or GROUP_SIZE in r["reason"]
+            (recipe == "fp8-kv8" and "KV cache" in r["reason"]) or GROUP_SIZE in r["reason"] or PACKED_ZP in r["reason"]
         ):
-            return "fails"  # only a family without a per-head KV cache may refuse a recipe, or a tiny width
+            # only a family without a per-head KV cache may refuse a recipe, a tiny width, or a few-row Linear
+            return "fails"
         if r["status"] == "ok":
             checks = (r.get("decompress"), r.get("inspect"), r.get("ct017"))
             if any(c != "ok" for c in checks) or not (r["reload"] == "ok" or r["reload"].startswith("known")):

@@ -60,13 +60,13 @@ def _open(src: ModelSource, ids: torch.Tensor, device, simulate: bool, engine: d
     model = build_skeleton(src.config, attn_implementation=register_attention())
     arch = src.arch
     inputs = arch.layer_inputs(model, ids.shape[1], device)
-    store = ActivationStore(ids.shape[0], ids.shape[1], src.text_config.hidden_size)
+    store = ActivationStore(ids.shape[0], ids.shape[1], arch.stream_width(src.config))
     # Rows looked up in the stored dtype and widened (the values load_simulated's fp32 table gives).
     table = src.tensor(f"{arch.embed}.weight")
     scale = arch.embed_scale(model.config) if arch.embed_scale else None
     for i in range(ids.shape[0]):
         x = F.embedding(ids[i : i + 1], table).float()
-        store.write(i, x if scale is None else x * torch.tensor(scale))
+        store.write(i, arch.first_input(model, x if scale is None else x * torch.tensor(scale)))
     del table
     src.close()
     return _Side(loader, model, inputs, store)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fp8ptq.errors import ModelError
 from fp8ptq.models.arch import arch_for
+from fp8ptq.models.arch.discovery import layer_counts
 
 
 def check_architectures(config, path: Path) -> None:
@@ -58,11 +59,13 @@ def check_sizes(config, weight_map: dict[str, str], path: Path) -> None:
         values = value if isinstance(value, (list, tuple)) else [value]  # per-layer sizes (e.g. OpenELM)
         if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
             raise ModelError(f"'{where}': {name} is {value!r}, not a positive integer", fix=f"repair {name}")
-    layers = config.num_hidden_layers
+    # the fewest layers any count says: a family whose layers hold two sublayers each counts those in
+    # num_hidden_layers and builds its layer list from another count (num_layers)
+    name, layers = min(layer_counts(config).items(), key=lambda kv: kv[1], default=("num_hidden_layers", None))
     held = {int(m.group(1)) for n in weight_map if (m := re.search(r"\.layers\.(\d+)\.", n))}
     if held and isinstance(layers, int) and layers > len(held):
         raise ModelError(
-            f"'{where}' says num_hidden_layers {layers} but the weights hold {len(held)} decoder layers",
+            f"'{where}' says {name} {layers} but the weights hold {len(held)} decoder layers",
             fix="use the config.json that belongs to these weights",
         )
 

@@ -106,6 +106,11 @@ class ModelSource:
         """The language model's config (the config itself, or a multimodal checkpoint's text_config)."""
         return self.config.get_text_config()
 
+    @property
+    def num_layers(self) -> int:
+        """The decoder layers the model's layer list holds (Arch.layer_count)."""
+        return self.arch.layer_count(self.config)
+
     def has(self, name: str) -> bool:
         return name in self.weight_map
 

@@ -78,7 +78,7 @@ def calibrate_into(ctx: RunContext) -> None:
         if last["cost"] is None:
             last["cost"] = st.store.nbytes / CHECKPOINT_BYTES_PER_S
         since = time.monotonic() - last["t"]
-        final = i + 1 == src.text_config.num_hidden_layers  # nothing left to resume: no activations to save
+        final = i + 1 == src.num_layers  # nothing left to resume: no activations to save
         due = not final and since >= min(ctx.cfg.checkpoint_every_s, CHECKPOINT_COST_RATIO * last["cost"])
         due = bool(comm.max_(torch.tensor([float(due)])))  # clocks differ: all ranks save, or none
         if due:  # every rank saves its own activations, then rank 0 records the checkpoint

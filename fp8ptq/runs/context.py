@@ -314,6 +314,7 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
             f"of the model's decoder layers",
             fix="check the target names (`fp8ptq inspect` lists the model's Linears), e.g. targets: [Linear]",
         )
+    check_packed_zero_points(recipe, [s.weights for s in schemes if s.weights is not None], outs, widths)
     if not sizes and not blocks:
         return
     for b in blocks:  # named by the first layer that has the Linear, every expert once
@@ -338,3 +339,23 @@ def check_group_sizes(src: ModelSource, recipe: Recipe) -> None:
             if size in fixed:
                 fix = f"the format fixes groups of {size}: add those Linears to the recipe's scheme.ignore"
             raise RecipeError(f"group_size {size} does not divide the input width of {', '.join(bad)}", fix=fix)
+
+
+def check_packed_zero_points(recipe: Recipe, weights: list, outs: dict[str, int], widths: dict[str, int]) -> None:
+    """Asymmetric grouped INT weights store their zero points packed along the output rows, 32 / num_bits
+    rows per int32; compressed-tensors 0.17 cannot unpack one packed row of several groups (transposed,
+    it is not viewable as bytes), so neither transformers nor its decompressor could read the export of
+    a Linear with that few rows: refused before any work, naming the Linears."""
+    for w in weights:
+        grouped = str(getattr(w.strategy, "value", w.strategy)) == "group" and w.group_size
+        if w.type != "int" or w.symmetric or not grouped or w.num_bits >= 32:
+            continue
+        rows = 32 // w.num_bits
+        few = {n: o for n, o in outs.items() if o <= rows and widths[n] > w.group_size}
+        bad = sorted({f"{_EXPERT_INDEX.sub('.N.', n)} ({o})" for n, o in few.items()})
+        if bad:
+            raise RecipeError(
+                f"recipe '{recipe.name}': the packed zero points of a Linear with at most {rows} output rows "
+                f"cannot be unpacked by compressed-tensors: {', '.join(bad)}",
+                fix="add those Linears to the recipe's scheme.ignore, or use symmetric weights",
+            )

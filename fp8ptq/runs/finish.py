@@ -47,7 +47,7 @@ def finish(ctx: RunContext) -> Manifest:
     shards = ctx.state.get("shards")  # a resumed run that had already assembled its shards
     if not shards:
         t = time.perf_counter()
-        shards = writer.finish(src.text_config.num_hidden_layers, _head(recipe), recipe.calibration)
+        shards = writer.finish(src.num_layers, _head(recipe), recipe.calibration)
         run.save_state(shards=shards, lm_head=writer.head_report)
         ctx.timings["assemble_s"] = time.perf_counter() - t  # non-layer tensors, shard names, index
     updates = _config_updates(layers) | _untie(run.state.get("lm_head"))

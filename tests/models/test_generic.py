@@ -316,3 +316,37 @@ def test_stored_names_are_read_as_transformers_loads_them(model_type, tiny_model
     save_file({n: t for n, t in stored.items() if n != gone}, str(cut / "model.safetensors"), {"format": "pt"})
     with pytest.raises(ModelError, match="lacks tensor"):
         check_agrees(open_hf_dir(cut))
+
+
+def _config(model_type, **extra):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, vocab_size=128, max_position_embeddings=512, **SIZES, **extra)
+
+
+def test_a_layer_list_counted_apart_from_its_sublayers_is_found():
+    """longcat_flash's layers each hold two attention and two MLP sublayers: num_hidden_layers counts
+    those (4), its layer list num_layers (2); the run and the export count the list."""
+    moe = dict(n_routed_experts=4, moe_topk=2, zero_expert_num=0, expert_ffn_hidden_size=32, ffn_hidden_size=64)
+    config = _config("longcat_flash", num_hidden_layers=4, q_lora_rank=32, kv_lora_rank=32, **moe)
+    arch = discover(config)
+    assert (config.num_hidden_layers, arch.layers, arch.layer_count(config)) == (4, "model.layers", 2)
+    assert arch.norm_at == "model.norm" and not arch.kv_cache
+
+
+def test_a_stack_that_widens_its_stream_and_ends_in_a_mixer_is_followed():
+    """qwen4_exp_text's stack runs its layers on hc_count residual streams side by side (the embeddings
+    repeated) and reduces them with a mixer that holds Linears, not a norm: the first layer's input is
+    the stack's own, the store is hc_count * hidden wide, and the mixer is the final module, kept float."""
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    layers = dict(num_hidden_layers=2)  # two linear-attention layers (the default types for two)
+    config = _config("qwen4_exp_text", hc_lowrank=32, **layers, **linear)
+    arch = discover(config)
+    assert arch.norm_at == "model.hyper_connection_mixer"
+    assert any("hyper_connection_mixer" in k for k in arch.keep_float)
+    width = config.hc_count * config.hidden_size
+    assert arch.stream_width(config) == width
+    embeds = torch.randn(1, 3, config.hidden_size)
+    assert torch.equal(arch.first_input(arch.skeleton, embeds), embeds.repeat(1, 1, config.hc_count))
+    plain = discover(_config("olmo3"))  # a stack whose layers read the embeddings: they stay its first input
+    assert plain.stream_width(plain.skeleton.config) == 64 and plain.first_input(plain.skeleton, embeds) is embeds

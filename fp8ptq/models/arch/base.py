@@ -110,6 +110,19 @@ class Arch:
     def layer_prefix(self, index: int) -> str:
         return f"{self.layers}.{index}."
 
+    def layer_count(self, config) -> int:
+        """How many decoder layers the layer list holds (num_hidden_layers; the generic adapter counts them)."""
+        return config.get_text_config().num_hidden_layers
+
+    def stream_width(self, config) -> int:
+        """The width of the hidden states between decoder layers (hidden_size; see first_input)."""
+        return config.get_text_config().hidden_size
+
+    def first_input(self, model: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor:
+        """The first decoder layer's input for these input embeddings: the embeddings themselves (the
+        generic adapter runs the stack's own forward where its layers read something else)."""
+        return embeds
+
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.get_submodule(self.layers)
 

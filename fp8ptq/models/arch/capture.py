@@ -31,11 +31,13 @@ class _Stop(Exception):
     pass
 
 
-def record_layers(arch, model: torch.nn.Module, run) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
+def record_layers(
+    arch, model: torch.nn.Module, run, stop: int | None = None
+) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
     """(hidden states, args, kwargs) that `run()` (a forward of the model or of its decoder stack) passes
     each decoder layer, recorded by stubs in place of the layers: each passes its hidden states on, the
-    last one stops the forward. The stubs carry the layers' plain attributes (stacks read attention_type
-    and the like off a layer). run()'s own exceptions propagate; the layers are always put back."""
+    last one (or the `stop`-th) stops the forward. The stubs carry the layers' plain attributes (stacks
+    read attention_type and the like off a layer). run()'s own exceptions propagate; the layers are always put back."""
     stack_name, _, attr = arch.layers.rpartition(".")
     stack = model.get_submodule(stack_name)
     layers = getattr(stack, attr)
@@ -52,7 +54,7 @@ def record_layers(arch, model: torch.nn.Module, run) -> dict[int, tuple[torch.Te
         def forward(self, hidden_states, *args, **kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k not in SKIP_KWARGS}
             seen[self.index] = (hidden_states, args, kwargs)
-            if self.index + 1 == len(layers):
+            if self.index + 1 == (stop or len(layers)):
                 raise _Stop
             # a layer whose forward returns a tuple: (hidden, None) reads as either `out[0]` or `h, _ = out`
             return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states
@@ -90,6 +92,15 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
             fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
         )
     return {i: (args, kwargs) for i, (_hidden, args, kwargs) in seen.items()}
+
+
+def first_layer_input(arch, model: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor:
+    """The hidden states the decoder stack passes its first layer for input embeddings `embeds`: the stack's
+    own forward up to that layer (record_layers), for stacks whose layers read something else than the
+    embeddings (several residual streams side by side, say)."""
+    stack = model.get_submodule(arch.layers.rpartition(".")[0])
+    seen = record_layers(arch, model, lambda: stack(inputs_embeds=embeds, use_cache=False), stop=1)
+    return seen[0][0]
 
 
 def returns_tuple(layer: torch.nn.Module) -> bool:

@@ -37,19 +37,20 @@ from fp8ptq.models.arch.capture import (
     NoSdpa,
     build_model,
     capture,
+    first_layer_input,
     fold_is_exact,
     is_norm,
     norm_offset,
     stored_path,
     uses_attention_interface,
 )
+from fp8ptq.models.arch.discovery import contains, final_norms, fused_modules, layer_lists, top_modules
 from fp8ptq.models.arch.stored import renames as stored_renames
 from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
 from fp8ptq.models.moe import (
     GATE_UP_DOWN,
     UP_DOWN,
     fused_experts,
-    is_fused_experts,
     stored_expert_leaves,
     unfuse_experts,
 )
@@ -103,6 +104,29 @@ class GenericArch(Arch):
 
     def check_layer(self, layer: torch.nn.Module, index: int) -> None:
         return None
+
+    def layer_count(self, config) -> int:
+        return len(self.skeleton.get_submodule(self.layers))
+
+    def stream_width(self, config) -> int:
+        return self._stem()[1]
+
+    def first_input(self, model: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor:
+        return first_layer_input(self, model, embeds) if self._stem()[0] else embeds
+
+    def _stem(self) -> tuple[bool, int]:
+        """(whether the stack's first layer reads other than the embeddings, its input's width), probed on
+        the skeleton. Only a change of shape counts: a stack that passes its layers the embeddings (or
+        them rescaled, as the embedding module's embed_scale) keeps the embeddings as its first input."""
+        if "stem" not in self._cache:
+            hidden = self.skeleton.config.get_text_config().hidden_size
+            zeros = torch.zeros(1, TRACE_TOKENS, hidden)
+            try:
+                out = first_layer_input(self, self.skeleton, zeros)
+            except Exception:  # noqa: BLE001 - capture() reports a stack that cannot run, by name
+                out = zeros
+            self._cache["stem"] = (out.shape != zeros.shape, out.shape[-1])
+        return self._cache["stem"]
 
     def attention_of(self, layer: torch.nn.Module) -> str | None:
         found = [n for n, m in layer.named_modules() if uses_attention_interface(type(m))]
@@ -251,9 +275,7 @@ class GenericArch(Arch):
         p = next(layer.parameters())
         args, kwargs = cast_arguments((args, kwargs), p.device, p.dtype)  # a bf16 layer takes bf16 rotary
         gen = torch.Generator().manual_seed(index)
-        x = torch.randn(1, TRACE_TOKENS, self.skeleton.config.get_text_config().hidden_size, generator=gen).to(
-            p.device, p.dtype
-        )
+        x = torch.randn(1, TRACE_TOKENS, self.stream_width(self.skeleton.config), generator=gen).to(p.device, p.dtype)
 
         def run():
             try:
@@ -290,16 +312,9 @@ def discover(config) -> GenericArch:
     if decoder is None or id(decoder) not in names:
         raise ModelError(f"{where}: transformers' model has no decoder stack (get_decoder)", fix=MODEL_FREE)
     stack = names[id(decoder)]
-    lists = [
-        n
-        for n, m in decoder.named_children()
-        if isinstance(m, torch.nn.ModuleList) and len(m) == text.num_hidden_layers
-    ]
+    lists, counts = layer_lists(decoder, text)
     if len(lists) != 1:
-        raise ModelError(
-            f"{where}: the decoder stack has {len(lists)} layer lists of num_hidden_layers {text.num_hidden_layers}",
-            fix=MODEL_FREE,
-        )
+        raise ModelError(f"{where}: the decoder stack has {len(lists)} layer lists of {counts}", fix=MODEL_FREE)
     layers = f"{stack}.{lists[0]}" if stack else lists[0]
     kinds = {type(m).__name__ for m in model.get_submodule(layers).modules()}
     if "Linear" not in kinds:
@@ -310,24 +325,24 @@ def discover(config) -> GenericArch:
         )
     embed_mod = model.get_input_embeddings()
     rotary = [n for n, m in decoder.named_children() if "Rotary" in type(m).__name__]
-    norms = [n for n, m in decoder.named_children() if "norm" in type(m).__name__.lower()]
-    if len(norms) > 1 and "norm" in norms:  # transformers' name for the norm after the last layer
-        norms = ["norm"]
+    norms = final_norms(decoder, lists[0], embed_mod)
     if len(norms) != 1:
         raise ModelError(
             f"{where}: the decoder stack has {len(norms)} norm modules, not one final norm", fix=MODEL_FREE
         )
     scale = getattr(embed_mod, "embed_scale", None)
     towers = tuple(
-        n for n, m in _top_modules(model) if not _contains(n, stack) and m is not model.get_output_embeddings()
+        n for n, m in top_modules(model) if not contains(n, stack) and m is not model.get_output_embeddings()
     )
     experts_at, routers = fused_experts(model.get_submodule(layers))
     # routers are ignored by their module names and by the checkpoint's (what vLLM's modules are named)
     keep = tuple(sorted({f"re:.*{re.escape(n)}$" for r in routers for n in (r, stored_path(model, layers, r))}))
+    if any(isinstance(m, torch.nn.Linear) for m in decoder.get_submodule(norms[0]).modules()):
+        keep += (f"re:.*{re.escape(norms[0])}\\..*",)  # a final module with weights runs outside the layers: float
     leaves = stored_expert_leaves(model) if experts_at else None
     shapes = {}
     if experts_at and leaves is None:  # the checkpoint holds the experts fused, as the model does
-        fused = _fused_modules(model.get_submodule(layers), layers)
+        fused = fused_modules(model.get_submodule(layers), layers)
         gated = next(iter(fused.values()))[2]
         leaves = GATE_UP_DOWN if gated else UP_DOWN
         shapes = {path: (count, inter) for path, (count, inter, _) in fused.items()}
@@ -356,32 +371,6 @@ def discover(config) -> GenericArch:
         experts_at=experts_at,
         skeleton=model,
     )
-
-
-def _fused_modules(layers: torch.nn.ModuleList, prefix: str) -> dict[str, tuple[int, int, bool]]:
-    """Every fused experts module of the stack: its path -> (expert count, intermediate size, gated)."""
-    found = {}
-    for i, layer in enumerate(layers):
-        for n, m in layer.named_modules():
-            if is_fused_experts(m):
-                gated = m._parameters.get("gate_up_proj") is not None
-                count, rows, _ = (m.gate_up_proj if gated else m.up_proj).shape
-                found[f"{prefix}.{i}.{n}"] = (count, rows // 2 if gated else rows, gated)
-    return found
-
-
-def _contains(name: str, stack: str) -> bool:
-    return stack == name or stack.startswith(name + ".") or name.startswith(stack + ".")
-
-
-def _top_modules(model: torch.nn.Module):
-    """The children of the model and of its base model (`model.vision_tower`, `model.language_model`)."""
-    for n, m in model.named_children():
-        if n == "model" or (hasattr(model, "base_model_prefix") and n == model.base_model_prefix):
-            for c, cm in m.named_children():
-                yield f"{n}.{c}", cm
-        else:
-            yield n, m
 
 
 def _prepare(layer: torch.nn.Module, config, eager: bool, leaves: tuple | None) -> None:
