@@ -161,6 +161,23 @@ class Arch:
                 fix="check config.json's model_type and architectures",
             )
 
+    # -- the residual stream between layers (models/arch/streams.py: where it is not the embeddings) -----
+    def stream_width(self, model: torch.nn.Module) -> int:
+        """Values per token of the residual stream between decoder layers (the activation stores' rows)."""
+        return model.config.get_text_config().hidden_size
+
+    def enter(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for embeddings x (the embeddings themselves)."""
+        return x
+
+    def leave(self, model: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+        """The final norm's input for the last layer's output y (y itself)."""
+        return y
+
+    def stack_modules(self, model: torch.nn.Module) -> list[str]:
+        """Modules beside the layers, embeddings and final norm that `enter`/`leave` run (none)."""
+        return []
+
     # -- running a layer block by block ---------------------------------------------------------------
     def layer_inputs(self, model: torch.nn.Module, seq_len: int, device) -> Callable[[int], LayerInputs]:
         """What the model's own forward passes each decoder layer for positions 0..seq_len-1 (batch 1):

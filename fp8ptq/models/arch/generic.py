@@ -45,6 +45,7 @@ from fp8ptq.models.arch.capture import (
 )
 from fp8ptq.models.arch.stored import renames as stored_renames
 from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
+from fp8ptq.models.arch.streams import Streams
 from fp8ptq.models.moe import (
     GATE_UP_DOWN,
     UP_DOWN,
@@ -84,8 +85,9 @@ def cast_arguments(value, device, dtype: torch.dtype):
 
 
 @dataclass(frozen=True)
-class GenericArch(Arch):
-    """An `Arch` discovered from a transformers model (see module doc)."""
+class GenericArch(Streams, Arch):
+    """An `Arch` discovered from a transformers model (see module doc); each layer runs whole with its
+    captured arguments, on the stack's residual stream (models/arch/streams.py)."""
 
     towers: tuple[str, ...] = ()  # modules beside the decoder (vision, audio, projectors): kept as stored
     norm_at: str = ""  # the norm after the last decoder layer
@@ -115,11 +117,6 @@ class GenericArch(Arch):
         return {
             i: CapturedInputs(None, None, a, k, CapturedInputs(None, None, *short[i])) for i, (a, k) in full.items()
         }.__getitem__
-
-    def run_block(self, layer: torch.nn.Module, block: Block, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        assert isinstance(inputs, CapturedInputs), "the generic path runs whole layers with their captured inputs"
-        out = layer(x, *inputs.args, **inputs.kwargs)
-        return out[0] if isinstance(out, tuple) else out
 
     # -- shared inputs ---------------------------------------------------------------------------------
     def shared_inputs(self, layer: torch.nn.Module, prefix: str) -> list[tuple[str, ...]]:
@@ -251,21 +248,19 @@ class GenericArch(Arch):
         p = next(layer.parameters())
         args, kwargs = cast_arguments((args, kwargs), p.device, p.dtype)  # a bf16 layer takes bf16 rotary
         gen = torch.Generator().manual_seed(index)
-        x = torch.randn(1, TRACE_TOKENS, self.skeleton.config.get_text_config().hidden_size, generator=gen).to(
-            p.device, p.dtype
-        )
+        x = torch.randn(1, TRACE_TOKENS, self.stream_width(self.skeleton), generator=gen).to(p.device, p.dtype)
 
         def run():
             try:
                 with torch.inference_mode():
-                    out = layer(x, *args, **kwargs)
+                    out = self.run_block(layer, LAYER, x, CapturedInputs(None, None, args, kwargs))
             except Exception as err:  # noqa: BLE001 - any failure of a foreign forward is reported by name
                 raise ModelError(
                     f"the generic path could not run decoder layer {index} ({type(layer).__name__}): "
                     f"{type(err).__name__}: {err}",
                     fix=MODEL_FREE,
                 ) from None
-            return out[0] if isinstance(out, tuple) else out
+            return out
 
         return run
 
