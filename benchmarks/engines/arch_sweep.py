@@ -170,7 +170,8 @@ NEWEST: dict[str, tuple[str, dict]] = {
     "axk1": ("mla", {}),
     "deepseek_v32": ("mla", dict(SMALL_INDEXER)),
     "glm_moe_dsa": ("mla", dict(SMALL_INDEXER)),
-    "mimo_v2_flash": ("mla", dict(head_dim=16, v_head_dim=16)),
+    # its sliding layers take twice num_key_value_heads, which must still divide the query heads
+    "mimo_v2_flash": ("mla", dict(head_dim=16, v_head_dim=16, num_key_value_heads=2)),
     # each decoder layer holds two attention and two MLP sublayers: num_hidden_layers is 2 * num_layers, and its
     # setter overrides num_layers, so two layers are asked for as num_hidden_layers. No zero (identity)
     # experts: transformers gives them gate/up rows but no down rows, a layout the generic path refuses
@@ -180,7 +181,9 @@ NEWEST: dict[str, tuple[str, dict]] = {
     ),
     "youtu": ("mla", {}),
     # hybrid
-    "bailing_hybrid": ("hybrid", {}),
+    # the config spells n_group and num_experts_per_tok its own way (attribute_map), so NEWEST_SIZES
+    # misses them: its router scores each group by its top 2 experts (groups of at least 2)
+    "bailing_hybrid": ("hybrid", dict(num_expert_group=1, num_experts_per_token=2)),
     "kimi_linear": ("hybrid", {}),
     "olmo_hybrid": ("hybrid", {}),
     "lfm3": ("hybrid", {}),

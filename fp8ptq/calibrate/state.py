@@ -133,7 +133,7 @@ def prepare(
     singles = 0 if setup.images is None else setup.images.singles
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world, singles)
     local = chunks.local_samples()
-    shape = (len(local), input_ids.shape[1], arch.stream_width(src.config))
+    shape = (len(local), input_ids.shape[1], arch.stream_width(model))  # (streams x) hidden per token
     store = ActivationStore(*shape, setup.offload_dir, device=_store_device(device, math.prod(shape) * 4))
     inputs = arch.layer_inputs(model, input_ids.shape[1], device)
     text_inputs = inputs
@@ -152,7 +152,7 @@ def prepare(
         for c in chunks.owned():
             r = chunks.sample_range(c)
             x = torch.nn.functional.embedding(input_ids[r.start : r.stop].to(device), table).float()
-            state.write(r.start, arch.first_input(model, x if scale is None else x * scale))
+            state.write(r.start, arch.enter(model, x if scale is None else x * scale))
         del table
     images = setup.images
     if images is not None and (setup.restore is None or images.own_arguments):

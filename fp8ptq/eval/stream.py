@@ -60,13 +60,13 @@ def _open(src: ModelSource, ids: torch.Tensor, device, simulate: bool, engine: d
     model = build_skeleton(src.config, attn_implementation=register_attention())
     arch = src.arch
     inputs = arch.layer_inputs(model, ids.shape[1], device)
-    store = ActivationStore(ids.shape[0], ids.shape[1], arch.stream_width(src.config))
+    store = ActivationStore(ids.shape[0], ids.shape[1], arch.stream_width(model))
     # Rows looked up in the stored dtype and widened (the values load_simulated's fp32 table gives).
     table = src.tensor(f"{arch.embed}.weight")
     scale = arch.embed_scale(model.config) if arch.embed_scale else None
     for i in range(ids.shape[0]):
         x = F.embedding(ids[i : i + 1], table).float()
-        store.write(i, arch.first_input(model, x if scale is None else x * torch.tensor(scale)))
+        store.write(i, arch.enter(model, x if scale is None else x * torch.tensor(scale)))
     del table
     src.close()
     return _Side(loader, model, inputs, store)
@@ -106,6 +106,9 @@ def _head(side: _Side, device) -> Callable[[torch.Tensor, torch.Tensor], torch.T
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
     side.load(norm, norm_name + ".", device)
+    arch = side.src.arch
+    for name in arch.stack_modules(model):  # what runs between the last layer and the norm (streams.py)
+        side.load(model.get_submodule(name), name + ".", device)
     state, input_quant = side.loader.state(head, head_name + ".")
     head.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     side.src.close()
@@ -114,7 +117,7 @@ def _head(side: _Side, device) -> Callable[[torch.Tensor, torch.Tensor], torch.T
     cap = getattr(model.config, "final_logit_softcapping", None)
 
     def fn(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        y = norm(x)
+        y = norm(arch.leave(model, x))
         if quant is not None:
             y = quant(y)
         out = buf[:, : x.shape[1]]

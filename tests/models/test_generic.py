@@ -345,8 +345,59 @@ def test_a_stack_that_widens_its_stream_and_ends_in_a_mixer_is_followed():
     assert arch.norm_at == "model.hyper_connection_mixer"
     assert any("hyper_connection_mixer" in k for k in arch.keep_float)
     width = config.hc_count * config.hidden_size
-    assert arch.stream_width(config) == width
+    assert arch.stream_width(arch.skeleton) == width
     embeds = torch.randn(1, 3, config.hidden_size)
-    assert torch.equal(arch.first_input(arch.skeleton, embeds), embeds.repeat(1, 1, config.hc_count))
+    assert torch.equal(arch.enter(arch.skeleton, embeds), embeds.repeat(1, 1, config.hc_count))
     plain = discover(_config("olmo3"))  # a stack whose layers read the embeddings: they stay its first input
-    assert plain.stream_width(plain.skeleton.config) == 64 and plain.first_input(plain.skeleton, embeds) is embeds
+    assert plain.stream_width(plain.skeleton) == 64 and plain.enter(plain.skeleton, embeds) is embeds
+
+
+# hyper-connections: the stack widens the embeddings to 4 residual streams and mixes them back before the
+# final norm; its DSA attention masks the indexer's top-k only under transformers' eager/SDPA names
+HYPER = dict(
+    SIZES,
+    num_key_value_heads=4,
+    head_dim=32,
+    qk_head_dim=32,
+    max_position_embeddings=512,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    n_group=1,
+    topk_group=1,
+    index_topk=4,
+    index_head_dim=16,
+    index_n_heads=2,
+    pad_token_id=0,
+)
+
+
+def test_the_float_stream_is_the_models_own_forward_across_hyper_connections(tiny_model):
+    import math
+
+    from fp8ptq.eval.stream import compare_streaming
+
+    path = tiny_model("hy_v4", **HYPER)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = _reference(path)(input_ids=ids, use_cache=False).logits
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).sum()
+    metrics, _ = compare_streaming(open_hf_dir(path), open_hf_dir(path), ids, simulate_reference=False, simulate=False)
+    assert open_hf_dir(path).arch.stream_shape(build_skeleton(open_hf_dir(path).config)) == (4, 64)
+    assert metrics["ppl_reference"] == pytest.approx(math.exp(float(nll) / ids[:, 1:].numel()), rel=1e-5)
+
+
+def test_an_fp8ptq_attention_name_equals_the_function_it_wraps():
+    import pickle
+
+    from fp8ptq.models.arch.capture import AttentionName
+
+    name = AttentionName("fp8ptq_eager", "eager")
+    assert name == "eager" and name == "fp8ptq_eager" and name in ("eager", "sdpa") and name != "sdpa"
+    assert {"fp8ptq_eager": 1}.get(name) == 1 and "eager" not in {name: 1}  # lookups hash its own name
+    assert pickle.loads(pickle.dumps(name)) == "eager"

@@ -114,15 +114,6 @@ class Arch:
         """How many decoder layers the layer list holds (num_hidden_layers; the generic adapter counts them)."""
         return config.get_text_config().num_hidden_layers
 
-    def stream_width(self, config) -> int:
-        """The width of the hidden states between decoder layers (hidden_size; see first_input)."""
-        return config.get_text_config().hidden_size
-
-    def first_input(self, model: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor:
-        """The first decoder layer's input for these input embeddings: the embeddings themselves (the
-        generic adapter runs the stack's own forward where its layers read something else)."""
-        return embeds
-
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.get_submodule(self.layers)
 
@@ -187,6 +178,23 @@ class Arch:
                 f"decoder layer {index} ({type(layer).__name__}) has no {', '.join(missing)}: not a {self.name} layer",
                 fix="check config.json's model_type and architectures",
             )
+
+    # -- the residual stream between layers (models/arch/streams.py: where it is not the embeddings) -----
+    def stream_width(self, model: torch.nn.Module) -> int:
+        """Values per token of the residual stream between decoder layers (the activation stores' rows)."""
+        return model.config.get_text_config().hidden_size
+
+    def enter(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for embeddings x (the embeddings themselves)."""
+        return x
+
+    def leave(self, model: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+        """The final norm's input for the last layer's output y (y itself)."""
+        return y
+
+    def stack_modules(self, model: torch.nn.Module) -> list[str]:
+        """Modules beside the layers, embeddings and final norm that `enter`/`leave` run (none)."""
+        return []
 
     # -- running a layer block by block ---------------------------------------------------------------
     def layer_inputs(self, model: torch.nn.Module, seq_len: int, device) -> Callable[[int], LayerInputs]:

@@ -47,9 +47,7 @@ def record_layers(
         def __init__(self, index: int, like: torch.nn.Module):
             super().__init__()
             self.index = index
-            for k, v in vars(like).items():  # attributes stacks read off a layer (attention_type, ...)
-                if not k.startswith("_") and not isinstance(v, torch.nn.Module) and k not in ("training",):
-                    self.__dict__.setdefault(k, v)
+            carry_attributes(self, like)
 
         def forward(self, hidden_states, *args, **kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k not in SKIP_KWARGS}
@@ -68,6 +66,14 @@ def record_layers(
     finally:
         setattr(stack, attr, layers)
     return seen
+
+
+def carry_attributes(stub: torch.nn.Module, like: torch.nn.Module) -> None:
+    """Give a stub in place of a layer the layer's plain attributes: stacks read attention_type and the
+    like off their layers."""
+    for k, v in vars(like).items():
+        if not k.startswith("_") and not isinstance(v, torch.nn.Module) and k not in ("training",):
+            stub.__dict__.setdefault(k, v)
 
 
 def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tuple[tuple, dict]]:
@@ -92,15 +98,6 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
             fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
         )
     return {i: (args, kwargs) for i, (_hidden, args, kwargs) in seen.items()}
-
-
-def first_layer_input(arch, model: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor:
-    """The hidden states the decoder stack passes its first layer for input embeddings `embeds`: the stack's
-    own forward up to that layer (record_layers), for stacks whose layers read something else than the
-    embeddings (several residual streams side by side, say)."""
-    stack = model.get_submodule(arch.layers.rpartition(".")[0])
-    seen = record_layers(arch, model, lambda: stack(inputs_embeds=embeds, use_cache=False), stop=1)
-    return seen[0][0]
 
 
 def returns_tuple(layer: torch.nn.Module) -> bool:
@@ -135,7 +132,9 @@ def build_model(config, attn_implementation: str = "sdpa") -> torch.nn.Module:
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
         try:
             with meta_parameters():
-                return auto.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)
+                model = auto.from_config(config, attn_implementation=attn_implementation, trust_remote_code=False)
+            name_like_base(model)
+            return model
         except ValueError as err:  # not a model type of this auto class, or no SDPA attention
             if "sdpa" in attn_implementation and "scaled_dot_product_attention" in str(err):
                 raise NoSdpa from None
@@ -144,6 +143,43 @@ def build_model(config, attn_implementation: str = "sdpa") -> torch.nn.Module:
         f"transformers cannot build a model of type '{config.model_type}' ({'; '.join(errors)})",
         fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
     )
+
+
+class AttentionName(str):
+    """The name of an fp8ptq attention function that wraps transformers' SDPA or eager function, equal to
+    that function's name too. Model code picks paths by comparing config._attn_implementation with
+    "eager" or "sdpa" (DSA layers apply their top-k index mask only then); under a name of its own the
+    wrapped model would take another path than transformers' forward. Dict lookups (the attention and
+    mask interfaces) still hash the wrapper's own name, so the wrapper stays the function called."""
+
+    base: str
+
+    def __new__(cls, name: str, base: str = ""):  # no base: unpickling (the state restores it)
+        self = super().__new__(cls, name)
+        self.base = base
+        return self
+
+    def __eq__(self, other) -> bool:
+        return str.__eq__(self, other) or (isinstance(other, str) and str.__eq__(other, self.base))
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def name_like_base(model: torch.nn.Module) -> None:
+    """Every config of the model whose attention is an fp8ptq wrapper ("fp8ptq_sdpa"): its name as an
+    AttentionName equal to the wrapped function's ("sdpa"). Set on each config itself: a vision tower's
+    sub-config keeps its own implementation."""
+    from transformers import PretrainedConfig
+
+    configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)}
+    for c in configs.values():
+        name = getattr(c, "_attn_implementation_internal", None)
+        base = next((b for b in ("sdpa", "eager") if isinstance(name, str) and name.endswith("_" + b)), None)
+        if base is not None and not isinstance(name, AttentionName):
+            c._attn_implementation_internal = AttentionName(name, base)
 
 
 class NoSdpa(Exception):

@@ -37,7 +37,6 @@ from fp8ptq.models.arch.capture import (
     NoSdpa,
     build_model,
     capture,
-    first_layer_input,
     fold_is_exact,
     is_norm,
     norm_offset,
@@ -47,6 +46,7 @@ from fp8ptq.models.arch.capture import (
 from fp8ptq.models.arch.discovery import contains, final_norms, fused_modules, layer_lists, top_modules
 from fp8ptq.models.arch.stored import renames as stored_renames
 from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
+from fp8ptq.models.arch.streams import Streams
 from fp8ptq.models.moe import (
     GATE_UP_DOWN,
     UP_DOWN,
@@ -85,8 +85,9 @@ def cast_arguments(value, device, dtype: torch.dtype):
 
 
 @dataclass(frozen=True)
-class GenericArch(Arch):
-    """An `Arch` discovered from a transformers model (see module doc)."""
+class GenericArch(Streams, Arch):
+    """An `Arch` discovered from a transformers model (see module doc); each layer runs whole with its
+    captured arguments, on the stack's residual stream (models/arch/streams.py)."""
 
     towers: tuple[str, ...] = ()  # modules beside the decoder (vision, audio, projectors): kept as stored
     norm_at: str = ""  # the norm after the last decoder layer
@@ -108,26 +109,6 @@ class GenericArch(Arch):
     def layer_count(self, config) -> int:
         return len(self.skeleton.get_submodule(self.layers))
 
-    def stream_width(self, config) -> int:
-        return self._stem()[1]
-
-    def first_input(self, model: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor:
-        return first_layer_input(self, model, embeds) if self._stem()[0] else embeds
-
-    def _stem(self) -> tuple[bool, int]:
-        """(whether the stack's first layer reads other than the embeddings, its input's width), probed on
-        the skeleton. Only a change of shape counts: a stack that passes its layers the embeddings (or
-        them rescaled, as the embedding module's embed_scale) keeps the embeddings as its first input."""
-        if "stem" not in self._cache:
-            hidden = self.skeleton.config.get_text_config().hidden_size
-            zeros = torch.zeros(1, TRACE_TOKENS, hidden)
-            try:
-                out = first_layer_input(self, self.skeleton, zeros)
-            except Exception:  # noqa: BLE001 - capture() reports a stack that cannot run, by name
-                out = zeros
-            self._cache["stem"] = (out.shape != zeros.shape, out.shape[-1])
-        return self._cache["stem"]
-
     def attention_of(self, layer: torch.nn.Module) -> str | None:
         found = [n for n, m in layer.named_modules() if uses_attention_interface(type(m))]
         return found[0] if found else None
@@ -139,11 +120,6 @@ class GenericArch(Arch):
         return {
             i: CapturedInputs(None, None, a, k, CapturedInputs(None, None, *short[i])) for i, (a, k) in full.items()
         }.__getitem__
-
-    def run_block(self, layer: torch.nn.Module, block: Block, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        assert isinstance(inputs, CapturedInputs), "the generic path runs whole layers with their captured inputs"
-        out = layer(x, *inputs.args, **inputs.kwargs)
-        return out[0] if isinstance(out, tuple) else out
 
     # -- shared inputs ---------------------------------------------------------------------------------
     def shared_inputs(self, layer: torch.nn.Module, prefix: str) -> list[tuple[str, ...]]:
@@ -275,19 +251,19 @@ class GenericArch(Arch):
         p = next(layer.parameters())
         args, kwargs = cast_arguments((args, kwargs), p.device, p.dtype)  # a bf16 layer takes bf16 rotary
         gen = torch.Generator().manual_seed(index)
-        x = torch.randn(1, TRACE_TOKENS, self.stream_width(self.skeleton.config), generator=gen).to(p.device, p.dtype)
+        x = torch.randn(1, TRACE_TOKENS, self.stream_width(self.skeleton), generator=gen).to(p.device, p.dtype)
 
         def run():
             try:
                 with torch.inference_mode():
-                    out = layer(x, *args, **kwargs)
+                    out = self.run_block(layer, LAYER, x, CapturedInputs(None, None, args, kwargs))
             except Exception as err:  # noqa: BLE001 - any failure of a foreign forward is reported by name
                 raise ModelError(
                     f"the generic path could not run decoder layer {index} ({type(layer).__name__}): "
                     f"{type(err).__name__}: {err}",
                     fix=MODEL_FREE,
                 ) from None
-            return out[0] if isinstance(out, tuple) else out
+            return out
 
         return run
 
