@@ -157,8 +157,8 @@ class Arch:
         if kv is not None and not (self.kv_cache or self.latent_kv):
             return (
                 f"recipe '{recipe.name}' quantizes the KV cache, which {self.described} does not support "
-                "(the engine caches a compressed latent, not per-head keys/values, and this model's attention "
-                "does not expand the latent where fp8ptq can round it); use a recipe without a KV scheme "
+                "(its config declares MLA's compressed latent, kv_lora_rank, but no layer of it expands a "
+                "latent where fp8ptq can round the engine's cache entry); use a recipe without a KV scheme "
                 "(e.g. fp8-dynamic, w4a16)"
             )
         if recipe.flatten is not None and self.flatten is None:
