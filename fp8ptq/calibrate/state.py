@@ -19,7 +19,9 @@ from fp8ptq.dist import ChunkPlan, LocalComm
 from fp8ptq.errors import NonFiniteError
 from fp8ptq.models.arch import Arch
 from fp8ptq.models.arch.base import LayerInputs
-from fp8ptq.models.arch.generic import CapturedInputs, cast_arguments
+from fp8ptq.models.arch.capture import cast_arguments
+from fp8ptq.models.arch.generic import CapturedInputs
+from fp8ptq.models.arch.tokens import reads_tokens, sample_inputs
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton
 from fp8ptq.ops.precision import layer_dtype
@@ -130,7 +132,8 @@ def prepare(
     model = build_skeleton(src.config, attn_implementation=register_attention())
     if built is not None:
         built(model)
-    singles = 0 if setup.images is None else setup.images.singles
+    tokens = reads_tokens(arch)  # every sample's layers take their own arguments: a chunk each
+    singles = input_ids.shape[0] if tokens else (0 if setup.images is None else setup.images.singles)
     chunks = ChunkPlan(input_ids.shape[0], setup.chunk_samples, comm.rank, comm.world, singles)
     local = chunks.local_samples()
     shape = (len(local), input_ids.shape[1], arch.stream_width(model))  # (streams x) hidden per token
@@ -143,7 +146,9 @@ def prepare(
     state = RunState(store, chunks, comm, device, input_ids.shape[1], arch, inputs, cache, setup.compute_dtype)
     if setup.restore is not None:
         store.load(setup.restore)
-    else:
+    if tokens:
+        _token_rows(model, src, input_ids, state, text_inputs, restored=setup.restore is not None)
+    elif setup.restore is None:
         # Look rows up in the stored dtype and widen only those: an fp32 copy of the whole table (113 MiB
         # for SmolLM2, 2 GiB for a 128k x 4096 vocabulary) would be the run's peak. Same values.
         table = src.tensor(f"{arch.embed}.weight").to(device)
@@ -171,6 +176,17 @@ def prepare(
     if cal is not None and (cal.rounding == "signround" or cal.gptq_float_target > 0):
         state.keep_float_stream(setup.offload_dir)
     return model, state
+
+
+def _token_rows(model, src: ModelSource, input_ids: torch.Tensor, state: RunState, shared, *, restored: bool) -> None:
+    """A stack whose layers' inputs depend on the tokens (models/arch/tokens.py): each local sample's
+    first-layer input (unless restored) and its layers' own arguments, from the stack's own forward."""
+    local = state.chunks.local_samples()
+    for i, x, own in sample_inputs(state.arch, model, src, input_ids, shared, samples=local, device=state.device):
+        if not restored:
+            state.write(i, x)
+        own_at = own.__getitem__
+        state.own[i] = own_at if state.dtype == torch.float32 else _cast_inputs(own_at, state.dtype, state.device)
 
 
 def _cast_inputs(inputs: Callable[[int], LayerInputs], dtype: torch.dtype, device) -> Callable[[int], LayerInputs]:

@@ -11,7 +11,7 @@ giving what `quality.compare` gives on the whole models (same numbers to float-s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from fp8ptq.calibrate.store import ActivationStore
 from fp8ptq.errors import ModelError
 from fp8ptq.eval.quality import SimLoader
+from fp8ptq.models.arch.tokens import reads_tokens, sample_inputs
 from fp8ptq.models.loader import ModelSource
 from fp8ptq.models.skeleton import build_skeleton, release
 from fp8ptq.quantization.numerics import clear_kv_hook, register_attention
@@ -40,6 +41,7 @@ class _Side:
     model: torch.nn.Module
     inputs: Callable
     store: ActivationStore
+    own: dict = field(default_factory=dict)  # sample -> its layers' own arguments (models/arch/tokens.py)
 
     @property
     def src(self) -> ModelSource:
@@ -61,6 +63,12 @@ def _open(src: ModelSource, ids: torch.Tensor, device, simulate: bool, engine: d
     arch = src.arch
     inputs = arch.layer_inputs(model, ids.shape[1], device)
     store = ActivationStore(ids.shape[0], ids.shape[1], arch.stream_width(model))
+    if reads_tokens(arch):  # the stack's own forward gives each sample its first-layer input and arguments
+        own = {}
+        for i, x, args in sample_inputs(arch, model, src, ids, inputs, samples=range(ids.shape[0]), device=device):
+            store.write(i, x.cpu())
+            own[i] = args.__getitem__
+        return _Side(loader, model, inputs, store, own)
     # Rows looked up in the stored dtype and widened (the values load_simulated's fp32 table gives).
     table = src.tensor(f"{arch.embed}.weight")
     scale = arch.embed_scale(model.config) if arch.embed_scale else None
@@ -78,11 +86,12 @@ def _run_layer(side: _Side, index: int, device, step: int) -> None:
     arch.check_layer(layer, index)
     handles = side.load(layer, arch.layer_prefix(index), device)
     side.loader.install_kv(layer, index)
-    inputs = side.inputs(index)
+    step = 1 if side.own else step  # samples with their own arguments run one at a time
     try:
         with torch.inference_mode():
             for s in range(0, side.store.shape[0], step):
                 x = side.store.read(s, min(s + step, side.store.shape[0]), copy=False).to(device)  # rows written after
+                inputs = side.own[s](index) if side.own else side.inputs(index)
                 for block in arch.blocks:
                     x = arch.run_block(layer, block, x, inputs)
                 side.store.write(s, x)

@@ -5,6 +5,7 @@ whether a smoothing fold is exact for a layer as it runs."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 
 import torch
@@ -14,6 +15,17 @@ from fp8ptq.errors import ModelError
 MODEL_FREE = "quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`"
 # what a recorder drops from a layer's arguments: the cache and output switches, not the layer's inputs
 SKIP_KWARGS = ("past_key_values", "past_key_value", "cache_params", "use_cache", "output_attentions")
+
+
+def cast_arguments(value, device, dtype: torch.dtype):
+    """Captured layer arguments on `device`, floating tensors in `dtype` (nested tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, dtype) if value.is_floating_point() else value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_arguments(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_arguments(v, device, dtype) for k, v in value.items()}
+    return value
 
 
 def uses_attention_interface(cls: type) -> bool:
@@ -32,12 +44,13 @@ class _Stop(Exception):
 
 
 def record_layers(
-    arch, model: torch.nn.Module, run, stop: int | None = None
+    arch, model: torch.nn.Module, run, carry=None, stop: int | None = None
 ) -> dict[int, tuple[torch.Tensor, tuple, dict]]:
     """(hidden states, args, kwargs) that `run()` (a forward of the model or of its decoder stack) passes
     each decoder layer, recorded by stubs in place of the layers: each passes its hidden states on, the
     last one (or the `stop`-th) stops the forward. The stubs carry the layers' plain attributes (stacks
-    read attention_type and the like off a layer). run()'s own exceptions propagate; the layers are always put back."""
+    read attention_type and the like off a layer). A layer returning a tuple gives (hidden states, carry).
+    run()'s own exceptions propagate; the layers are always put back."""
     stack_name, _, attr = arch.layers.rpartition(".")
     stack = model.get_submodule(stack_name)
     layers = getattr(stack, attr)
@@ -55,7 +68,7 @@ def record_layers(
             if self.index + 1 == (stop or len(layers)):
                 raise _Stop
             # a layer whose forward returns a tuple: (hidden, None) reads as either `out[0]` or `h, _ = out`
-            return (hidden_states, None) if returns_tuple(layers[self.index]) else hidden_states
+            return (hidden_states, carry) if returns_tuple(layers[self.index]) else hidden_states
 
     setattr(stack, attr, torch.nn.ModuleList(Recorder(i, layer) for i, layer in enumerate(layers)))
     try:
@@ -83,8 +96,18 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
     if arch.rotary:
         model.get_submodule(arch.rotary).to(device)
     zeros = torch.zeros(1, seq_len, model.config.get_text_config().hidden_size, device=device)
-    try:
-        seen = record_layers(arch, model, lambda: stack(inputs_embeds=zeros, use_cache=False))
+    extras = getattr(arch, "stack_inputs", ())
+
+    def run():
+        if not extras:
+            return stack(inputs_embeds=zeros, use_cache=False)
+        # a stack that reads its own modules beside the layers runs on token ids, those modules zeros
+        with swapped(model, {n: zeros_of(model, n, device) for n in (arch.embed, *extras)}):
+            return stack(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
+
+    carry = object()  # what a stubbed layer returns beside its hidden states: found in a later layer's arguments,
+    try:  # the stack threads a second stream from layer to layer
+        seen = record_layers(arch, model, run, carry if extras else None)
     except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
         raise ModelError(
             f"the generic path could not run the decoder stack of '{arch.name}' to capture its layers' "
@@ -97,7 +120,85 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
             f"the decoder stack of '{arch.name}' called {len(seen)} of its {layers} layers",
             fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
         )
+    threaded = [i for i, (_hidden, args, kwargs) in seen.items() if _holds(carry, (args, kwargs))]
+    if threaded:
+        raise ModelError(
+            f"the decoder stack of '{arch.name}' passes each layer an output of the layer before (layer "
+            f"{threaded[0]}'s arguments): a second stream beside the hidden states, which the layer-by-layer "
+            "generic path does not carry",
+            fix=MODEL_FREE,
+        )
     return {i: (args, kwargs) for i, (_hidden, args, kwargs) in seen.items()}
+
+
+def _holds(value, found) -> bool:
+    """Whether `found` is `value` or holds it (in tuples, lists, dicts)."""
+    if found is value:
+        return True
+    if isinstance(found, (tuple, list)):
+        return any(_holds(value, f) for f in found)
+    return isinstance(found, dict) and any(_holds(value, f) for f in found.values())
+
+
+def stack_inputs(
+    model: torch.nn.Module, decoder: torch.nn.Module, skip: tuple[torch.nn.Module, ...]
+) -> tuple[str, ...]:
+    """The modules and parameters of the decoder stack that hold weights besides `skip` (its embedding,
+    layer list, final norm, rotary embedding), by their names in `model`: what else its forward reads
+    (Gemma 4's per-layer embeddings and their projection, ZAYA's input scale and bias)."""
+    stack = next(n for n, m in model.named_modules() if m is decoder)
+    at = f"{stack}." if stack else ""
+    held = [
+        n
+        for n, m in decoder.named_children()
+        if all(m is not s for s in skip) and next(m.parameters(), None) is not None
+    ]
+    return tuple(at + n for n in held + [n for n, p in decoder._parameters.items() if p is not None])
+
+
+class ZeroEmbedding(torch.nn.Module):
+    """An embedding that gives zeros: the stack's lookups when its layers' inputs are captured without weights."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+
+
+def zeros_of(model: torch.nn.Module, name: str, device):
+    """A stand-in for the submodule or parameter `name` holding zeros on `device` (embeddings: ZeroEmbedding)."""
+    parent, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(parent)
+    if leaf not in owner._modules:
+        return torch.nn.Parameter(torch.zeros(owner._parameters[leaf].shape, device=device), requires_grad=False)
+    module = owner._modules[leaf]
+    if isinstance(module, torch.nn.Embedding):
+        return ZeroEmbedding(module.embedding_dim)
+    module = copy.deepcopy(module)  # the skeleton's own stays on meta
+    for m in module.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                m._parameters[k] = torch.nn.Parameter(torch.zeros(p.shape, device=device), requires_grad=False)
+    return module.to(device)
+
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module, values: dict):
+    """Submodules or parameters of `model` (name -> stand-in) replaced for the block, then put back."""
+    old = {}
+    for name, value in values.items():
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        table = owner._modules if leaf in owner._modules else owner._parameters
+        old[name] = (table, leaf, table[leaf])
+        table[leaf] = value
+    try:
+        yield
+    finally:
+        for table, leaf, value in old.values():
+            table[leaf] = value
 
 
 def returns_tuple(layer: torch.nn.Module) -> bool:

@@ -37,16 +37,18 @@ from fp8ptq.models.arch.capture import (
     NoSdpa,
     build_model,
     capture,
+    cast_arguments,
     fold_is_exact,
     is_norm,
     norm_offset,
+    stack_inputs,
     stored_path,
     uses_attention_interface,
 )
 from fp8ptq.models.arch.discovery import contains, final_norms, fused_modules, layer_lists, top_modules
 from fp8ptq.models.arch.stored import renames as stored_renames
 from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
-from fp8ptq.models.arch.streams import Streams
+from fp8ptq.models.arch.streams import Streams, read_before_layers
 from fp8ptq.models.moe import (
     GATE_UP_DOWN,
     UP_DOWN,
@@ -73,17 +75,6 @@ class CapturedInputs(LayerInputs):
         return self.short
 
 
-def cast_arguments(value, device, dtype: torch.dtype):
-    """Captured layer arguments on `device`, floating tensors in `dtype` (nested tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, dtype) if value.is_floating_point() else value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(cast_arguments(v, device, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: cast_arguments(v, device, dtype) for k, v in value.items()}
-    return value
-
-
 @dataclass(frozen=True)
 class GenericArch(Streams, Arch):
     """An `Arch` discovered from a transformers model (see module doc); each layer runs whole with its
@@ -92,6 +83,7 @@ class GenericArch(Streams, Arch):
     towers: tuple[str, ...] = ()  # modules beside the decoder (vision, audio, projectors): kept as stored
     norm_at: str = ""  # the norm after the last decoder layer
     experts_at: tuple[str, ...] = ()  # layer-relative names of fused 3-D experts modules to unfuse
+    stack_inputs: tuple[str, ...] = ()  # what else the stack reads (capture.stack_inputs): see models/arch/tokens.py
     skeleton: torch.nn.Module | None = field(default=None, repr=False, compare=False)  # for tracing
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -306,15 +298,18 @@ def discover(config) -> GenericArch:
         raise ModelError(
             f"{where}: the decoder stack has {len(norms)} norm modules, not one final norm", fix=MODEL_FREE
         )
+    inputs = stack_inputs(
+        model, decoder, (model.get_submodule(layers), embed_mod, *map(decoder.get_submodule, rotary + norms))
+    )
+    inputs = read_before_layers(model, layers, names[id(embed_mod)], inputs)
     scale = getattr(embed_mod, "embed_scale", None)
     towers = tuple(
         n for n, m in top_modules(model) if not contains(n, stack) and m is not model.get_output_embeddings()
     )
     experts_at, routers = fused_experts(model.get_submodule(layers))
-    # routers are ignored by their module names and by the checkpoint's (what vLLM's modules are named)
-    keep = tuple(sorted({f"re:.*{re.escape(n)}$" for r in routers for n in (r, stored_path(model, layers, r))}))
-    if any(isinstance(m, torch.nn.Linear) for m in decoder.get_submodule(norms[0]).modules()):
-        keep += (f"re:.*{re.escape(norms[0])}\\..*",)  # a final module with weights runs outside the layers: float
+    # a final module with weights (a stream mixer, not a norm) runs outside the layers: float
+    final = any(isinstance(m, torch.nn.Linear) for m in decoder.get_submodule(norms[0]).modules())
+    final_keep = (f"re:.*{re.escape(norms[0])}\\..*",) if final else ()
     leaves = stored_expert_leaves(model) if experts_at else None
     shapes = {}
     if experts_at and leaves is None:  # the checkpoint holds the experts fused, as the model does
@@ -332,9 +327,7 @@ def discover(config) -> GenericArch:
         kv_cache=not getattr(text, "kv_lora_rank", None),
         latent_kv=any(is_latent(m) for m in model.get_submodule(layers).modules()),
         expert_lists=experts_at,
-        keep_float=keep
-        + tuple(f"re:.*{re.escape(t.rpartition('.')[2])}\\..*" for t in towers)
-        + stored_tower_prefixes(model, towers),
+        keep_float=_keep_float(model, layers, routers, towers, inputs) + final_keep,
         layers=layers,
         embed=names[id(embed_mod)],
         rotary=f"{stack}.{rotary[0]}" if rotary and stack else (rotary[0] if rotary else ""),
@@ -345,8 +338,18 @@ def discover(config) -> GenericArch:
         towers=towers,
         norm_at=f"{stack}.{norms[0]}" if stack else norms[0],
         experts_at=experts_at,
+        stack_inputs=inputs,
         skeleton=model,
     )
+
+
+def _keep_float(model: torch.nn.Module, layers: str, routers, towers, inputs) -> tuple[str, ...]:
+    """re: patterns of modules never quantized: the routers, by their module names and by the checkpoint's
+    (what vLLM's modules are named); the towers beside the decoder; the stack's own weights beside its
+    layers (the generic path calibrates the layers only)."""
+    keep = tuple(sorted({f"re:.*{re.escape(n)}$" for r in routers for n in (r, stored_path(model, layers, r))}))
+    keep += tuple(f"re:.*{re.escape(t.rpartition('.')[2])}\\..*" for t in towers) + stored_tower_prefixes(model, towers)
+    return keep + tuple(f"re:.*{re.escape(n.rpartition('.')[2])}$" for n in inputs)
 
 
 def _prepare(layer: torch.nn.Module, config, eager: bool, leaves: tuple | None) -> None:

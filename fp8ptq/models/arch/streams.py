@@ -19,7 +19,14 @@ import math
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.models.arch.capture import MODEL_FREE, carry_attributes, record_layers, returns_tuple
+from fp8ptq.models.arch.capture import (
+    MODEL_FREE,
+    carry_attributes,
+    record_layers,
+    returns_tuple,
+    swapped,
+    zeros_of,
+)
 
 PROBE_TOKENS = 4
 
@@ -38,6 +45,12 @@ class Streams:
         skeleton with random embeddings."""
         if "stream" not in self._cache:
             hidden = model.config.get_text_config().hidden_size
+            if getattr(self, "stack_inputs", ()):
+                # the stack's own forward gives each sample its first-layer input (models/arch/tokens.py):
+                # only the stream's shape is probed, on zero stand-ins for the weights it reads
+                shape = tuple(_first_token_input(self, model).shape[2:])
+                self._cache["stream"] = (shape, shape == (hidden,))
+                return shape
             x = torch.randn(1, PROBE_TOKENS, hidden, generator=torch.Generator().manual_seed(0))
             first = _first_input(self, model, x.to(_stack_device(self, model)))
             shape = tuple(first.shape[2:])
@@ -108,6 +121,15 @@ def _first_input(arch, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return seen[0][0]
 
 
+def _first_token_input(arch, model: torch.nn.Module) -> torch.Tensor:
+    stack = model.get_submodule(arch.layers.rpartition(".")[0])
+    device = _stack_device(arch, model)
+    ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
+    with swapped(model, {n: zeros_of(model, n, device) for n in (arch.embed, *arch.stack_inputs)}):
+        seen = record_layers(arch, model, lambda: stack(input_ids=ids, use_cache=False), stop=1)
+    return seen[0][0]
+
+
 def _norm_input(arch, model: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
     """What the stack passes its final norm when its last layer returns y: its layers replaced by stubs
     that pass their input on, the last one returning y, the forward stopped at the norm."""
@@ -144,3 +166,37 @@ def _norm_input(arch, model: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
     if not seen:
         raise ModelError(f"the decoder stack of '{arch.name}' never reached its final norm", fix=MODEL_FREE)
     return seen[0]
+
+
+def read_before_layers(model: torch.nn.Module, layers: str, embed: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The `names` (stack_inputs) that the stack's forward reads before its last layer. A module only the
+    stack's end reads (a hyper-connection head merging the streams for the final norm) is not an input of
+    the layers: found by running the stack on zero stand-ins with the layers stubbed, the stubs stopping
+    the forward at the last layer. Parameters cannot be watched and are kept."""
+    if not names:
+        return names
+    values = {n: zeros_of(model, n, "cpu") for n in (embed, *names)}
+    called: set[str] = set()
+    hooks = [
+        values[n].register_forward_pre_hook(lambda *_a, n=n: called.add(n))
+        for n in names
+        if isinstance(values[n], torch.nn.Module)
+    ]
+    stack = model.get_submodule(layers.rpartition(".")[0])
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    try:
+        with swapped(model, values):
+            record_layers(_Layers(layers), model, lambda: stack(input_ids=ids, use_cache=False))
+    except Exception:  # noqa: BLE001 - capture() reports a stack that cannot run, by name
+        return names
+    finally:
+        for h in hooks:
+            h.remove()
+    return tuple(n for n in names if n in called or not isinstance(values[n], torch.nn.Module))
+
+
+class _Layers:
+    """Where a stack's layer list is, for record_layers before an Arch exists."""
+
+    def __init__(self, layers: str):
+        self.layers = layers
