@@ -433,7 +433,8 @@ def table(data: dict, engine: dict | None = None) -> str:
                 cells.append(f"ok, KL {r['kl']:.1e}{extra}" if r.get("kl") is not None else "ok")
             else:
                 cells.append(f"{r['status']}: {r['reason'][:90]}")
-        cells.append(_served(served.get(model_type, {}).get("w8a8-int8")))
+        family = served.get(model_type, {})
+        cells.append(_served(family.get("w8a8-int8") or family.get("build")))
         lines.append(
             f"| {model_type} | {e['kind']} | {e['verdict']} | " + " | ".join(c.replace("|", "/") for c in cells) + " |"
         )
@@ -443,8 +444,8 @@ def table(data: dict, engine: dict | None = None) -> str:
 def _served(row: dict | None) -> str:
     if row is None:
         return "not run"
-    if row["status"] != "runs":
-        return f"refused: {row['error'][:90]}"
+    if row["status"] != "runs":  # refused (by vLLM), not exported (by fp8ptq), not built (in vLLM's shapes)
+        return f"{row['status']}: {row['error'][:90]}"
     d = row["logprob_delta"]
     ref = f" < ref {d['reference']:.4f}" if d["simulated"] < d.get("reference", 0) else f", ref {d['reference']:.4f}"
     return f"runs, teacher-forced {row['teacher_forced']:.2f}, log p Δ sim {d['simulated']:.4f}{ref}"
