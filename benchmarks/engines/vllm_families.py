@@ -119,7 +119,15 @@ def main() -> None:
                     rows.setdefault(family, {})[recipe] = {"status": "not exported", "error": str(err)[:300]}
                     print(f"| {family} | {recipe} | not exported: {str(err)[:90]} | | | | |", flush=True)
                     continue
-            res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16", reference=str(src)))
+            try:
+                res = check_engine(EngineCheck(str(out), PROMPTS, max_tokens=8, dtype="bfloat16", reference=str(src)))
+            except Exception as err:  # noqa: BLE001 - the comparison itself failed (transformers' reference run)
+                rows.setdefault(family, {})[recipe] = {
+                    "status": "not compared",
+                    "error": f"{type(err).__name__}: {err}"[:300],
+                }
+                print(f"| {family} | {recipe} | not compared: {str(err)[:90]} | | | | |", flush=True)
+                continue
             if not res.ok:
                 error = str(res.vllm.get("error"))
                 rows.setdefault(family, {})[recipe] = {"status": "refused", "error": error[:300]}
@@ -141,8 +149,8 @@ def main() -> None:
                 f"{res.agreement['teacher_forced_agreement']:.2f} | {d['simulated']:.4f} / {d.get('reference', float('nan')):.4f} |",
                 flush=True,
             )
-    if a.out:
-        _write(a.out, rows)
+        if a.out:  # after each family: a long run keeps what it measured
+            _write(a.out, rows)
 
 
 def _write(path: Path, rows: dict) -> None:
