@@ -81,6 +81,18 @@ def record_layers(
     return seen
 
 
+def record_stack(arch, model: torch.nn.Module, run, what: str, carry=None, stop: int | None = None) -> dict:
+    """record_layers, a failure of the stack's own forward reported as the typed error that names the
+    model and `what` was being done ("to capture its layers' inputs", "on sample 3")."""
+    try:
+        return record_layers(arch, model, run, carry, stop)
+    except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
+        raise ModelError(
+            f"the generic path could not run the decoder stack of '{arch.name}' {what}: {type(err).__name__}: {err}",
+            fix=MODEL_FREE,
+        ) from None
+
+
 def carry_attributes(stub: torch.nn.Module, like: torch.nn.Module) -> None:
     """Give a stub in place of a layer the layer's plain attributes: stacks read attention_type and the
     like off their layers."""
@@ -106,14 +118,8 @@ def capture(arch, model: torch.nn.Module, seq_len: int, device) -> dict[int, tup
             return stack(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
 
     carry = object()  # what a stubbed layer returns beside its hidden states: found in a later layer's arguments,
-    try:  # the stack threads a second stream from layer to layer
-        seen = record_layers(arch, model, run, carry if extras else None)
-    except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
-        raise ModelError(
-            f"the generic path could not run the decoder stack of '{arch.name}' to capture its layers' "
-            f"inputs: {type(err).__name__}: {err}",
-            fix="quantize it data-free by tensor names: `fp8ptq model-free MODEL -r fp8-dynamic -o OUT`",
-        ) from None
+    # the stack threads a second stream from layer to layer
+    seen = record_stack(arch, model, run, "to capture its layers' inputs", carry if extras else None)
     layers = len(arch.decoder_layers(model))
     if len(seen) != layers:
         raise ModelError(

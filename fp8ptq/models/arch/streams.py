@@ -23,6 +23,7 @@ from fp8ptq.models.arch.capture import (
     MODEL_FREE,
     carry_attributes,
     record_layers,
+    record_stack,
     returns_tuple,
     swapped,
     zeros_of,
@@ -110,15 +111,7 @@ def _run_stack(arch, model: torch.nn.Module, x: torch.Tensor):
 
 
 def _first_input(arch, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    try:
-        seen = record_layers(arch, model, _run_stack(arch, model, x), stop=1)
-    except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
-        raise ModelError(
-            f"the generic path could not run the decoder stack of '{arch.name}' to find its first layer's "
-            f"input: {type(err).__name__}: {err}",
-            fix=MODEL_FREE,
-        ) from None
-    return seen[0][0]
+    return record_stack(arch, model, _run_stack(arch, model, x), "to find its first layer's input", stop=1)[0][0]
 
 
 def _first_token_input(arch, model: torch.nn.Module) -> torch.Tensor:
@@ -126,7 +119,7 @@ def _first_token_input(arch, model: torch.nn.Module) -> torch.Tensor:
     device = _stack_device(arch, model)
     ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
     with swapped(model, {n: zeros_of(model, n, device) for n in (arch.embed, *arch.stack_inputs)}):
-        seen = record_layers(arch, model, lambda: stack(input_ids=ids, use_cache=False), stop=1)
+        seen = record_stack(arch, model, lambda: stack(input_ids=ids, use_cache=False), "to find its stream", stop=1)
     return seen[0][0]
 
 

@@ -17,7 +17,7 @@ import copy
 import torch
 
 from fp8ptq.errors import ModelError
-from fp8ptq.models.arch.capture import MODEL_FREE, record_layers, swapped
+from fp8ptq.models.arch.capture import record_stack, swapped
 from fp8ptq.models.arch.generic import CapturedInputs
 
 
@@ -64,14 +64,7 @@ def sample_inputs(arch, model: torch.nn.Module, src, input_ids: torch.Tensor, sh
     with swapped(model, values):
         for i in samples:
             ids = input_ids[i : i + 1].to(device)
-            try:
-                seen = record_layers(arch, model, lambda ids=ids: stack(input_ids=ids, use_cache=False))
-            except Exception as err:  # noqa: BLE001 - a foreign stack's failure is reported by name
-                raise ModelError(
-                    f"the generic path could not run the decoder stack of '{arch.name}' on sample {i}: "
-                    f"{type(err).__name__}: {err}",
-                    fix=MODEL_FREE,
-                ) from None
+            seen = record_stack(arch, model, lambda ids=ids: stack(input_ids=ids, use_cache=False), f"on sample {i}")
             if len(seen) != layers:
                 raise ModelError(f"the decoder stack of '{arch.name}' called {len(seen)} of its {layers} layers")
             own = []
