@@ -13,8 +13,9 @@ device (`AutoModelForCausalLM`, else `AutoModelForImageTextToText` for multimoda
 - the attention modules: those whose forward goes through transformers' attention interface (the
   KV-cache scales are theirs; a layer without one has no KV cache);
 - transformers' fused 3-D experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), unfused per
-  expert under the checkpoint's names (models/moe.py), with the router and shared-expert gate kept in
-  float and written to `ignore`;
+  expert under the checkpoint's names (models/moe.py);
+- the modules that choose (routers, a sparse attention's indexer): traced to a top-k selection
+  (models/arch/lineage.py), with the experts' one-row shared-expert gates, kept float and in `ignore`;
 - towers beside the decoder (vision, audio, projectors): copied unchanged and ignored.
 
 What only a person knows stays unsaid and its transforms are refused (`refuses`): which norm feeds which
@@ -23,7 +24,8 @@ Linears (SmoothQuant, rotations), an MLP FlattenQuant may widen, a norm computed
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ from fp8ptq.models.arch.capture import (
     uses_attention_interface,
 )
 from fp8ptq.models.arch.discovery import contains, final_norms, fused_modules, layer_lists, top_modules
+from fp8ptq.models.arch.lineage import Lineage, random_copy, without_fused_experts, without_routed_experts
 from fp8ptq.models.arch.stored import renames as stored_renames
 from fp8ptq.models.arch.stored import source_views, stored_tower_prefixes
 from fp8ptq.models.arch.streams import Streams, read_before_layers
@@ -119,7 +122,7 @@ class GenericArch(Streams, Arch):
         TRACE_TOKENS-token input with the layer's own arguments. Routed experts do not run: their gate/up
         read one input by construction (models/moe.py). A layer on the meta device (data-free runs) is
         traced on a random copy without them. Cached per layer structure."""
-        from fp8ptq.models.moe import ExpertMLP, Experts
+        from fp8ptq.models.moe import ExpertMLP
 
         index = int(prefix[len(self.layers) + 1 : -1])  # "model.layers.3." -> 3
         signature = tuple((n, type(m).__name__) for n, m in layer.named_modules())
@@ -127,16 +130,7 @@ class GenericArch(Streams, Arch):
             return self._cache[signature]
         probe = layer
         if any(p.is_meta for p in layer.parameters()):
-            probe = copy.deepcopy(layer)
-            for m in probe.modules():
-                if isinstance(m, Experts):
-                    m._modules.clear()  # no expert runs (Experts.forward skips missing indices)
-            probe.to_empty(device="cpu")
-            gen = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                for p in probe.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            probe.float()
+            probe = random_copy(layer, without_routed_experts)
         groups = self._trace(probe, index)
         for n, m in layer.named_modules():
             if isinstance(m, ExpertMLP):
@@ -235,8 +229,16 @@ class GenericArch(Streams, Arch):
         self._cache[signature] = tuple(found)
         return self._cache[signature]
 
-    def _runner(self, layer: torch.nn.Module, index: int):
-        """A function running `layer` on a fixed random TRACE_TOKENS input with its captured arguments."""
+    def selecting(self, layer: torch.nn.Module, index: int) -> frozenset[str]:
+        """The modules of `layer` whose output reaches a top-k selection (models/arch/lineage.py), traced
+        on a random TRACE_TOKENS input with the layer's own arguments."""
+        lineage = Lineage(layer)
+        self._runner(layer, index, lineage)()
+        return frozenset(lineage.chosen)
+
+    def _runner(self, layer: torch.nn.Module, index: int, lineage: Lineage | None = None):
+        """A function running `layer` on a fixed random TRACE_TOKENS input with its captured arguments
+        (inside `lineage`, seeded with that input, when given)."""
         if "short" not in self._cache:  # every layer's arguments from one run of the stack
             self._cache["short"] = capture(self, self.skeleton, TRACE_TOKENS, "cpu")
         args, kwargs = self._cache["short"][index]
@@ -245,9 +247,12 @@ class GenericArch(Streams, Arch):
         gen = torch.Generator().manual_seed(index)
         x = torch.randn(1, TRACE_TOKENS, self.stream_width(self.skeleton), generator=gen).to(p.device, p.dtype)
 
+        if lineage is not None:
+            lineage.seed(x)
+
         def run():
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), lineage or contextlib.nullcontext():
                     out = self.run_block(layer, LAYER, x, CapturedInputs(None, None, args, kwargs))
             except Exception as err:  # noqa: BLE001 - any failure of a foreign forward is reported by name
                 raise ModelError(
@@ -318,7 +323,7 @@ def discover(config) -> GenericArch:
         leaves = GATE_UP_DOWN if gated else UP_DOWN
         shapes = {path: (count, inter) for path, (count, inter, _) in fused.items()}
     views = functools.partial(source_views, skeleton=model, experts=shapes, leaves=leaves)
-    return GenericArch(
+    arch = GenericArch(
         name=config.model_type,
         model_types=(config.model_type,),
         blocks=(LAYER,),
@@ -341,6 +346,30 @@ def discover(config) -> GenericArch:
         stack_inputs=inputs,
         skeleton=model,
     )
+    chosen = tuple(sorted(set(_selecting(arch, model.get_submodule(layers))) - set(routers)))
+    if not chosen:
+        return arch
+    keep = _keep_float(model, layers, routers + chosen, towers, inputs) + final_keep
+    return dataclasses.replace(arch, keep_float=keep)
+
+
+def _selecting(arch: GenericArch, layers: torch.nn.ModuleList) -> frozenset[str]:
+    """Layer-relative names of the modules whose output reaches a top-k selection (routers, a sparse
+    attention's indexer: kept float), traced on a random copy of each distinct layer structure, its fused
+    experts stubbed out. A layer that cannot run here adds nothing: the calibration run, which runs it the
+    same way, names the failure."""
+    found: set[str] = set()
+    seen: set[tuple] = set()
+    for index, layer in enumerate(layers):
+        signature = tuple((n, type(m).__name__) for n, m in layer.named_modules())
+        if signature in seen:
+            continue
+        seen.add(signature)
+        try:
+            found |= arch.selecting(random_copy(layer, without_fused_experts), index)
+        except ModelError:
+            return frozenset(found)
+    return frozenset(found)
 
 
 def _keep_float(model: torch.nn.Module, layers: str, routers, towers, inputs) -> tuple[str, ...]:
