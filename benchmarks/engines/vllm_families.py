@@ -75,6 +75,13 @@ def sweep_shapes(family: str) -> dict:
         cfg |= VLLM_MLA
         if "qk_head_dim" in cfg:  # configs that also state the sum
             cfg["qk_head_dim"] = VLLM_MLA["qk_nope_head_dim"] + VLLM_MLA["qk_rope_head_dim"]
+        from transformers import AutoConfig
+
+        rope = getattr(AutoConfig.for_model(family).get_text_config(), "rope_parameters", None) or {}
+        if rope.get("partial_rotary_factor"):  # the rotary part is a fraction of head_dim (Mistral 4)
+            cfg["head_dim"] = int(VLLM_MLA["qk_rope_head_dim"] / rope["partial_rotary_factor"])
+        if "index_head_dim" in cfg:  # DeepSeek sparse attention: the indexer's keys hold the rotary part
+            cfg["index_head_dim"] = 128
     return cfg
 
 

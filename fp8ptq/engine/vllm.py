@@ -241,7 +241,10 @@ def _max_positions(model: Path) -> int | None:
         config = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    value = config.get("max_position_embeddings")
+    text = config.get("text_config")  # a multimodal checkpoint states its positions in its text config
+    value = config.get("max_position_embeddings") or (
+        text.get("max_position_embeddings") if isinstance(text, dict) else None
+    )
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
