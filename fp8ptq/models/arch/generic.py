@@ -346,11 +346,8 @@ def discover(config) -> GenericArch:
         stack_inputs=inputs,
         skeleton=model,
     )
-    chosen = tuple(sorted(set(_selecting(arch, model.get_submodule(layers))) - set(routers)))
-    if not chosen:
-        return arch
-    keep = _keep_float(model, layers, routers + chosen, towers, inputs) + final_keep
-    return dataclasses.replace(arch, keep_float=keep)
+    chosen = set(routers) | _selecting(arch, model.get_submodule(layers))
+    return dataclasses.replace(arch, keep_float=_keep_float(model, layers, chosen, towers, inputs) + final_keep)
 
 
 def _selecting(arch: GenericArch, layers: torch.nn.ModuleList) -> frozenset[str]:
@@ -368,7 +365,7 @@ def _selecting(arch: GenericArch, layers: torch.nn.ModuleList) -> frozenset[str]
         try:
             found |= arch.selecting(random_copy(layer, without_fused_experts), index)
         except Exception:  # noqa: BLE001 - a layer this trace cannot run keeps the shape rule's routers
-            return frozenset(found)
+            continue
     return frozenset(found)
 
 
